@@ -1,0 +1,51 @@
+"""Errors the CLI maps to exit codes. Every user-facing error renders as one line naming file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+
+
+class QuantGateError(Exception):
+    """An error caused by input or environment; the CLI prints it on one line and exits with code 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | Path | None = None, field: str | None = None):
+        self.file = str(file) if file is not None else None
+        self.field = field
+        self.message = message
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        where = ": ".join(part for part in (self.file, self.field) if part)
+        text = f"{where}: {self.message}" if where else self.message
+        return " ".join(text.split())
+
+
+class InputError(QuantGateError):
+    """Bad input: a file, a field, a value."""
+
+
+class ServeError(QuantGateError):
+    """The vLLM server could not start, died or hung."""
+
+
+class EvalError(QuantGateError):
+    """Scoring failed."""
+
+
+def from_validation_error(error: ValidationError, file: str | Path) -> InputError:
+    """The first pydantic error, as one line naming the file and the dotted field path."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif "input" in first and first["type"] not in ("missing",):
+        message = f"{message} (got {first['input']!r})"
+    more = len(error.errors()) - 1
+    if more:
+        message += f" (+{more} more problem{'s' if more > 1 else ''})"
+    return InputError(message, file=file, field=field)

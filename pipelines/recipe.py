@@ -1,0 +1,169 @@
+"""The recipe schema: the product's own vocabulary for layer-wise quantization schemes.
+
+A recipe says, per layer group, how weights and activations are quantized. It is validated here
+(types, unknown keys, contradictions that need no model), then compiled to an llm-compressor recipe by
+pipelines.compiler, which also checks it against a concrete model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipelines.errors import InputError, from_validation_error
+from pipelines.paths import RECIPES_DIR
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WeightScheme(_Strict):
+    bits: Literal[2, 3, 4, 8] = 8
+    type: Literal["int"] = "int"
+    granularity: Literal["channel", "group", "tensor"] = "channel"
+    group_size: int | None = Field(default=None, gt=0)
+    symmetric: bool = True
+
+    @model_validator(mode="after")
+    def _group_size_matches_granularity(self) -> "WeightScheme":
+        if self.granularity == "group" and self.group_size is None:
+            raise ValueError("granularity 'group' needs group_size")
+        if self.granularity != "group" and self.group_size is not None:
+            raise ValueError(f"group_size is only meaningful with granularity 'group', not {self.granularity!r}")
+        if self.group_size is not None and self.group_size % 2:
+            raise ValueError(f"group_size must be even (got {self.group_size})")
+        return self
+
+
+class ActivationScheme(_Strict):
+    bits: Literal[8] = 8
+    type: Literal["int"] = "int"
+    granularity: Literal["token", "tensor"] = "token"
+    dynamic: bool = True
+    symmetric: bool = True
+
+    @model_validator(mode="after")
+    def _static_needs_tensor(self) -> "ActivationScheme":
+        if not self.dynamic and self.granularity == "token":
+            raise ValueError("static (calibrated) activation scales cannot be per-token; use granularity 'tensor' or dynamic: true")
+        return self
+
+
+class GroupScheme(_Strict):
+    """How one layer group is quantized. `activations: null` means 16-bit activations (weight-only)."""
+
+    weights: WeightScheme
+    activations: ActivationScheme | None = None
+
+
+class KeptGroup(_Strict):
+    """Embeddings / lm_head: floating point unless the recipe says `quantize: true` explicitly."""
+
+    quantize: bool = False
+    weights: WeightScheme | None = None
+
+    @model_validator(mode="after")
+    def _explicit(self) -> "KeptGroup":
+        if self.weights is not None and not self.quantize:
+            raise ValueError("weights given but quantize is not true: say `quantize: true` to quantize this group")
+        if self.quantize and self.weights is None:
+            raise ValueError("quantize: true needs a weights scheme")
+        return self
+
+
+class Groups(_Strict):
+    attention: GroupScheme | None = None
+    mlp: GroupScheme | None = None
+    embeddings: KeptGroup = KeptGroup()
+    lm_head: KeptGroup = KeptGroup()
+
+
+class Override(_Strict):
+    """Applies to decoder layers by index (negative counts from the end) and/or module-name regex."""
+
+    layers: list[int] | None = None
+    match: str | None = Field(default=None, description="regular expression on the module name")
+    keep: bool = Field(default=False, description="keep the matched Linear layers in 16-bit")
+    attention: GroupScheme | None = None
+    mlp: GroupScheme | None = None
+
+    @model_validator(mode="after")
+    def _selects_and_acts(self) -> "Override":
+        if self.layers is None and self.match is None:
+            raise ValueError("an override needs `layers` or `match`")
+        if not self.keep and self.attention is None and self.mlp is None:
+            raise ValueError("an override needs `keep: true` or a scheme for attention / mlp")
+        return self
+
+
+class Algorithm(_Strict):
+    method: Literal["rtn", "gptq"] = "rtn"
+    block_size: int = Field(default=128, gt=0)
+    dampening_frac: float = Field(default=0.01, ge=0, lt=1)
+    actorder: Literal["static", "group", "weight"] | None = None
+
+
+class SmoothQuant(_Strict):
+    strength: float = Field(default=0.8, gt=0, lt=1)
+
+
+class Calibration(_Strict):
+    dataset: str = Field(default="calibration", description="folder under eval_sets/ or a JSONL path with a 'text' field")
+    num_samples: int = Field(default=64, gt=0)
+    max_seq_length: int = Field(default=256, gt=0)
+    seed: int = 0
+
+
+class Recipe(_Strict):
+    name: str
+    description: str = ""
+    algorithm: Algorithm = Algorithm()
+    smoothquant: SmoothQuant | None = None
+    calibration: Calibration | None = None
+    groups: Groups
+    overrides: list[Override] = []
+
+    @model_validator(mode="after")
+    def _calibration_when_needed(self) -> "Recipe":
+        if self.needs_calibration and self.calibration is None:
+            raise ValueError("this recipe needs calibration data (GPTQ, SmoothQuant or static activations): add `calibration:`")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        schemes = [self.groups.attention, self.groups.mlp] + [s for o in self.overrides for s in (o.attention, o.mlp)]
+        static = any(s and s.activations and not s.activations.dynamic for s in schemes)
+        return self.algorithm.method == "gptq" or self.smoothquant is not None or static
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    """A shipped recipe name (`w8a8`) or a path to a YAML file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        return candidate
+    return RECIPES_DIR / f"{name_or_path}.yaml"
+
+
+def load_recipe(name_or_path: str) -> tuple[Recipe, Path, str]:
+    """Parse and validate a recipe; returns it with its path and the text as written."""
+    path = resolve_recipe_path(name_or_path)
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+        raise InputError(f"no such recipe (shipped recipes: {shipped})", file=path, field="recipe")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "YAML"
+        raise InputError(f"malformed YAML: {getattr(error, 'problem', error)}", file=path, field=where) from None
+    if not isinstance(data, dict):
+        raise InputError("a recipe is a YAML mapping", file=path, field="(top level)")
+    try:
+        return Recipe.model_validate(data), path, text
+    except ValidationError as error:
+        raise from_validation_error(error, path) from None
