@@ -1,0 +1,72 @@
+"""`quantize gate --artifact PATH --baseline MODEL`: gate an artifact quantized elsewhere (the CI/CD case)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipelines.gate import load_report
+from pipelines.output import emit, progress
+from pipelines.report import render_console
+from pipelines.runner import GateJob, RunOutcome, load_gate_policy, run_gate, select_eval_sets
+from pipelines.serving import ServeSettings
+
+DEFAULT_REGISTRY = "artifacts/registry.db"
+
+
+def add_gate_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `quantize --recipe` and `quantize gate`."""
+    parser.add_argument("--eval-sets", help="comma-separated eval set names (default: every set under eval_sets/)")
+    parser.add_argument("--policy", type=Path, help="gate policy YAML (default: policies/default.yaml)")
+    parser.add_argument("--registry", type=Path, default=Path(DEFAULT_REGISTRY), help="registry database (default: %(default)s)")
+    parser.add_argument("--no-registry", action="store_true", help="decide and report, but do not write the registry")
+    parser.add_argument("--max-model-len", type=int, default=ServeSettings().max_model_len, help="vLLM max model length")
+    parser.add_argument("--json", action="store_true", help="print the outcome as JSON on stdout")
+
+
+def gate_job(args: argparse.Namespace, *, artifact: Path, baseline: Path, recipe_name: str,
+             stages: dict[str, float] | None = None, inputs: dict | None = None) -> GateJob:
+    policy, policy_path = load_gate_policy(args.policy)
+    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    return GateJob(
+        artifact_dir=artifact.resolve(), baseline_dir=baseline.resolve(), recipe_name=recipe_name,
+        eval_sets=select_eval_sets(names), policy=policy, policy_path=policy_path,
+        serve=ServeSettings(max_model_len=args.max_model_len),
+        registry_path=None if args.no_registry else args.registry,
+        stages=stages or {}, inputs=inputs or {},
+    )
+
+
+def print_outcome(outcome: RunOutcome, as_json: bool) -> int:
+    def render(result: RunOutcome) -> None:
+        render_console(load_report(result.gate_json))
+        registry = f", registry version {result.registry_version}" if result.registry_version is not None else ""
+        progress(f"verdict: {result.verdict.upper()} (exit {result.exit_code}){registry}; evidence in {result.run_dir}")
+
+    emit(outcome, as_json=as_json, render=render)
+    return outcome.exit_code
+
+
+def _recipe_name_of(artifact: Path) -> str:
+    manifest = artifact / "manifest.json"
+    if manifest.is_file():
+        recipe = json.loads(manifest.read_text()).get("recipe", {})
+        if isinstance(recipe, dict) and recipe.get("name"):
+            return str(recipe["name"])
+    return artifact.name
+
+
+def handle(args: argparse.Namespace) -> int:
+    recipe_name = args.recipe_name or _recipe_name_of(args.artifact)
+    job = gate_job(args, artifact=args.artifact, baseline=args.baseline, recipe_name=recipe_name)
+    return print_outcome(run_gate(job), args.json)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("gate", help="gate an existing artifact against its 16-bit baseline")
+    parser.add_argument("--artifact", type=Path, required=True, help="quantized model folder (compressed-tensors)")
+    parser.add_argument("--baseline", type=Path, required=True, help="the 16-bit source model folder")
+    parser.add_argument("--recipe-name", help="name used for policy overrides (default: from manifest.json)")
+    add_gate_options(parser)
+    parser.set_defaults(handler=handle)

@@ -1,0 +1,122 @@
+"""Output divergence between baseline and candidate: mean per-token KL on the eval prompts.
+
+Method ("top-k coarse-grained KL", k = TOP_K): the baseline server greedily continues each prompt and
+returns its top-k log-probabilities at every generated position; the candidate server is then asked,
+with echo, for its top-k log-probabilities along exactly the same token ids. Both distributions are
+coarse-grained to the baseline's top-k tokens plus one "rest" bucket and KL(baseline || candidate) is
+computed on that partition. By the data-processing inequality this is a lower bound of the full-vocabulary
+KL; a candidate probability missing from the candidate's own top-k is bounded by its k-th probability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+from pydantic import BaseModel
+
+from pipelines.errors import ServeError
+from pipelines.serving import RunningServer
+
+TOP_K = 20
+MAX_NEW_TOKENS = 8
+KL_METHOD = f"top-{TOP_K} coarse-grained KL(baseline||candidate) per generated token, greedy baseline path, {MAX_NEW_TOKENS} tokens max (lower bound of full KL)"
+_CONCURRENCY = 8
+
+
+class Reference(BaseModel):
+    """One prompt's baseline path: token ids and the baseline's top-k per generated position."""
+
+    doc_id: int
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    baseline_topk: list[dict[str, float]]
+
+
+def _token_key(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _token_id(key: str) -> int:
+    return int(key.split(":", 1)[1])
+
+
+async def _post(client: httpx.AsyncClient, server: RunningServer, path: str, payload: dict) -> dict:
+    root = server.base_url.removesuffix("/v1")
+    response = await client.post(f"{root}{path}", json={"model": server.served_name, **payload})
+    if response.status_code != 200:
+        server.check_alive()
+        raise ServeError(f"{path} returned HTTP {response.status_code}: {response.text[:200]}", file=server.log_path)
+    return response.json()
+
+
+async def _reference_one(client, server, doc_id: int, prompt: str) -> Reference:
+    prompt_ids = (await _post(client, server, "/tokenize", {"prompt": prompt}))["tokens"]
+    body = await _post(
+        client, server, "/v1/completions",
+        {"prompt": prompt_ids, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "logprobs": TOP_K,
+         "return_tokens_as_token_ids": True},
+    )
+    logprobs = body["choices"][0]["logprobs"]
+    return Reference(
+        doc_id=doc_id, prompt_ids=prompt_ids,
+        generated_ids=[_token_id(token) for token in logprobs["tokens"]],
+        baseline_topk=logprobs["top_logprobs"],
+    )
+
+
+async def _candidate_one(client, server, reference: Reference) -> list[dict[str, float]]:
+    body = await _post(
+        client, server, "/v1/completions",
+        {"prompt": reference.prompt_ids + reference.generated_ids, "max_tokens": 1, "temperature": 0,
+         "logprobs": TOP_K, "echo": True, "return_tokens_as_token_ids": True},
+    )
+    top = body["choices"][0]["logprobs"]["top_logprobs"]
+    start = len(reference.prompt_ids)
+    return top[start : start + len(reference.generated_ids)]
+
+
+async def _gather(coroutines, timeout_s: float):
+    semaphore = asyncio.Semaphore(_CONCURRENCY)
+
+    async def limited(coroutine):
+        async with semaphore:
+            return await coroutine
+
+    return await asyncio.gather(*(limited(c) for c in coroutines))
+
+
+def baseline_references(server: RunningServer, prompts: list[tuple[int, str]]) -> list[Reference]:
+    async def run():
+        async with httpx.AsyncClient(timeout=server.request_timeout_s) as client:
+            return await _gather([_reference_one(client, server, i, text) for i, text in prompts], server.request_timeout_s)
+
+    return asyncio.run(run())
+
+
+def candidate_topk(server: RunningServer, references: list[Reference]) -> list[list[dict[str, float]]]:
+    async def run():
+        async with httpx.AsyncClient(timeout=server.request_timeout_s) as client:
+            return await _gather([_candidate_one(client, server, r) for r in references], server.request_timeout_s)
+
+    return asyncio.run(run())
+
+
+def coarse_kl(baseline: dict[str, float], candidate: dict[str, float]) -> float:
+    """KL on the partition {baseline's top-k tokens} + {rest}; see the module docstring."""
+    floor = min(candidate.values())
+    p = {token: math.exp(lp) for token, lp in baseline.items()}
+    q = {token: math.exp(candidate.get(token, floor)) for token in p}
+    p_rest = max(0.0, 1.0 - sum(p.values()))
+    q_rest = max(1e-12, 1.0 - sum(q.values()))
+    kl = sum(pv * (math.log(pv) - math.log(max(q[token], 1e-12))) for token, pv in p.items() if pv > 0)
+    if p_rest > 0:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest))
+    return max(0.0, kl)
+
+
+def item_kl(reference: Reference, candidate: list[dict[str, float]]) -> float:
+    """Mean per-token KL along one baseline path (0 for an empty path)."""
+    pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate) if b and c]
+    return sum(coarse_kl(b, c) for b, c in pairs) / len(pairs) if pairs else 0.0

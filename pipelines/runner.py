@@ -1,0 +1,274 @@
+"""The job: quantize -> serve -> score against the 16-bit baseline -> gate -> promote, with evidence.
+
+Every run gets a folder under artifacts/runs/: it is assembled in a hidden staging folder and renamed
+into place when complete (gate.json, report.md, server and lm-eval logs, per-sample results). A run that
+fails is renamed to `<run id>-error` with error.txt beside its logs, so the evidence of a failure is kept
+but can never be mistaken for a verdict. The registry is written last, and only from a complete run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pipelines import baseline as baseline_cache
+from pipelines.atomic import write_json_atomic, write_text_atomic
+from pipelines.divergence import KL_METHOD, Reference, baseline_references, candidate_topk, item_kl
+from pipelines.errors import InputError
+from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
+from pipelines.evalsets import EvalSet, discover_eval_sets
+from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.hashing import folder_hash, sha256_file
+from pipelines.output import progress
+from pipelines.paths import ARTIFACTS_DIR
+from pipelines.policy import DEFAULT_POLICY, Policy, load_policy
+from pipelines.report import render_markdown
+from pipelines.serving import ServeSettings, vllm_server
+
+RUNS_DIR = ARTIFACTS_DIR / "runs"
+ANSWER_RESERVE_TOKENS = 32
+EXIT_CODES = {"promoted": 0, "rejected": 1}
+
+
+class RunOutcome(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    verdict: Literal["promoted", "rejected"]
+    exit_code: int
+    run_dir: Path
+    gate_json: Path
+    report_md: Path
+    artifact_dir: Path
+    registry_version: int | None = None
+    reasons: list[str]
+    stages: dict[str, float]
+
+
+class GateJob(BaseModel):
+    """Everything the gate needs; built by `quantize --recipe` after quantizing or by `quantize gate`."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    artifact_dir: Path
+    baseline_dir: Path
+    recipe_name: str
+    eval_sets: list[EvalSet]
+    policy: Policy
+    policy_path: Path
+    serve: ServeSettings = ServeSettings()
+    registry_path: Path | None = None
+    runs_dir: Path = RUNS_DIR
+    cache_dir: Path = baseline_cache.BASELINE_CACHE_DIR
+    stages: dict[str, float] = {}
+    inputs: dict = {}
+
+
+@contextmanager
+def timed(stages: dict[str, float], name: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        stages[name] = round(stages.get(name, 0.0) + time.monotonic() - started, 2)
+
+
+def select_eval_sets(names: list[str] | None) -> list[EvalSet]:
+    available = {s.name: s for s in discover_eval_sets()}
+    if not names:
+        return list(available.values())
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise InputError(f"unknown eval set(s) {unknown}; available: {sorted(available)}", field="--eval-sets")
+    return [available[n] for n in names]
+
+
+def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
+    policy_path = path or DEFAULT_POLICY
+    return load_policy(policy_path), policy_path
+
+
+def run_id(recipe_name: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{recipe_name}-{os.getpid()}"
+
+
+def run_gate(job: GateJob) -> RunOutcome:
+    """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register."""
+    _require_model_dir(job.baseline_dir, "--baseline")
+    _require_model_dir(job.artifact_dir, "--artifact")
+    verify_before_serving(job.artifact_dir)
+    identifier = run_id(job.recipe_name)
+    staging = job.runs_dir / f".{identifier}.tmp"
+    staging.mkdir(parents=True)
+    try:
+        report = _gate_in(staging, job)
+        final = _finish(staging, job.runs_dir / identifier)
+    except BaseException as error:
+        _keep_failed(staging, job.runs_dir / f"{identifier}-error", error)
+        raise
+    outcome = RunOutcome(
+        verdict=report.gate.verdict, exit_code=EXIT_CODES[report.gate.verdict], run_dir=final,
+        gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
+        reasons=report.gate.reasons, stages=report.stages,
+    )
+    if job.registry_path is not None:
+        outcome.registry_version = _record_in_registry(job, outcome)
+    return outcome
+
+
+def verify_before_serving(artifact_dir: Path) -> None:
+    """An artifact with a manifest is checked file by file before it is served (tampering is refused)."""
+    if (artifact_dir / "manifest.json").is_file():
+        from pipelines.registry import verify_artifact
+
+        verify_artifact(artifact_dir)
+
+
+def _require_model_dir(folder: Path, field: str) -> None:
+    if not (folder / "config.json").is_file():
+        raise InputError("not a model folder (no config.json)", file=folder, field=field)
+
+
+def _gate_in(staging: Path, job: GateJob) -> GateReport:
+    stages = dict(job.stages)
+    include_dir = materialize_tasks(job.eval_sets, staging / "tasks")
+    prompts = {s.name: load_prompts(s, include_dir) for s in job.eval_sets}
+    for eval_set in job.eval_sets:
+        check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.serve.max_model_len, ANSWER_RESERVE_TOKENS)
+    baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
+    candidate_scores, candidate_kl = _score_candidate(staging, job, include_dir, baseline, stages)
+    with timed(stages, "gate_s"):
+        comparisons = [_compare(baseline[s.name], candidate_scores[s.name], candidate_kl[s.name]) for s in job.eval_sets]
+        fit, plan = _fit_and_plan(job)
+        gate = decide(comparisons, job.policy, job.recipe_name, fit)
+    report = GateReport(
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        inputs=_inputs(job, baseline),
+        stages=stages,
+        plan=plan,
+        gate=gate,
+    )
+    write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
+    write_text_atomic(staging / "report.md", render_markdown(report))
+    return report
+
+
+def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> dict[str, baseline_cache.BaselineEntry]:
+    model_hash = folder_hash(job.baseline_dir)
+    keys = {s.name: baseline_cache.cache_key(model_hash, s, job.serve) for s in job.eval_sets}
+    entries = {name: baseline_cache.load_cached(key, job.cache_dir) for name, key in keys.items()}
+    missing = [s for s in job.eval_sets if entries[s.name] is None]
+    if not missing:
+        progress(f"baseline: all {len(entries)} eval set(s) cached; no baseline server needed")
+        return entries
+    progress(f"baseline: scoring {', '.join(s.name for s in missing)} on the 16-bit model")
+    with vllm_server(job.baseline_dir, log_path=staging / "baseline-server.log", settings=job.serve, served_name="baseline") as server:
+        stages["baseline_serve_start_s"] = round(server.startup_s, 2)
+        with timed(stages, "baseline_scoring_s"):
+            scores = score_eval_sets(server, job.baseline_dir, missing, include_dir, staging / "baseline")
+            for eval_set in missing:
+                references = baseline_references(server, [(p.doc_id, p.text) for p in prompts[eval_set.name]])
+                entry = baseline_cache.BaselineEntry(
+                    key=keys[eval_set.name], model_hash=model_hash, score=scores[eval_set.name], references=references,
+                )
+                baseline_cache.store(entry, job.cache_dir)
+                entries[eval_set.name] = entry
+    return entries
+
+
+def _score_candidate(staging, job: GateJob, include_dir, baseline, stages):
+    with vllm_server(job.artifact_dir, log_path=staging / "candidate-server.log", settings=job.serve, served_name="candidate") as server:
+        stages["candidate_serve_start_s"] = round(server.startup_s, 2)
+        with timed(stages, "candidate_scoring_s"):
+            scores = score_eval_sets(server, job.artifact_dir, job.eval_sets, include_dir, staging / "candidate")
+            kl = {}
+            for eval_set in job.eval_sets:
+                references = baseline[eval_set.name].references
+                tops = candidate_topk(server, references)
+                kl[eval_set.name] = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, tops)}
+    return scores, kl
+
+
+def _compare(baseline: baseline_cache.BaselineEntry, candidate: SetScore, kl_by_doc: dict[int, float]) -> SetComparison:
+    base_items = {item.doc_id: item for item in baseline.score.items}
+    items = []
+    for cand in candidate.items:
+        base = base_items.get(cand.doc_id)
+        if base is None or base.item_id != cand.item_id:
+            raise InputError(
+                f"item {cand.doc_id} differs between baseline and candidate runs (doc_hash mismatch)",
+                field=f"eval set {candidate.eval_set}",
+            )
+        items.append(PairedItem(item_id=cand.item_id, baseline=base.score, candidate=cand.score, kl=kl_by_doc.get(cand.doc_id)))
+    return SetComparison(eval_set=candidate.eval_set, metric=candidate.metric, binary=candidate.binary, items=items, kl_method=KL_METHOD)
+
+
+def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:
+    requirement = job.policy.fit_for(job.recipe_name)
+    if requirement is None:
+        return None, None
+    from pipelines.planner import check_fit, gpu_spec, plan
+
+    gpu = gpu_spec(requirement.gpu, requirement.memory_gib)
+    config = job.artifact_dir / "config.json"
+    args = (gpu, requirement.max_model_len, requirement.concurrency)
+    fit = check_fit(config, None, *args, artifact_dir=job.artifact_dir)
+    return fit, plan(config, [], *args, artifact_dir=job.artifact_dir).model_dump(mode="json")
+
+
+def _inputs(job: GateJob, baseline: dict) -> dict:
+    manifest = job.artifact_dir / "manifest.json"
+    return {
+        **job.inputs,
+        "recipe": job.recipe_name,
+        "artifact": {"path": str(job.artifact_dir), "manifest_sha256": sha256_file(manifest) if manifest.is_file() else None},
+        "baseline": {"path": str(job.baseline_dir), "sha256": next(iter(baseline.values())).model_hash},
+        "policy": {"path": str(job.policy_path), "sha256": sha256_file(job.policy_path)},
+        "eval_sets": {s.name: s.sha256 for s in job.eval_sets},
+        "serve": job.serve.model_dump(),
+    }
+
+
+def _finish(staging: Path, final: Path) -> Path:
+    os.replace(staging, final)
+    return final
+
+
+def _keep_failed(staging: Path, failed: Path, error: BaseException) -> None:
+    if not staging.exists():
+        return
+    (staging / "error.txt").write_text("".join(traceback.format_exception(error)))
+    shutil.rmtree(failed, ignore_errors=True)
+    os.replace(staging, failed)
+    progress(f"run failed; logs kept in {failed}")
+
+
+def _record_in_registry(job: GateJob, outcome: RunOutcome) -> int:
+    from pipelines.registry import EvalSetRef, NewVersion, Registry
+
+    registry = Registry(job.registry_path)
+    version = registry.register(
+        NewVersion(
+            source_model=job.baseline_dir.name,
+            source_hash=folder_hash(job.baseline_dir),
+            artifact_path=job.artifact_dir,
+            recipe_name=job.recipe_name,
+            recipe_hash=job.inputs.get("recipe_sha256", job.recipe_name),
+            eval_sets=[EvalSetRef(name=s.name, hash=s.sha256) for s in job.eval_sets],
+            gate_path=outcome.gate_json,
+        )
+    )
+    reason = "; ".join(outcome.reasons) or "gate passed"
+    if outcome.verdict == "promoted":
+        version = registry.promote(version.id, reason)
+    else:
+        version = registry.reject(version.id, reason)
+    return version.version

