@@ -52,14 +52,11 @@ class RunOutcome(BaseModel):
     stages: dict[str, float]
 
 
-class GateJob(BaseModel):
-    """Everything the gate needs; built by `quantize --recipe` after quantizing or by `quantize gate`."""
+class GateSettings(BaseModel):
+    """What a gate run is judged on and where it writes: the same for every candidate of a job."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid")
 
-    artifact_dir: Path
-    baseline_dir: Path
-    recipe_name: str
     eval_sets: list[EvalSet]
     policy: Policy
     policy_path: Path
@@ -67,6 +64,17 @@ class GateJob(BaseModel):
     registry_path: Path | None = None
     runs_dir: Path = RUNS_DIR
     cache_dir: Path = baseline_cache.BASELINE_CACHE_DIR
+
+
+class GateJob(BaseModel):
+    """One gate run: an artifact against its 16-bit baseline under `settings`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifact_dir: Path
+    baseline_dir: Path
+    recipe_name: str
+    settings: GateSettings
     stages: dict[str, float] = {}
     inputs: dict = {}
 
@@ -78,6 +86,21 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         stages[name] = round(stages.get(name, 0.0) + time.monotonic() - started, 2)
+
+
+def quantize_and_gate(recipe: str, model_dir: Path, settings: GateSettings, *, force: bool = False) -> RunOutcome:
+    """The whole job for one (model, recipe): quantize (or reuse the identical artifact), then gate."""
+    from pipelines.quantize import quantize_model  # heavy (torch, llm-compressor): only when quantizing
+
+    _require_model_dir(model_dir, "--model")
+    result = quantize_model(recipe, model_dir, force=force)
+    manifest = result.manifest
+    job = GateJob(
+        artifact_dir=result.artifact_dir, baseline_dir=model_dir, recipe_name=manifest.recipe_name, settings=settings,
+        stages={"quantize_s": 0.0 if result.reused else manifest.stages["quantize_s"]},
+        inputs={"recipe_sha256": manifest.recipe_sha256, "quantize_reused": result.reused},
+    )
+    return run_gate(job)
 
 
 def select_eval_sets(names: list[str] | None) -> list[EvalSet]:
@@ -106,20 +129,20 @@ def run_gate(job: GateJob) -> RunOutcome:
     _require_model_dir(job.artifact_dir, "--artifact")
     verify_before_serving(job.artifact_dir)
     identifier = run_id(job.recipe_name)
-    staging = job.runs_dir / f".{identifier}.tmp"
+    staging = job.settings.runs_dir / f".{identifier}.tmp"
     staging.mkdir(parents=True)
     try:
         report = _gate_in(staging, job)
-        final = _finish(staging, job.runs_dir / identifier)
+        final = _finish(staging, job.settings.runs_dir / identifier)
     except BaseException as error:
-        _keep_failed(staging, job.runs_dir / f"{identifier}-error", error)
+        _keep_failed(staging, job.settings.runs_dir / f"{identifier}-error", error)
         raise
     outcome = RunOutcome(
         verdict=report.gate.verdict, exit_code=EXIT_CODES[report.gate.verdict], run_dir=final,
         gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
         reasons=report.gate.reasons, stages=report.stages,
     )
-    if job.registry_path is not None:
+    if job.settings.registry_path is not None:
         outcome.registry_version = _record_in_registry(job, outcome)
     return outcome
 
@@ -139,16 +162,16 @@ def _require_model_dir(folder: Path, field: str) -> None:
 
 def _gate_in(staging: Path, job: GateJob) -> GateReport:
     stages = dict(job.stages)
-    include_dir = materialize_tasks(job.eval_sets, staging / "tasks")
-    prompts = {s.name: load_prompts(s, include_dir) for s in job.eval_sets}
-    for eval_set in job.eval_sets:
-        check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.serve.max_model_len, ANSWER_RESERVE_TOKENS)
+    include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
+    prompts = {s.name: load_prompts(s, include_dir) for s in job.settings.eval_sets}
+    for eval_set in job.settings.eval_sets:
+        check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
     baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
     candidate_scores, candidate_kl = _score_candidate(staging, job, include_dir, baseline, stages)
     with timed(stages, "gate_s"):
-        comparisons = [_compare(baseline[s.name], candidate_scores[s.name], candidate_kl[s.name]) for s in job.eval_sets]
+        comparisons = [_compare(baseline[s.name], candidate_scores[s.name], candidate_kl[s.name]) for s in job.settings.eval_sets]
         fit, plan = _fit_and_plan(job)
-        gate = decide(comparisons, job.policy, job.recipe_name, fit)
+        gate = decide(comparisons, job.settings.policy, job.recipe_name, fit)
     report = GateReport(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         inputs=_inputs(job, baseline),
@@ -163,14 +186,14 @@ def _gate_in(staging: Path, job: GateJob) -> GateReport:
 
 def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> dict[str, baseline_cache.BaselineEntry]:
     model_hash = folder_hash(job.baseline_dir)
-    keys = {s.name: baseline_cache.cache_key(model_hash, s, job.serve) for s in job.eval_sets}
-    entries = {name: baseline_cache.load_cached(key, job.cache_dir) for name, key in keys.items()}
-    missing = [s for s in job.eval_sets if entries[s.name] is None]
+    keys = {s.name: baseline_cache.cache_key(model_hash, s, job.settings.serve) for s in job.settings.eval_sets}
+    entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir) for name, key in keys.items()}
+    missing = [s for s in job.settings.eval_sets if entries[s.name] is None]
     if not missing:
         progress(f"baseline: all {len(entries)} eval set(s) cached; no baseline server needed")
         return entries
     progress(f"baseline: scoring {', '.join(s.name for s in missing)} on the 16-bit model")
-    with vllm_server(job.baseline_dir, log_path=staging / "baseline-server.log", settings=job.serve, served_name="baseline") as server:
+    with vllm_server(job.baseline_dir, log_path=staging / "baseline-server.log", settings=job.settings.serve, served_name="baseline") as server:
         stages["baseline_serve_start_s"] = round(server.startup_s, 2)
         with timed(stages, "baseline_scoring_s"):
             scores = score_eval_sets(server, job.baseline_dir, missing, include_dir, staging / "baseline")
@@ -179,18 +202,18 @@ def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> di
                 entry = baseline_cache.BaselineEntry(
                     key=keys[eval_set.name], model_hash=model_hash, score=scores[eval_set.name], references=references,
                 )
-                baseline_cache.store(entry, job.cache_dir)
+                baseline_cache.store(entry, job.settings.cache_dir)
                 entries[eval_set.name] = entry
     return entries
 
 
 def _score_candidate(staging, job: GateJob, include_dir, baseline, stages):
-    with vllm_server(job.artifact_dir, log_path=staging / "candidate-server.log", settings=job.serve, served_name="candidate") as server:
+    with vllm_server(job.artifact_dir, log_path=staging / "candidate-server.log", settings=job.settings.serve, served_name="candidate") as server:
         stages["candidate_serve_start_s"] = round(server.startup_s, 2)
         with timed(stages, "candidate_scoring_s"):
-            scores = score_eval_sets(server, job.artifact_dir, job.eval_sets, include_dir, staging / "candidate")
+            scores = score_eval_sets(server, job.artifact_dir, job.settings.eval_sets, include_dir, staging / "candidate")
             kl = {}
-            for eval_set in job.eval_sets:
+            for eval_set in job.settings.eval_sets:
                 references = baseline[eval_set.name].references
                 tops = candidate_topk(server, references)
                 kl[eval_set.name] = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, tops)}
@@ -212,7 +235,7 @@ def _compare(baseline: baseline_cache.BaselineEntry, candidate: SetScore, kl_by_
 
 
 def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:
-    requirement = job.policy.fit_for(job.recipe_name)
+    requirement = job.settings.policy.fit_for(job.recipe_name)
     if requirement is None:
         return None, None
     from pipelines.planner import check_fit, gpu_spec, plan
@@ -231,9 +254,9 @@ def _inputs(job: GateJob, baseline: dict) -> dict:
         "recipe": job.recipe_name,
         "artifact": {"path": str(job.artifact_dir), "manifest_sha256": sha256_file(manifest) if manifest.is_file() else None},
         "baseline": {"path": str(job.baseline_dir), "sha256": next(iter(baseline.values())).model_hash},
-        "policy": {"path": str(job.policy_path), "sha256": sha256_file(job.policy_path)},
-        "eval_sets": {s.name: s.sha256 for s in job.eval_sets},
-        "serve": job.serve.model_dump(),
+        "policy": {"path": str(job.settings.policy_path), "sha256": sha256_file(job.settings.policy_path)},
+        "eval_sets": {s.name: s.sha256 for s in job.settings.eval_sets},
+        "serve": job.settings.serve.model_dump(),
     }
 
 
@@ -254,7 +277,7 @@ def _keep_failed(staging: Path, failed: Path, error: BaseException) -> None:
 def _record_in_registry(job: GateJob, outcome: RunOutcome) -> int:
     from pipelines.registry import EvalSetRef, NewVersion, Registry
 
-    registry = Registry(job.registry_path)
+    registry = Registry(job.settings.registry_path)
     version = registry.register(
         NewVersion(
             source_model=job.baseline_dir.name,
@@ -262,7 +285,7 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome) -> int:
             artifact_path=job.artifact_dir,
             recipe_name=job.recipe_name,
             recipe_hash=job.inputs.get("recipe_sha256", job.recipe_name),
-            eval_sets=[EvalSetRef(name=s.name, hash=s.sha256) for s in job.eval_sets],
+            eval_sets=[EvalSetRef(name=s.name, hash=s.sha256) for s in job.settings.eval_sets],
             gate_path=outcome.gate_json,
         )
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipelines.gate import load_report
 from pipelines.output import emit, progress
 from pipelines.report import render_console
-from pipelines.runner import GateJob, RunOutcome, load_gate_policy, run_gate, select_eval_sets
+from pipelines.runner import GateJob, GateSettings, RunOutcome, load_gate_policy, run_gate, select_eval_sets
 from pipelines.serving import ServeSettings
 
 DEFAULT_REGISTRY = "artifacts/registry.db"
@@ -25,16 +25,14 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON on stdout")
 
 
-def gate_job(args: argparse.Namespace, *, artifact: Path, baseline: Path, recipe_name: str,
-             stages: dict[str, float] | None = None, inputs: dict | None = None) -> GateJob:
+def gate_settings(args: argparse.Namespace) -> GateSettings:
+    """Everything the options say, validated before any heavy work starts."""
     policy, policy_path = load_gate_policy(args.policy)
     names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
-    return GateJob(
-        artifact_dir=artifact.resolve(), baseline_dir=baseline.resolve(), recipe_name=recipe_name,
+    return GateSettings(
         eval_sets=select_eval_sets(names), policy=policy, policy_path=policy_path,
         serve=ServeSettings(max_model_len=args.max_model_len),
         registry_path=None if args.no_registry else args.registry,
-        stages=stages or {}, inputs=inputs or {},
     )
 
 
@@ -59,7 +57,10 @@ def _recipe_name_of(artifact: Path) -> str:
 
 def handle(args: argparse.Namespace) -> int:
     recipe_name = args.recipe_name or _recipe_name_of(args.artifact)
-    job = gate_job(args, artifact=args.artifact, baseline=args.baseline, recipe_name=recipe_name)
+    job = GateJob(
+        artifact_dir=args.artifact.resolve(), baseline_dir=args.baseline.resolve(), recipe_name=recipe_name,
+        settings=gate_settings(args),
+    )
     return print_outcome(run_gate(job), args.json)
 
 

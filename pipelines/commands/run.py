@@ -5,24 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import add_gate_options, gate_job, print_outcome
+from pipelines.commands.gate import add_gate_options, gate_settings, print_outcome
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.runner import run_gate
+from pipelines.runner import quantize_and_gate
 
 
 def handle(args: argparse.Namespace) -> int:
-    from pipelines.quantize import quantize_model  # heavy (torch, llm-compressor): only when quantizing
-
-    # Fail on a bad policy / eval set name before spending minutes quantizing.
-    gate_job(args, artifact=args.model, baseline=args.model, recipe_name=args.recipe)
-    result = quantize_model(args.recipe, args.model.resolve(), force=args.force)
-    manifest = result.manifest
-    job = gate_job(
-        args, artifact=result.artifact_dir, baseline=args.model, recipe_name=manifest.recipe_name,
-        stages=dict(manifest.stages) if not result.reused else {"quantize_s": 0.0},
-        inputs={"recipe_sha256": manifest.recipe_sha256, "quantize_reused": result.reused},
-    )
-    return print_outcome(run_gate(job), args.json)
+    settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
+    return print_outcome(quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force), args.json)
 
 
 def register(subparsers) -> None:

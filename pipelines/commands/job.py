@@ -1,0 +1,30 @@
+"""`quantize job FILE`: run every candidate of a job file through the runner; one summary at the end."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipelines.job import JobSummary, run_job
+from pipelines.output import console, emit, table
+
+
+def _render(summary: JobSummary) -> None:
+    rows = [
+        [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", "; ".join(r.reasons)[:160]]
+        for r in summary.results
+    ]
+    console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", ["model", "recipe", "verdict", "registry version", "wall s", "reasons"], rows))
+
+
+def handle(args: argparse.Namespace) -> int:
+    summary = run_job(args.file)
+    emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
+    return summary.exit_code
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("job", help="run a job file: many models x recipes, continue past failures, one summary")
+    parser.add_argument("file", type=Path, help="job YAML (see jobs/demo.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(handler=handle)
