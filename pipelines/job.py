@@ -15,11 +15,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.atomic import write_json_atomic
-from pipelines.errors import InputError, QuantGateError, from_validation_error
+from pipelines.errors import InputError, QuantGateError
 from pipelines.hashing import folder_hash, sha256_file, sha256_json
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR
@@ -27,6 +26,7 @@ from pipelines.policy import FitRequirement
 from pipelines.recipe import load_recipe
 from pipelines.runner import GateSettings, load_gate_policy, quantize_and_gate, select_eval_sets
 from pipelines.serving import ServeSettings
+from pipelines.yamlio import load_yaml_model
 
 JOBS_DIR = ARTIFACTS_DIR / "jobs"
 
@@ -88,16 +88,7 @@ class JobSummary(BaseModel):
 
 
 def load_job(path: Path) -> JobFile:
-    if not path.is_file():
-        raise InputError("no such job file", file=path, field="job")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise InputError(f"malformed YAML: {error}".splitlines()[0], file=path) from None
-    try:
-        return JobFile.model_validate(data)
-    except ValidationError as error:
-        raise from_validation_error(error, path) from None
+    return load_yaml_model(path, JobFile, "job")
 
 
 def _resolve(base: Path, path: Path | None) -> Path | None:

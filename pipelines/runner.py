@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipelines import baseline as baseline_cache
 from pipelines.atomic import write_json_atomic, write_text_atomic
-from pipelines.divergence import KL_METHOD, Reference, baseline_references, candidate_topk, item_kl
+from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
 from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
 from pipelines.evalsets import EvalSet, discover_eval_sets

@@ -8,18 +8,16 @@ from pathlib import Path
 
 from pipelines.gate import load_report
 from pipelines.output import emit, progress
+from pipelines.registry import default_registry_path
 from pipelines.report import render_console
 from pipelines.runner import GateJob, GateSettings, RunOutcome, load_gate_policy, run_gate, select_eval_sets
 from pipelines.serving import ServeSettings
-
-DEFAULT_REGISTRY = "artifacts/registry.db"
-
 
 def add_gate_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `quantize --recipe` and `quantize gate`."""
     parser.add_argument("--eval-sets", help="comma-separated eval set names (default: every set under eval_sets/)")
     parser.add_argument("--policy", type=Path, help="gate policy YAML (default: policies/default.yaml)")
-    parser.add_argument("--registry", type=Path, default=Path(DEFAULT_REGISTRY), help="registry database (default: %(default)s)")
+    parser.add_argument("--registry", type=Path, default=default_registry_path(), help="registry database (default: %(default)s; env QUANTGATE_REGISTRY)")
     parser.add_argument("--no-registry", action="store_true", help="decide and report, but do not write the registry")
     parser.add_argument("--max-model-len", type=int, default=ServeSettings().max_model_len, help="vLLM max model length")
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON on stdout")

@@ -1,0 +1,199 @@
+"""`quantize registry ...`: list, inspect and move versions of quantized artifacts and their aliases."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pipelines.errors import InputError
+from pipelines.output import console, emit, table
+from pipelines.registry import AliasTarget, Event, Registry, Version, gate_verdict
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("registry", help="the model registry: versions, status, aliases, history")
+    actions = parser.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
+
+    def action(name: str, help_text: str, handler) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=help_text)
+        sub.add_argument("--registry", metavar="PATH", type=Path, default=None,
+                         help="registry database (default: $QUANTGATE_REGISTRY or artifacts/registry.db)")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    sub = action("list", "versions of every model, or of one", _list)
+    sub.add_argument("model", metavar="MODEL", nargs="?")
+
+    sub = action("show", "one version (by number or alias) with its gate evidence", _show)
+    sub.add_argument("model", metavar="MODEL")
+    sub.add_argument("version", metavar="VERSION_OR_ALIAS")
+
+    for name in ("promote", "reject"):
+        sub = action(name, f"{name} a version by hand (recorded with the reason)", _change_status)
+        sub.add_argument("model", metavar="MODEL")
+        sub.add_argument("version", metavar="VERSION", type=int)
+        sub.add_argument("--reason", required=True, help="why; kept in the history")
+        sub.add_argument("--evidence", type=Path, help="a JSON file recorded with the change")
+        if name == "promote":
+            sub.add_argument("--override-gate", action="store_true",
+                             help="promote even though this version's gate evidence says rejected (recorded)")
+
+    sub = action("alias", "point an alias (e.g. production) at a promoted version", _alias)
+    sub.add_argument("model", metavar="MODEL")
+    sub.add_argument("alias", metavar="ALIAS")
+    sub.add_argument("version", metavar="VERSION", type=int)
+    sub.add_argument("--reason", default="", help="why; kept in the history")
+
+    sub = action("rollback", "move an alias back to the version it pointed at before", _rollback)
+    sub.add_argument("model", metavar="MODEL")
+    sub.add_argument("alias", metavar="ALIAS")
+    sub.add_argument("--reason", default="", help="why; kept in the history")
+
+    sub = action("history", "every registration, status change and alias move", _history)
+    sub.add_argument("model", metavar="MODEL", nargs="?")
+    sub.add_argument("--alias", help="only moves of this alias")
+    sub.add_argument("--version", type=int, help="only events about this version")
+
+    sub = action("export-mlflow", "register a promoted version in an MLflow model registry", _export_mlflow)
+    sub.add_argument("model", metavar="MODEL")
+    sub.add_argument("version", metavar="VERSION_OR_ALIAS")
+    sub.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///artifacts/mlflow.db)")
+    sub.add_argument("--alias", default=None, help="MLflow alias to set on the new model version")
+
+
+# --- handlers ------------------------------------------------------------------------------------------
+
+
+def _list(args: argparse.Namespace) -> int:
+    versions = _open(args).list(args.model)
+    emit(versions, as_json=args.json, render=_render_versions)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    version = _open(args).show(args.model, args.version)
+    emit(version, as_json=args.json, render=_render_version)
+    return 0
+
+
+def _change_status(args: argparse.Namespace) -> int:
+    registry = _open(args)
+    version = registry.show(args.model, args.version)
+    evidence = _read_evidence(args.evidence) if args.evidence else None
+    if args.registry_command == "promote":
+        changed = registry.promote(version.id, args.reason, evidence, override_gate=args.override_gate)
+    else:
+        changed = registry.reject(version.id, args.reason, evidence)
+    emit(changed, as_json=args.json, render=_render_version)
+    return 0
+
+
+def _alias(args: argparse.Namespace) -> int:
+    target = _open(args).set_alias(args.model, args.alias, args.version, reason=args.reason)
+    emit(target, as_json=args.json, render=_render_alias)
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    target = _open(args).rollback(args.model, args.alias, reason=args.reason)
+    emit(target, as_json=args.json, render=_render_alias)
+    return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    events = _open(args).history(args.model, version=args.version, alias=args.alias)
+    emit(events, as_json=args.json, render=_render_events)
+    return 0
+
+
+def _export_mlflow(args: argparse.Namespace) -> int:
+    from pipelines.mlflow_export import DEFAULT_TRACKING_URI, export_to_mlflow
+
+    version = _open(args).resolve(args.model, args.version)
+    result = export_to_mlflow(version, tracking_uri=args.tracking_uri or DEFAULT_TRACKING_URI, alias=args.alias)
+
+    def render(value: Any) -> None:
+        state = "already exported as" if value.reused else "exported as"
+        console.print(f"{version.model} v{version.version} {state} MLflow model "
+                      f"{value.registered_model!r} version {value.model_version} ({value.tracking_uri})")
+        if value.alias:
+            console.print(f"alias {value.alias!r} -> version {value.model_version}")
+
+    emit(result, as_json=args.json, render=render)
+    return 0
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def _open(args: argparse.Namespace) -> Registry:
+    if args.registry is not None and not args.registry.is_file():
+        raise InputError("no registry database at this path", file=args.registry, field="--registry")
+    return Registry(args.registry)
+
+
+def _read_evidence(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError("evidence file does not exist", file=path, field="--evidence") from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"evidence is not valid JSON ({error})", file=path, field="--evidence") from None
+    if not isinstance(value, dict):
+        raise InputError("evidence must be a JSON object", file=path, field="--evidence")
+    return value
+
+
+def _render_versions(versions: list[Version]) -> None:
+    if not versions:
+        console.print("no versions registered yet")
+        return
+    rows = [
+        [v.model, v.version, v.status, ", ".join(v.aliases), v.recipe_name, _verdict(v), _when(v.created_at)]
+        for v in versions
+    ]
+    console.print(table("Registry", ["model", "ver", "status", "aliases", "recipe", "gate", "created (UTC)"], rows))
+
+
+def _render_version(version: Version) -> None:
+    rows = [
+        ["status", version.status], ["aliases", ", ".join(version.aliases) or "-"],
+        ["reason", version.reason or "-"], ["artifact", version.artifact_path],
+        ["artifact hash", version.artifact_hash], ["source hash", version.source_hash],
+        ["recipe", f"{version.recipe_name} ({version.recipe_hash[:12]})"],
+        ["eval sets", ", ".join(f"{ref.name} ({ref.hash[:12]})" for ref in version.eval_sets) or "-"],
+        ["gate evidence", version.gate_path or "-"], ["gate verdict", _verdict(version) or "-"],
+        ["created (UTC)", version.created_at], ["updated (UTC)", version.updated_at],
+    ]
+    console.print(table(f"{version.model} v{version.version}", ["field", "value"], rows))
+
+
+def _render_alias(target: AliasTarget) -> None:
+    before = f" (previously v{target.previous})" if target.previous is not None else ""
+    console.print(f"{target.model}: {target.alias} -> v{target.version}{before}")
+
+
+def _render_events(events: list[Event]) -> None:
+    rows = [
+        [_when(e.at), e.model, e.kind.replace("alias_", ""), _move(e) or e.version, e.alias or "", e.reason]
+        for e in events
+    ]
+    console.print(table("Registry history", ["at (UTC)", "model", "event", "version", "alias", "reason"], rows))
+
+
+def _when(timestamp: str) -> str:
+    return timestamp[:16].replace("T", " ")
+
+
+def _move(event: Event) -> str:
+    if not event.kind.startswith("alias"):
+        return ""
+    before = f"v{event.from_version} " if event.from_version is not None else ""
+    return f"{before}-> v{event.to_version}"
+
+
+def _verdict(version: Version) -> str:
+    return gate_verdict(version.gate) or ""

@@ -1,0 +1,123 @@
+"""The gate policy: thresholds per eval set, with overrides per recipe and per eval set.
+
+A policy file (policies/default.yaml) has `defaults` (every rule, explicitly), optional `recipes:` and
+`eval_sets:` overrides that name only the rules they change, and an optional `fit` requirement that the
+planner evaluates. Precedence for one (recipe, eval set): eval-set override > recipe override > defaults.
+An override that sets a threshold to null disables that rule; a rule it leaves out is inherited.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipelines.yamlio import load_yaml_model
+from pipelines.paths import REPO_ROOT
+
+POLICIES_DIR = REPO_ROOT / "policies"
+DEFAULT_POLICY = POLICIES_DIR / "default.yaml"
+
+Points = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Nats = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Margin = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SetPolicy(_Strict):
+    """The rules one eval set is judged by. Points are percentage points of a [0, 1] metric."""
+
+    max_abs_drop: Points | None = Field(description="largest allowed drop of the point estimate, in points")
+    max_rel_drop: Fraction | None = Field(description="largest allowed drop as a fraction of the baseline score")
+    non_inferiority: bool = Field(description="require the 95% CI lower bound of the delta to stay above -ni_margin")
+    ni_margin: Margin = Field(description="non-inferiority margin, in points")
+    max_flip_rate: Fraction | None = Field(description="largest fraction of items that may go right->wrong")
+    max_kl: Nats | None = Field(description="largest mean per-token KL(baseline || candidate), nats/token")
+    min_items: Count = Field(description="fewer items than this gives a warning, not a rejection")
+
+
+class RuleOverrides(_Strict):
+    """Any subset of SetPolicy's rules. Thresholds may be null (rule off); the other fields may not."""
+
+    max_abs_drop: Points | None = None
+    max_rel_drop: Fraction | None = None
+    non_inferiority: bool | None = None
+    ni_margin: Margin | None = None
+    max_flip_rate: Fraction | None = None
+    max_kl: Nats | None = None
+    min_items: Count | None = None
+
+    @field_validator("non_inferiority", "ni_margin", "min_items")
+    @classmethod
+    def _not_null(cls, value: object) -> object:
+        if value is None:
+            raise ValueError("cannot be null; leave it out to inherit it (only thresholds can be turned off)")
+        return value
+
+    def explicit(self) -> dict[str, object]:
+        """The rules this override names (an explicit null included)."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+
+class FitRequirement(_Strict):
+    """The deployment the artifact must fit: a named GPU or a memory budget, a context length, a concurrency."""
+
+    gpu: str | None = Field(default=None, description="a GPU name the planner knows, e.g. H100-80GB")
+    memory_gib: float | None = Field(default=None, gt=0, description="device memory budget in GiB")
+    max_model_len: int = Field(gt=0, description="tokens of context per sequence")
+    concurrency: int = Field(default=1, gt=0, description="sequences served at once")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "FitRequirement":
+        if (self.gpu is None) == (self.memory_gib is None):
+            raise ValueError("give exactly one of `gpu` or `memory_gib`")
+        return self
+
+
+class RecipeOverrides(RuleOverrides):
+    fit: FitRequirement | None = None
+
+
+class Policy(_Strict):
+    schema_version: Literal[1] = 1
+    description: str = ""
+    defaults: SetPolicy
+    recipes: dict[str, RecipeOverrides] = {}
+    eval_sets: dict[str, RuleOverrides] = {}
+    fit: FitRequirement | None = None
+
+    def for_set(self, recipe: str, eval_set: str) -> SetPolicy:
+        """Rules for one eval set under one recipe: eval-set override > recipe override > defaults."""
+        rules = self.defaults.model_dump()
+        recipe_rules = self.recipes.get(recipe, RecipeOverrides()).explicit()
+        recipe_rules.pop("fit", None)
+        rules.update(recipe_rules)
+        rules.update(self.eval_sets.get(eval_set, RuleOverrides()).explicit())
+        return SetPolicy.model_validate(rules)
+
+    def fit_for(self, recipe: str) -> FitRequirement | None:
+        """The fit requirement for a recipe: its own `fit` if it names one, else the top-level one."""
+        override = self.recipes.get(recipe)
+        if override is not None and "fit" in override.model_fields_set:
+            return override.fit
+        return self.fit
+
+
+def resolve_policy_path(name_or_path: str | Path) -> Path:
+    """A shipped policy name (`default`) or a path to a YAML file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        return candidate
+    return POLICIES_DIR / f"{candidate}.yaml"
+
+
+def load_policy(name_or_path: str | Path = DEFAULT_POLICY) -> Policy:
+    """Parse and validate a policy file; unknown keys and bad values raise InputError naming file and field."""
+    path = resolve_policy_path(name_or_path)
+    return load_yaml_model(path, Policy, "policy")

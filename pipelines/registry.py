@@ -1,0 +1,596 @@
+"""The model registry: versions of quantized artifacts, their gate evidence, status and aliases.
+
+One SQLite file (artifacts/registry.db unless QUANTGATE_REGISTRY or an argument says otherwise).
+Every write is one `BEGIN IMMEDIATE` transaction, so concurrent processes serialise on the database
+lock instead of losing updates; WAL mode lets readers go on while one writes. Three tables:
+
+- versions: one row per (source model, artifact, gate evidence); the version number counts per model.
+- aliases:  the current target of each (model, alias) plus a stack of earlier targets for rollback.
+- events:   every registration, status change and alias move, append-only.
+
+The registry never points at something incomplete: an artifact is verified against its manifest
+when it is registered, promoted, or resolved for serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.errors import InputError
+from pipelines.hashing import sha256_file, sha256_json
+from pipelines.paths import ARTIFACTS_DIR
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FILES_KEY = "artifact_files"
+BUSY_TIMEOUT_S = 60.0
+SCHEMA_VERSION = 1
+
+Status = Literal["candidate", "promoted", "rejected", "error"]
+EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback"]
+
+
+def default_registry_path() -> Path:
+    return Path(os.environ.get("QUANTGATE_REGISTRY") or ARTIFACTS_DIR / "registry.db")
+
+
+# --- artifact integrity -----------------------------------------------------------------------------
+
+
+def read_manifest_files(artifact_dir: Path) -> dict[str, str]:
+    """The manifest's {relative posix path: sha256} map; InputError if the manifest is missing or malformed."""
+    manifest = artifact_dir / MANIFEST_NAME
+    if not artifact_dir.is_dir():
+        raise InputError("artifact folder does not exist", file=artifact_dir)
+    if not manifest.is_file():
+        raise InputError("artifact has no manifest; it is incomplete or was not written by `quantize`", file=manifest)
+    try:
+        files = json.loads(manifest.read_text()).get(MANIFEST_FILES_KEY)
+    except (json.JSONDecodeError, AttributeError) as error:
+        raise InputError(f"not a JSON object ({error})", file=manifest) from None
+    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
+        raise InputError("missing or empty map of relative path to sha256", file=manifest, field=MANIFEST_FILES_KEY)
+    return files
+
+
+def verify_artifact(artifact_dir: Path) -> None:
+    """Raise InputError naming the first file that is missing, changed or not in the manifest."""
+    artifact_dir = Path(artifact_dir)
+    expected = read_manifest_files(artifact_dir)
+    for relative, digest in sorted(expected.items()):
+        path = artifact_dir / relative
+        if not path.is_file():
+            raise InputError("file listed in the manifest is missing", file=path)
+        if sha256_file(path) != digest:
+            raise InputError("file does not match its sha256 in the manifest (tampered or corrupt)", file=path)
+    present = {
+        p.relative_to(artifact_dir).as_posix()
+        for p in artifact_dir.rglob("*")
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    extra = sorted(present - set(expected))
+    if extra:
+        raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
+
+
+def artifact_hash(artifact_dir: Path) -> str:
+    """The artifact's identity: the hash of its manifest's file hashes."""
+    return sha256_json(read_manifest_files(Path(artifact_dir)))
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+
+class EvalSetRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    hash: str = Field(min_length=1)
+
+
+class NewVersion(BaseModel):
+    """What the caller knows about a candidate artifact; the registry adds hashes it computes itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_model: str = Field(min_length=1)
+    source_hash: str = Field(min_length=1)
+    artifact_path: Path
+    recipe_name: str = Field(min_length=1)
+    recipe_hash: str = Field(min_length=1)
+    eval_sets: list[EvalSetRef] = Field(default_factory=list)
+    gate_path: Path | None = None
+    reason: str = ""
+
+
+class Version(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: int
+    model: str
+    version: int
+    source_hash: str
+    artifact_path: str
+    artifact_hash: str
+    recipe_name: str
+    recipe_hash: str
+    eval_sets: list[EvalSetRef]
+    gate_path: str | None
+    gate: dict[str, Any] | None
+    gate_hash: str | None
+    status: Status
+    created_at: str
+    updated_at: str
+    reason: str
+    aliases: list[str] = Field(default_factory=list)
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: int
+    at: str
+    model: str
+    version: int | None
+    kind: EventKind
+    alias: str | None
+    from_version: int | None
+    to_version: int | None
+    reason: str
+    evidence: dict[str, Any] | None
+
+
+class AliasTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    alias: str
+    version: int
+    previous: int | None
+
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS versions (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        model TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        source_hash TEXT NOT NULL,
+        artifact_path TEXT NOT NULL,
+        artifact_hash TEXT NOT NULL,
+        recipe_name TEXT NOT NULL,
+        recipe_hash TEXT NOT NULL,
+        eval_sets TEXT NOT NULL,
+        gate_path TEXT,
+        gate TEXT,
+        gate_hash TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('candidate', 'promoted', 'rejected', 'error')),
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        UNIQUE (model, version),
+        UNIQUE (model, artifact_hash, gate_hash))""",
+    # The alias stack: the highest seq is the current target; rollback pops to an earlier one.
+    """CREATE TABLE IF NOT EXISTS aliases (
+        model TEXT NOT NULL,
+        alias TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        version_id INTEGER NOT NULL REFERENCES versions(id),
+        at TEXT NOT NULL,
+        PRIMARY KEY (model, alias, seq))""",
+    """CREATE TABLE IF NOT EXISTS events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at TEXT NOT NULL,
+        model TEXT NOT NULL,
+        version INTEGER,
+        kind TEXT NOT NULL,
+        alias TEXT,
+        from_version INTEGER,
+        to_version INTEGER,
+        reason TEXT NOT NULL,
+        evidence TEXT)""",
+    """CREATE TRIGGER IF NOT EXISTS events_no_update BEFORE UPDATE ON events
+        BEGIN SELECT RAISE(ABORT, 'registry events are append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS events_no_delete BEFORE DELETE ON events
+        BEGIN SELECT RAISE(ABORT, 'registry events are append-only'); END""",
+)
+
+# Statuses a version may move to, from each status. Rejecting a promoted version is allowed (a
+# regression found later) as long as no alias points at it.
+_TRANSITIONS: dict[str, set[str]] = {
+    "candidate": {"promoted", "rejected", "error"},
+    "promoted": {"rejected"},
+    "rejected": set(),
+    "error": set(),
+}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def gate_result(evidence: dict[str, Any] | None) -> dict[str, Any]:
+    """The decision inside a gate.json (pipelines.gate.GateReport wraps its GateResult under `gate`)."""
+    if not evidence:
+        return {}
+    inner = evidence.get("gate", evidence)
+    return inner if isinstance(inner, dict) else {}
+
+
+def gate_verdict(evidence: dict[str, Any] | None) -> str | None:
+    verdict = gate_result(evidence).get("verdict")
+    return verdict if isinstance(verdict, str) else None
+
+
+def _read_gate(gate_path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(gate_path.read_text())
+    except FileNotFoundError:
+        raise InputError("gate evidence file does not exist", file=gate_path) from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"gate evidence is not valid JSON ({error})", file=gate_path) from None
+    if not isinstance(value, dict):
+        raise InputError("gate evidence must be a JSON object", file=gate_path)
+    return value
+
+
+# --- the registry ------------------------------------------------------------------------------------
+
+
+class Registry:
+    def __init__(self, path: Path | str | None = None):
+        self.path = Path(path) if path is not None else default_registry_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._create_schema()
+
+    # connection handling
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("PRAGMA synchronous = FULL")
+        except sqlite3.DatabaseError as error:
+            raise InputError(f"cannot open the registry database ({error})", file=self.path) from None
+        return db
+
+    @contextmanager
+    def _transaction(self, mode: Literal["IMMEDIATE", "DEFERRED"] = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """One transaction. IMMEDIATE takes the write lock at BEGIN, so read-then-write cannot race;
+        DEFERRED (readers) gives one consistent snapshot across several SELECTs."""
+        db = self._connect()
+        try:
+            db.execute(f"BEGIN {mode}")
+            try:
+                yield db
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.DatabaseError as error:
+            raise InputError(f"registry database error ({error})", file=self.path) from None
+        finally:
+            db.close()
+
+    def _reader(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self._transaction("DEFERRED")
+
+    def _create_schema(self) -> None:
+        db = self._connect()
+        try:
+            # WAL is a property of the file, kept once set: readers never wait for a writer.
+            db.execute("PRAGMA journal_mode = WAL")
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as error:
+            raise InputError(f"not a registry database ({error})", file=self.path) from None
+        finally:
+            db.close()
+        if found == SCHEMA_VERSION:
+            return
+        if found > SCHEMA_VERSION:
+            raise InputError(f"registry schema {found} is newer than this quantgate's ({SCHEMA_VERSION})", file=self.path)
+        with self._transaction() as db:  # CREATE ... IF NOT EXISTS: concurrent first opens are safe
+            for statement in _SCHEMA:
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    # writing
+
+    def register(self, entry: NewVersion) -> Version:
+        """Add a candidate version; the same artifact with the same gate evidence returns the existing one."""
+        artifact_dir = Path(entry.artifact_path).resolve()
+        verify_artifact(artifact_dir)
+        a_hash = artifact_hash(artifact_dir)
+        gate = _read_gate(Path(entry.gate_path)) if entry.gate_path is not None else None
+        g_hash = sha256_json(gate) if gate is not None else ""
+        with self._transaction() as db:
+            existing = db.execute(
+                "SELECT id FROM versions WHERE model = ? AND artifact_hash = ? AND gate_hash = ?",
+                (entry.source_model, a_hash, g_hash),
+            ).fetchone()
+            if existing:
+                return self._version_by_id(db, existing["id"])
+            number = db.execute(
+                "SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE model = ?", (entry.source_model,)
+            ).fetchone()[0]
+            now = _now()
+            cursor = db.execute(
+                "INSERT INTO versions (model, version, source_hash, artifact_path, artifact_hash, recipe_name,"
+                " recipe_hash, eval_sets, gate_path, gate, gate_hash, status, created_at, updated_at, reason)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'candidate', ?, ?, ?)",
+                (
+                    entry.source_model, number, entry.source_hash, artifact_dir.as_posix(), a_hash,
+                    entry.recipe_name, entry.recipe_hash,
+                    json.dumps([ref.model_dump() for ref in entry.eval_sets]),
+                    Path(entry.gate_path).resolve().as_posix() if entry.gate_path is not None else None,
+                    json.dumps(gate) if gate is not None else None, g_hash, now, now, entry.reason,
+                ),
+            )
+            self._event(db, entry.source_model, number, "registered", reason=entry.reason)
+            return self._version_by_id(db, cursor.lastrowid)
+
+    def promote(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None, *,
+                override_gate: bool = False) -> Version:
+        """Mark a version promoted, after verifying its artifact files against the manifest.
+
+        A version whose own gate evidence says `rejected` is only promoted with override_gate=True,
+        which is recorded in the event's evidence.
+        """
+        version = self.get(version_id)
+        if gate_verdict(version.gate) == "rejected" and not override_gate:
+            raise InputError(
+                f"the gate rejected version {version.version} of {version.model!r} ({version.gate_path});"
+                " promoting it needs an explicit gate override",
+                file=self.path, field="status",
+            )
+        self._verify_stored(version)
+        if override_gate:
+            evidence = {**(evidence or {}), "override_gate": True}
+        return self._set_status(version_id, "promoted", reason, evidence)
+
+    def reject(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None) -> Version:
+        return self._set_status(version_id, "rejected", reason, evidence)
+
+    def mark_error(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None) -> Version:
+        """The version could not be judged (scoring or serving failed)."""
+        return self._set_status(version_id, "error", reason, evidence)
+
+    def set_alias(self, model: str, alias: str, version: int, reason: str = "") -> AliasTarget:
+        """Point `alias` at a promoted version; the previous target is kept for `rollback`."""
+        _check_alias_name(alias)
+        with self._transaction() as db:
+            target = self._version_row(db, model, version)
+            if target["status"] != "promoted":
+                raise InputError(
+                    f"version {version} of {model!r} is {target['status']}; only promoted versions can carry an alias",
+                    file=self.path, field="version",
+                )
+            current = self._alias_top(db, model, alias)
+            if current is not None and current["version_id"] == target["id"]:
+                return self._alias_target(db, model, alias)
+            seq = (current["seq"] + 1) if current is not None else 1
+            db.execute(
+                "INSERT INTO aliases (model, alias, seq, version_id, at) VALUES (?, ?, ?, ?, ?)",
+                (model, alias, seq, target["id"], _now()),
+            )
+            from_version = self._number_of(db, current["version_id"]) if current is not None else None
+            self._event(db, model, version, "alias_set", alias=alias, from_version=from_version,
+                        to_version=version, reason=reason)
+            return self._alias_target(db, model, alias)
+
+    def rollback(self, model: str, alias: str, reason: str = "") -> AliasTarget:
+        """Move `alias` back to the promoted version it pointed at before its current one."""
+        with self._transaction() as db:
+            current = self._alias_top(db, model, alias)
+            if current is None:
+                raise self._unknown_alias(db, model, alias)
+            earlier = db.execute(
+                "SELECT a.seq, a.version_id, v.version FROM aliases a JOIN versions v ON v.id = a.version_id"
+                " WHERE a.model = ? AND a.alias = ? AND a.seq < ? AND v.status = 'promoted'"
+                " AND a.version_id != ? ORDER BY a.seq DESC LIMIT 1",
+                (model, alias, current["seq"], current["version_id"]),
+            ).fetchone()
+            if earlier is None:
+                raise InputError(
+                    f"alias {alias!r} of {model!r} has no earlier promoted version to roll back to",
+                    file=self.path, field="alias",
+                )
+            # Pop the stack down to the earlier target; the events table keeps the full story.
+            db.execute("DELETE FROM aliases WHERE model = ? AND alias = ? AND seq > ?", (model, alias, earlier["seq"]))
+            self._event(db, model, earlier["version"], "alias_rollback", alias=alias,
+                        from_version=self._number_of(db, current["version_id"]),
+                        to_version=earlier["version"], reason=reason)
+            return self._alias_target(db, model, alias)
+
+    # reading
+
+    def list(self, model: str | None = None) -> list[Version]:
+        with self._reader() as db:
+            if model is not None:
+                self._require_model(db, model)
+            rows = db.execute(
+                "SELECT id FROM versions WHERE (? IS NULL OR model = ?) ORDER BY model, version", (model, model)
+            ).fetchall()
+            return [self._version_by_id(db, row["id"]) for row in rows]
+
+    def show(self, model: str, version: int | str) -> Version:
+        """A version by number or alias, as recorded (its files are not checked; see `resolve`)."""
+        with self._reader() as db:
+            return self._version_by_id(db, self._lookup_id(db, model, version))
+
+    def get(self, version_id: int) -> Version:
+        """A version by its registry id (`Version.id`)."""
+        with self._reader() as db:
+            return self._version_by_id(db, version_id)
+
+    def aliases(self, model: str | None = None) -> list[AliasTarget]:
+        with self._reader() as db:
+            rows = db.execute(
+                "SELECT DISTINCT model, alias FROM aliases WHERE (? IS NULL OR model = ?) ORDER BY model, alias",
+                (model, model),
+            ).fetchall()
+            return [self._alias_target(db, row["model"], row["alias"]) for row in rows]
+
+    def history(self, model: str | None = None, *, version: int | None = None,
+                alias: str | None = None) -> list[Event]:
+        with self._reader() as db:
+            if model is not None:
+                self._require_model(db, model)
+            rows = db.execute(
+                "SELECT * FROM events WHERE (? IS NULL OR model = ?) AND (? IS NULL OR alias = ?)"
+                " AND (? IS NULL OR version = ? OR from_version = ? OR to_version = ?) ORDER BY id",
+                (model, model, alias, alias, version, version, version, version),
+            ).fetchall()
+        return [_event_from_row(row) for row in rows]
+
+    def resolve(self, model: str, alias_or_version: str | int) -> Version:
+        """The version an alias or a version number names, with its artifact verified for serving."""
+        version = self.show(model, alias_or_version)
+        self._verify_stored(version)
+        return version
+
+    # internals
+
+    def _set_status(self, version_id: int, status: Status, reason: str, evidence: dict[str, Any] | None) -> Version:
+        with self._transaction() as db:
+            row = self._row_by_id(db, version_id)
+            if row["status"] == status:
+                return self._version_by_id(db, version_id)
+            if status not in _TRANSITIONS[row["status"]]:
+                raise InputError(
+                    f"version {row['version']} of {row['model']!r} is {row['status']} and cannot become {status}",
+                    file=self.path, field="status",
+                )
+            holding = self._aliases_of(db, version_id)
+            if holding:
+                raise InputError(
+                    f"version {row['version']} of {row['model']!r} is the target of alias(es) {', '.join(holding)};"
+                    " move or roll them back first",
+                    file=self.path, field="alias",
+                )
+            db.execute(
+                "UPDATE versions SET status = ?, reason = ?, updated_at = ? WHERE id = ?",
+                (status, reason, _now(), version_id),
+            )
+            self._event(db, row["model"], row["version"], status, reason=reason, evidence=evidence)
+            return self._version_by_id(db, version_id)
+
+    def _verify_stored(self, version: Version) -> None:
+        artifact_dir = Path(version.artifact_path)
+        verify_artifact(artifact_dir)
+        if artifact_hash(artifact_dir) != version.artifact_hash:
+            raise InputError(
+                f"manifest changed since version {version.version} of {version.model!r} was registered",
+                file=artifact_dir / MANIFEST_NAME,
+            )
+
+    def _event(self, db: sqlite3.Connection, model: str, version: int | None, kind: EventKind, *,
+               alias: str | None = None, from_version: int | None = None, to_version: int | None = None,
+               reason: str = "", evidence: dict[str, Any] | None = None) -> None:
+        db.execute(
+            "INSERT INTO events (at, model, version, kind, alias, from_version, to_version, reason, evidence)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (_now(), model, version, kind, alias, from_version, to_version, reason,
+             json.dumps(evidence, default=str) if evidence is not None else None),
+        )
+
+    def _row_by_id(self, db: sqlite3.Connection, version_id: int) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM versions WHERE id = ?", (version_id,)).fetchone()
+        if row is None:
+            raise InputError(f"no registry entry with id {version_id}", file=self.path, field="version_id")
+        return row
+
+    def _version_by_id(self, db: sqlite3.Connection, version_id: int) -> Version:
+        row = self._row_by_id(db, version_id)
+        return Version(
+            id=row["id"], model=row["model"], version=row["version"], source_hash=row["source_hash"],
+            artifact_path=row["artifact_path"], artifact_hash=row["artifact_hash"],
+            recipe_name=row["recipe_name"], recipe_hash=row["recipe_hash"],
+            eval_sets=[EvalSetRef(**ref) for ref in json.loads(row["eval_sets"])],
+            gate_path=row["gate_path"], gate=json.loads(row["gate"]) if row["gate"] else None,
+            gate_hash=row["gate_hash"] or None, status=row["status"], created_at=row["created_at"],
+            updated_at=row["updated_at"], reason=row["reason"], aliases=self._aliases_of(db, version_id),
+        )
+
+    def _require_model(self, db: sqlite3.Connection, model: str) -> None:
+        if db.execute("SELECT 1 FROM versions WHERE model = ? LIMIT 1", (model,)).fetchone() is None:
+            known = [row["model"] for row in db.execute("SELECT DISTINCT model FROM versions ORDER BY model")]
+            raise InputError(
+                f"unknown model {model!r} (registered: {', '.join(known) or 'none'})", file=self.path, field="model"
+            )
+
+    def _version_row(self, db: sqlite3.Connection, model: str, version: int) -> sqlite3.Row:
+        self._require_model(db, model)
+        row = db.execute("SELECT * FROM versions WHERE model = ? AND version = ?", (model, version)).fetchone()
+        if row is None:
+            known = [str(r["version"]) for r in db.execute("SELECT version FROM versions WHERE model = ? ORDER BY version", (model,))]
+            raise InputError(
+                f"model {model!r} has no version {version} (versions: {', '.join(known)})", file=self.path, field="version"
+            )
+        return row
+
+    def _lookup_id(self, db: sqlite3.Connection, model: str, alias_or_version: int | str) -> int:
+        if isinstance(alias_or_version, int) or str(alias_or_version).isdigit():
+            return self._version_row(db, model, int(alias_or_version))["id"]
+        top = self._alias_top(db, model, str(alias_or_version))
+        if top is None:
+            raise self._unknown_alias(db, model, str(alias_or_version))
+        return top["version_id"]
+
+    def _number_of(self, db: sqlite3.Connection, version_id: int) -> int:
+        return self._row_by_id(db, version_id)["version"]
+
+    def _alias_top(self, db: sqlite3.Connection, model: str, alias: str) -> sqlite3.Row | None:
+        return db.execute(
+            "SELECT seq, version_id FROM aliases WHERE model = ? AND alias = ? ORDER BY seq DESC LIMIT 1",
+            (model, alias),
+        ).fetchone()
+
+    def _alias_target(self, db: sqlite3.Connection, model: str, alias: str) -> AliasTarget:
+        rows = db.execute(
+            "SELECT v.version FROM aliases a JOIN versions v ON v.id = a.version_id"
+            " WHERE a.model = ? AND a.alias = ? ORDER BY a.seq DESC LIMIT 2",
+            (model, alias),
+        ).fetchall()
+        return AliasTarget(model=model, alias=alias, version=rows[0]["version"],
+                           previous=rows[1]["version"] if len(rows) > 1 else None)
+
+    def _aliases_of(self, db: sqlite3.Connection, version_id: int) -> list[str]:
+        """Aliases whose current target is this version."""
+        rows = db.execute(
+            "SELECT a.alias FROM aliases a WHERE a.version_id = ? AND a.seq ="
+            " (SELECT MAX(b.seq) FROM aliases b WHERE b.model = a.model AND b.alias = a.alias) ORDER BY a.alias",
+            (version_id,),
+        ).fetchall()
+        return [row["alias"] for row in rows]
+
+    def _unknown_alias(self, db: sqlite3.Connection, model: str, alias: str) -> InputError:
+        self._require_model(db, model)
+        known = [row["alias"] for row in db.execute(
+            "SELECT DISTINCT alias FROM aliases WHERE model = ? ORDER BY alias", (model,))]
+        return InputError(
+            f"model {model!r} has no alias {alias!r} (aliases: {', '.join(known) or 'none'})",
+            file=self.path, field="alias",
+        )
+
+
+def _check_alias_name(alias: str) -> None:
+    if not alias or alias.isdigit() or not all(c.isalnum() or c in "-_." for c in alias):
+        raise InputError(
+            f"alias must be letters, digits, '-', '_' or '.' and not a bare number (got {alias!r})", field="alias"
+        )
+
+
+def _event_from_row(row: sqlite3.Row) -> Event:
+    values = dict(row)
+    values["evidence"] = json.loads(values["evidence"]) if values["evidence"] else None
+    return Event(**values)

@@ -1,0 +1,200 @@
+"""The human report of a gate run: Markdown (report.md) and rich tables for the terminal.
+
+Both renderers draw on the same rows (built once here), so the two views never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from pipelines import output
+from pipelines.gate import GateReport, GateResult, SetVerdict
+from pipelines.policy import SetPolicy
+
+Rows = list[list[str]]
+
+SET_COLUMNS = [
+    "Eval set", "Metric", "n", "Baseline", "Candidate", "Delta [95% CI]", "McNemar p",
+    "Flips R->W / W->R", "KL mean / max", "Min. detectable drop", "Verdict",
+]
+# The terminal table leaves out what the warnings already say, to stay readable at ~100 columns.
+_CONSOLE_SKIP = ("Metric", "Min. detectable drop")
+RULE_COLUMNS = ["Eval set", *SetPolicy.model_fields]
+_HEADER_INPUTS = ("model", "artifact", "recipe", "policy")
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _p_value(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _flips(verdict: SetVerdict) -> str:
+    if verdict.flips_right_to_wrong is None:
+        return "-"
+    return f"{verdict.flips_right_to_wrong} / {verdict.flips_wrong_to_right} ({verdict.flip_rate:.1%})"
+
+
+def _kl(verdict: SetVerdict) -> str:
+    if verdict.kl_mean is None:
+        return "-"
+    return f"{verdict.kl_mean:.4f} / {verdict.kl_max:.4f}"
+
+
+def set_rows(gate: GateResult) -> Rows:
+    """One row per eval set; points with one decimal."""
+    return [
+        [
+            v.eval_set, v.metric, str(v.n), _number(v.baseline_score), _number(v.candidate_score),
+            f"{v.delta:+.1f} [{v.ci_low:+.1f}, {v.ci_high:+.1f}]", _p_value(v.mcnemar_p), _flips(v), _kl(v),
+            _number(v.min_detectable_drop), "pass" if v.passed else "FAIL",
+        ]
+        for v in gate.sets
+    ]
+
+
+def rule_rows(gate: GateResult) -> Rows:
+    """The thresholds each set was judged by, after overrides; '-' for a rule turned off."""
+    return [
+        [v.eval_set, *("-" if value is None else str(value) for value in v.rules.model_dump().values())]
+        for v in gate.sets
+    ]
+
+
+def describe(value: Any) -> str:
+    """An input as one cell: `path (hash prefix)` for {path, hash} records, else the value itself."""
+    if isinstance(value, dict) and "path" in value:
+        digest = value.get("hash")
+        return f"{value['path']} ({str(digest)[:12]})" if digest else str(value["path"])
+    return str(value)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts as dotted keys; {path, hash} records and other leaves as one cell each."""
+    if not isinstance(value, dict) or ("path" in value and prefix):
+        return {prefix: describe(value)}
+    flat: dict[str, str] = {}
+    for key, item in value.items():
+        flat |= flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    return flat
+
+
+def header_rows(report: GateReport) -> Rows:
+    rows = [[key.capitalize(), describe(report.inputs[key])] for key in _HEADER_INPUTS if key in report.inputs]
+    if "recipe" not in report.inputs:
+        rows.append(["Recipe", report.gate.recipe])
+    rows.append(["Verdict", report.gate.verdict.upper()])
+    if report.created_at:
+        rows.append(["Created", report.created_at])
+    return rows
+
+
+def input_rows(report: GateReport) -> Rows:
+    return [[key, text] for key, text in flatten(report.inputs).items()]
+
+
+def stage_rows(stages: dict[str, float]) -> Rows:
+    rows = [[name, f"{seconds:.1f}"] for name, seconds in stages.items()]
+    return rows + [["total", f"{sum(stages.values()):.1f}"]] if rows else []
+
+
+def fit_rows(gate: GateResult) -> Rows:
+    fit = gate.fit
+    if fit is None:
+        return []
+    gib = 1024**3
+    return [[fit.gpu, f"{fit.required_bytes / gib:.2f}", f"{fit.available_bytes / gib:.2f}", "yes" if fit.fits else "NO"]]
+
+
+def plan_tables(plan: dict[str, Any] | None) -> list[tuple[str, list[str], Rows]]:
+    """The plan as tables: each top-level list of records becomes its own table, the rest key/value."""
+    if not plan:
+        return []
+    tables: list[tuple[str, list[str], Rows]] = []
+    scalars = {}
+    for key, value in plan.items():
+        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            columns = list(dict.fromkeys(column for item in value for column in item))
+            tables.append((f"Plan: {key}", columns, [[_cell(item.get(c)) for c in columns] for item in value]))
+        else:
+            scalars[key] = value
+    if scalars:
+        tables.insert(0, ("Plan", ["Field", "Value"], [[k, v] for k, v in flatten(scalars).items()]))
+    return tables
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+# --- Markdown -------------------------------------------------------------------------------------
+
+def _md_table(columns: list[str], rows: Rows) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
+
+    return "\n".join([line(columns), line(["---"] * len(columns)), *(line(row) for row in rows)])
+
+
+def _md_list(items: list[str]) -> str:
+    return "\n".join(f"- {item}" for item in items)
+
+
+def render_markdown(report: GateReport) -> str:
+    """A self-contained Markdown report of one gate run."""
+    gate = report.gate
+    parts = [f"# Quantization gate: {gate.verdict.upper()}", _md_table(["", ""], header_rows(report))]
+    parts += ["## Eval sets", _md_table(SET_COLUMNS, set_rows(gate)),
+              f"Scores in points (metric x 100). Delta = candidate - baseline with its {gate.settings.confidence:.0%} "
+              f"paired bootstrap CI ({gate.settings.bootstrap_resamples} resamples, seed {gate.settings.seed}); "
+              f"min. detectable drop at alpha {gate.settings.alpha}, power {gate.settings.power}."]
+    parts += ["## Reasons", _md_list(gate.reasons) if gate.reasons else "None: every rule passed."]
+    if gate.warnings:
+        parts += ["## Warnings", _md_list(gate.warnings)]
+    parts += ["## Rules applied", _md_table(RULE_COLUMNS, rule_rows(gate))]
+    if gate.fit is not None:
+        parts += ["## Fit", _md_table(["GPU", "Required GiB", "Available GiB", "Fits"], fit_rows(gate))]
+    for title, columns, rows in plan_tables(report.plan):
+        parts += [f"## {title}", _md_table(columns, rows)]
+    if report.stages:
+        parts += ["## Stage times", _md_table(["Stage", "Seconds"], stage_rows(report.stages))]
+    if report.inputs:
+        parts += ["## Inputs", _md_table(["Input", "Value"], input_rows(report))]
+    return "\n\n".join(parts) + "\n"
+
+
+# --- Terminal -------------------------------------------------------------------------------------
+
+def _table(title: str | None, columns: list[str], rows: Rows):
+    """output.table with markup escaped: set names and CI brackets are text, not rich tags."""
+    return output.table(title, columns, [[escape(cell) for cell in row] for row in rows])
+
+
+def render_console(report: GateReport, console: Console | None = None) -> None:
+    """The same report as rich tables, for the terminal."""
+    out = console or output.console
+    gate = report.gate
+    colour = "green" if gate.verdict == "promoted" else "red"
+    out.print(f"[bold {colour}]{gate.verdict.upper()}[/bold {colour}]")
+    for key, value in header_rows(report):
+        if key != "Verdict":
+            out.print(f"{key}: {escape(value)}")
+    keep = [i for i, column in enumerate(SET_COLUMNS) if column not in _CONSOLE_SKIP]
+    rows = [[row[i] for i in keep] for row in set_rows(gate)]
+    out.print(_table("Eval sets (points)", [SET_COLUMNS[i] for i in keep], rows))
+    for title, items, style in (("Reasons", gate.reasons, "red"), ("Warnings", gate.warnings, "yellow")):
+        if items:
+            out.print(f"[bold]{title}[/bold]")
+            for item in items:
+                out.print(f"  [{style}]-[/{style}] {escape(item)}")
+    if gate.fit is not None:
+        out.print(_table("Fit", ["GPU", "Required GiB", "Available GiB", "Fits"], fit_rows(gate)))
+    for title, columns, rows in plan_tables(report.plan):
+        out.print(_table(title, columns, rows))
+    if report.stages:
+        out.print(_table("Stage times", ["Stage", "Seconds"], stage_rows(report.stages)))

@@ -1,0 +1,242 @@
+"""The gate's decisions on constructed eval sets with known answers."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pipelines import stats
+from pipelines.errors import InputError
+from pipelines.gate import (
+    FitCheck,
+    GateReport,
+    PairedItem,
+    SetComparison,
+    decide,
+    load_report,
+    save_report,
+)
+from pipelines.policy import Policy, RuleOverrides, SetPolicy
+
+GIB = 1024**3
+RULES = SetPolicy(
+    max_abs_drop=2.0, max_rel_drop=0.05, non_inferiority=True, ni_margin=5.0, max_flip_rate=0.05, max_kl=0.1, min_items=100
+)
+
+
+def policy(**changes) -> Policy:
+    eval_sets = changes.pop("eval_sets", {})
+    return Policy(defaults=RULES.model_copy(update=changes), eval_sets=eval_sets)
+
+
+def pass_fail_set(
+    name: str,
+    *,
+    right_to_wrong: int = 0,
+    wrong_to_right: int = 0,
+    both_right: int = 0,
+    both_wrong: int = 0,
+    kl: float | None = 0.01,
+) -> SetComparison:
+    cells = (
+        [(1.0, 0.0)] * right_to_wrong + [(0.0, 1.0)] * wrong_to_right + [(1.0, 1.0)] * both_right + [(0.0, 0.0)] * both_wrong
+    )
+    items = [PairedItem(item_id=f"{name}-{i}", baseline=b, candidate=c, kl=kl) for i, (b, c) in enumerate(cells)]
+    return SetComparison(
+        eval_set=name, metric="exact_match", binary=True, items=items, kl_method="test" if kl is not None else None
+    )
+
+
+def test_identical_baseline_and_candidate_is_promoted_with_zero_delta_and_no_flips():
+    result = decide([pass_fail_set("tickets", both_right=200, both_wrong=50)], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert result.verdict == "promoted" and result.exit_code == 0
+    assert (verdict.baseline_score, verdict.candidate_score) == (80.0, 80.0)
+    assert (verdict.delta, verdict.ci_low, verdict.ci_high) == (0.0, 0.0, 0.0)
+    assert (verdict.flips_right_to_wrong, verdict.flips_wrong_to_right, verdict.flip_rate) == (0, 0, 0.0)
+    assert verdict.mcnemar_p == 1.0
+    assert verdict.passed and result.reasons == [] and result.warnings == []
+
+
+def test_small_drop_that_is_not_significant_passes():
+    # 5 lost, 3 gained of 250: delta -0.8 points; exact McNemar p = 2 * (1+8+28+56) / 2^8 = 186/256.
+    result = decide([pass_fail_set("tickets", right_to_wrong=5, wrong_to_right=3, both_right=200, both_wrong=42)], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.delta == pytest.approx(-0.8)
+    assert verdict.mcnemar_p == pytest.approx(186 / 256)
+    assert verdict.ci_low < -0.8 < verdict.ci_high
+    assert verdict.passed and result.verdict == "promoted"
+
+
+def test_flat_score_with_many_flips_is_rejected_by_flip_rate_alone():
+    # 18 lost and 18 gained of 300: the average does not move, but 6% of answers went wrong.
+    result = decide([pass_fail_set("tickets", right_to_wrong=18, wrong_to_right=18, both_right=230, both_wrong=34)], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.delta == 0.0
+    assert verdict.ci_low > -5.0  # non-inferiority holds; only the flip rule fails
+    assert result.verdict == "rejected" and result.exit_code == 1
+    assert result.reasons == ["tickets: flip rate 0.060 (18/300 right->wrong) > max_flip_rate 0.05"]
+
+
+def test_large_drop_is_rejected_naming_set_rule_and_numbers():
+    result = decide([pass_fail_set("order_extraction", right_to_wrong=25, both_right=150, both_wrong=25)], policy(max_flip_rate=None), "w8a8")
+    assert result.verdict == "rejected"
+    assert "order_extraction: drop 12.50 points > max_abs_drop 2.0" in result.reasons
+    assert any(reason.startswith("order_extraction: 95% CI lower bound") for reason in result.reasons)
+    # A clear rejection is not qualified by "too small to decide" or "significant" warnings.
+    assert result.warnings == []
+
+
+def test_drop_of_exactly_the_limit_passes():
+    # 7 of 100 is 7.0 points, but 100 * (7 / 100) is 7.000000000000001 in floating point.
+    rules = policy(max_abs_drop=7.0, max_rel_drop=None, max_flip_rate=None, non_inferiority=False)
+    result = decide([pass_fail_set("tickets", right_to_wrong=7, both_right=93)], rules, "w8a8")
+    assert result.sets[0].delta == -7.0
+    assert result.verdict == "promoted", result.reasons
+
+
+def test_set_too_small_to_decide_warns_with_smallest_detectable_drop():
+    result = decide([pass_fail_set("tiny", both_right=18, both_wrong=2)], policy(), "w8a8")
+    verdict = result.sets[0]
+    expected = 100 * stats.min_detectable_drop_binary(20, 0.0)
+    assert verdict.min_detectable_drop == pytest.approx(expected, abs=1e-6)
+    assert verdict.passed  # a warning, not a rejection
+    assert "tiny: 20 items < min_items 100" in verdict.warnings
+    assert any("too small to decide" in w and f"{expected:.1f} points" in w for w in verdict.warnings)
+
+
+def test_large_set_gives_no_power_warning():
+    result = decide([pass_fail_set("big", right_to_wrong=5, wrong_to_right=5, both_right=400, both_wrong=90)], policy(), "w8a8")
+    assert result.sets[0].min_detectable_drop < 5.0
+    assert not any("too small" in w for w in result.warnings)
+
+
+def test_noisy_set_fails_non_inferiority_despite_small_point_estimate():
+    # 6 lost, 5 gained of 60: delta -1.7 points (within 2.0), but the CI reaches far below -5.
+    comparison = pass_fail_set("tickets", right_to_wrong=6, wrong_to_right=5, both_right=45, both_wrong=4)
+    result = decide([comparison], policy(max_flip_rate=None, min_items=10), "w8a8")
+    verdict = result.sets[0]
+    assert -2.0 < verdict.delta < 0 and verdict.ci_low < -5.0
+    assert len(result.reasons) == 1 and "< -ni_margin -5.0 (non-inferiority not shown)" in result.reasons[0]
+    assert decide([comparison], policy(max_flip_rate=None, min_items=10, non_inferiority=False), "w8a8").verdict == "promoted"
+
+
+def test_relative_drop_rejects_on_a_low_baseline():
+    # Baseline 20 points; 6 lost of 400 is 1.5 points (within 2.0) but 7.5% of the baseline.
+    result = decide([pass_fail_set("hard", right_to_wrong=6, both_right=74, both_wrong=320)], policy(), "w8a8")
+    assert result.reasons == ["hard: relative drop 0.075 of baseline 20.00 > max_rel_drop 0.05"]
+
+
+def test_significant_drop_within_policy_passes_with_a_warning():
+    result = decide([pass_fail_set("big", right_to_wrong=30, wrong_to_right=5, both_right=1565, both_wrong=400)], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.delta == pytest.approx(-1.25)
+    assert verdict.mcnemar_p < 0.001 and verdict.passed
+    assert any("statistically significant" in w for w in verdict.warnings)
+
+
+def test_kl_above_limit_rejects():
+    result = decide([pass_fail_set("tickets", both_right=200, both_wrong=50, kl=0.25)], policy(), "w8a8")
+    assert result.sets[0].kl_mean == pytest.approx(0.25) and result.sets[0].kl_max == pytest.approx(0.25)
+    assert result.reasons == ["tickets: mean KL 0.2500 nats/token > max_kl 0.1"]
+
+
+def test_missing_kl_warns_instead_of_rejecting():
+    result = decide([pass_fail_set("tickets", both_right=200, both_wrong=50, kl=None)], policy(), "w8a8")
+    assert result.verdict == "promoted"
+    assert result.warnings == ["tickets: KL not measured; max_kl 0.1 not checked"]
+
+
+def test_partial_kl_is_reported():
+    comparison = pass_fail_set("tickets", both_right=200, both_wrong=50, kl=0.02)
+    comparison.items[0].kl = None
+    result = decide([comparison], policy(), "w8a8")
+    assert result.sets[0].kl_items == 249
+    assert "tickets: KL measured on 249 of 250 items" in result.warnings
+
+
+def test_fit_failure_rejects_even_when_quality_holds():
+    fit = FitCheck(fits=False, required_bytes=30 * GIB, available_bytes=24 * GIB, gpu="L4-24GB")
+    result = decide([pass_fail_set("tickets", both_right=200, both_wrong=50)], policy(), "w8a8", fit=fit)
+    assert result.verdict == "rejected"
+    assert result.reasons == ["fit: needs 30.0 GiB > 24.0 GiB available on L4-24GB"]
+    fits = fit.model_copy(update={"fits": True, "required_bytes": 10 * GIB})
+    assert decide([pass_fail_set("tickets", both_right=200, both_wrong=50)], policy(), "w8a8", fit=fits).verdict == "promoted"
+
+
+def test_eval_set_override_applies_to_its_set_only():
+    strict = policy(eval_sets={"orders": RuleOverrides(max_abs_drop=1.0)})
+    sets = [
+        pass_fail_set("orders", right_to_wrong=6, both_right=294, both_wrong=100),
+        pass_fail_set("tickets", right_to_wrong=6, both_right=294, both_wrong=100),
+    ]
+    result = decide(sets, strict, "w8a8")
+    assert [v.passed for v in result.sets] == [False, True]
+    assert result.reasons == ["orders: drop 1.50 points > max_abs_drop 1.0"]
+    assert result.sets[0].rules.max_abs_drop == 1.0 and result.sets[1].rules.max_abs_drop == 2.0
+
+
+def test_override_for_a_set_that_was_not_scored_is_a_warning():
+    result = decide([pass_fail_set("tickets", both_right=200, both_wrong=50)], policy(eval_sets={"oders": RuleOverrides(max_kl=0.5)}), "w8a8")
+    assert result.verdict == "promoted"
+    assert "policy: eval_sets override 'oders' matches no scored eval set" in result.warnings
+
+
+def test_continuous_metric_has_no_flips_or_mcnemar():
+    items = [PairedItem(item_id=str(i), baseline=0.8, candidate=0.8 - 0.001 * (i % 3)) for i in range(200)]
+    comparison = SetComparison(eval_set="summaries", metric="f1", binary=False, items=items)
+    verdict = decide([comparison], policy(max_kl=None), "w8a8").sets[0]
+    assert verdict.mcnemar_p is None and verdict.flips_right_to_wrong is None and verdict.flip_rate is None
+    assert verdict.delta == pytest.approx(-0.1 * (0 + 1 + 2) / 3, abs=0.01)
+    assert verdict.passed
+    assert "summaries: metric 'f1' is not pass/fail; max_flip_rate not checked" in verdict.warnings
+
+
+@pytest.mark.parametrize(
+    ("items", "binary", "kl_method", "message"),
+    [
+        ([PairedItem(item_id="a", baseline=0.5, candidate=1.0)], True, None, "binary metric"),
+        ([PairedItem(item_id="a", baseline=1, candidate=1)] * 2, True, None, "more than once"),
+        ([PairedItem(item_id="a", baseline=1, candidate=1, kl=0.1)], True, None, "kl_method"),
+        ([], True, None, "at least 1"),
+    ],
+)
+def test_inconsistent_comparisons_are_refused(items, binary, kl_method, message):
+    with pytest.raises(ValidationError, match=message):
+        SetComparison(eval_set="x", metric="acc", binary=binary, items=items, kl_method=kl_method)
+
+
+def test_scores_must_be_fractions():
+    with pytest.raises(ValidationError):
+        PairedItem(item_id="a", baseline=85.0, candidate=1.0)
+
+
+def test_no_sets_or_duplicate_sets_are_input_errors():
+    with pytest.raises(InputError, match="no eval set"):
+        decide([], policy(), "w8a8")
+    twice = pass_fail_set("tickets", both_right=10)
+    with pytest.raises(InputError, match="scored twice"):
+        decide([twice, twice], policy(), "w8a8")
+
+
+def test_report_round_trips_through_json(tmp_path):
+    gate = decide([pass_fail_set("tickets", right_to_wrong=3, both_right=200, both_wrong=47)], policy(), "w8a8")
+    report = GateReport(
+        inputs={"model": {"path": "models/demo", "hash": "ab" * 32}},
+        stages={"quantize": 1.5, "score": 30.0},
+        plan={"fits": True},
+        gate=gate,
+    )
+    path = tmp_path / "gate.json"
+    save_report(report, path)
+    assert load_report(path) == report
+
+
+def test_load_report_refuses_bad_files(tmp_path):
+    path = tmp_path / "gate.json"
+    path.write_text('{"gate": {"verdict": "maybe"}}')
+    with pytest.raises(InputError) as raised:
+        load_report(path)
+    assert raised.value.file == str(path)
+    with pytest.raises(InputError, match="no such gate report"):
+        load_report(tmp_path / "missing.json")

@@ -1,0 +1,132 @@
+"""MLflow export: gate numbers as tags, refusal of unpromoted versions, and a real export to a local store."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import main
+from pipelines.errors import InputError
+from pipelines.hashing import file_hashes
+from pipelines.mlflow_export import export_to_mlflow, gate_tags
+from pipelines.registry import MANIFEST_FILES_KEY, NewVersion, Registry, Version
+
+needs_mlflow = pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None,
+    reason="mlflow is not installed (optional extra `mlflow`; pip install 'quantgate[mlflow]')",
+)
+
+GATE_REPORT = {
+    "schema_version": 1,
+    "inputs": {"artifact": {"hash": "abc"}},
+    "gate": {
+        "verdict": "promoted",
+        "sets": [
+            {"eval_set": "tickets", "metric": "acc", "n": 200, "delta": -0.5, "ci_low": -1.5, "ci_high": 0.5,
+             "flips_right_to_wrong": 3, "flips_wrong_to_right": 2, "flip_rate": 0.015, "kl_mean": 0.004,
+             "kl_max": None, "passed": True, "rules": {"max_kl": 0.05}},
+            {"eval_set": "orders", "metric": "exact_match", "n": 100, "delta": 0.0, "ci_low": -1.0, "ci_high": 1.0,
+             "flips_right_to_wrong": 0, "flips_wrong_to_right": 0, "flip_rate": 0.0, "kl_mean": 0.001,
+             "kl_max": 0.01, "passed": True, "rules": {"max_kl": 0.05}},
+        ],
+        "reasons": [],
+    },
+}
+
+
+def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, Version]:
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "model.safetensors").write_bytes(b"int8 weights")
+    (artifact / "config.json").write_text("{}")
+    (artifact / "manifest.json").write_text(json.dumps({MANIFEST_FILES_KEY: file_hashes(artifact)}))
+    (tmp_path / "gate.json").write_text(json.dumps(GATE_REPORT))
+    registry = Registry(tmp_path / "registry.db")
+    version = registry.register(NewVersion(
+        source_model=model, source_hash="src", artifact_path=artifact, recipe_name="w8a8", recipe_hash="rh",
+        gate_path=tmp_path / "gate.json",
+    ))
+    return registry, registry.promote(version.id, "gate passed")
+
+
+def test_gate_tags_carry_verdict_and_per_set_numbers() -> None:
+    tags = gate_tags(GATE_REPORT)
+    assert tags["gate.verdict"] == "promoted"
+    assert (tags["gate.tickets.delta"], tags["gate.tickets.ci_low"], tags["gate.tickets.ci_high"]) == ("-0.5", "-1.5", "0.5")
+    assert tags["gate.tickets.flips_right_to_wrong"] == "3" and tags["gate.orders.kl_mean"] == "0.001"
+    assert "gate.tickets.kl_max" not in tags  # null numbers are left out, not written as "None"
+    assert not any("rules" in key or "inputs" in key for key in tags)
+    assert gate_tags(None) == {}
+
+
+def test_only_promoted_versions_are_exported(tmp_path: Path) -> None:
+    registry, version = make_promoted(tmp_path)
+    candidate = version.model_copy(update={"status": "candidate"})
+    with pytest.raises(InputError, match="only promoted"):
+        export_to_mlflow(candidate, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.fixture
+def offline_mlflow(monkeypatch) -> list:
+    """No MLflow settings from the environment, and any attempt to open a network connection recorded."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"):
+        monkeypatch.delenv(name, raising=False)
+    attempts: list = []
+    real_connect = socket.socket.connect
+
+    def guarded_connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            attempts.append(address)
+            raise OSError("network access attempted during the MLflow export test")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+    return attempts
+
+
+@needs_mlflow
+def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Path, offline_mlflow, capsys) -> None:
+    from mlflow import MlflowClient
+
+    registry, version = make_promoted(tmp_path)
+    uri = f"sqlite:///{(tmp_path / 'mlruns' / 'mlflow.db').as_posix()}"
+    result = export_to_mlflow(version, tracking_uri=uri, alias="production")
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exported = client.get_model_version_by_alias("demo-llama", "production")
+    assert int(exported.version) == result.model_version and not result.reused
+    assert exported.tags["gate.verdict"] == "promoted"
+    assert exported.tags["gate.tickets.delta"] == "-0.5" and exported.tags["gate.orders.ci_high"] == "1.0"
+    assert exported.tags["quantgate.artifact_hash"] == version.artifact_hash
+    assert client.get_run(result.run_id).data.tags["gate.tickets.flip_rate"] == "0.015"
+
+    downloaded = Path(client.download_artifacts(result.run_id, "artifact", str(tmp_path / "download")))
+    assert file_hashes(downloaded) == file_hashes(Path(version.artifact_path))
+    assert (tmp_path / "mlruns" / "mlflow-artifacts").is_dir()  # beside the store, not ./mlruns
+
+    # The same version again: the first export is reused; the CLI goes through the same path.
+    code = main(["registry", "export-mlflow", "demo-llama", "1", "--tracking-uri", uri, "--alias", "stable",
+                 "--registry", str(registry.path), "--json"])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again["reused"] and again["model_version"] == result.model_version
+    assert len(client.search_model_versions("name = 'demo-llama'")) == 1
+    assert int(client.get_model_version_by_alias("demo-llama", "stable").version) == result.model_version
+    assert offline_mlflow == []  # no connection attempted
+    # MLflow's usage telemetry (off under pytest anyway) is switched off for every export.
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true" and os.environ["DO_NOT_TRACK"] == "true"
+
+
+@needs_mlflow
+def test_export_refuses_a_tampered_artifact(tmp_path: Path, offline_mlflow, capsys) -> None:
+    registry, version = make_promoted(tmp_path)
+    (Path(version.artifact_path) / "model.safetensors").write_bytes(b"swapped")
+    code = main(["registry", "export-mlflow", "demo-llama", "1", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
+                 "--registry", str(registry.path)])
+    assert code == 2 and "model.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "m.db").exists()

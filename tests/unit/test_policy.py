@@ -1,0 +1,137 @@
+"""Policy files: validation, override precedence, the shipped default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.errors import InputError
+from pipelines.policy import DEFAULT_POLICY, RuleOverrides, SetPolicy, load_policy
+
+DEFAULTS = {
+    "max_abs_drop": 2.0,
+    "max_rel_drop": 0.05,
+    "non_inferiority": True,
+    "ni_margin": 5.0,
+    "max_flip_rate": 0.05,
+    "max_kl": 0.1,
+    "min_items": 100,
+}
+
+
+def write_policy(tmp_path: Path, **sections) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "defaults": dict(DEFAULTS), **sections}))
+    return path
+
+
+def test_shipped_default_policy_loads_with_documented_values():
+    policy = load_policy(DEFAULT_POLICY)
+    rules = policy.for_set("any-recipe", "any-set")
+    assert rules.max_abs_drop == 2.0
+    assert rules.non_inferiority and rules.ni_margin == 5.0
+    assert rules.max_flip_rate == 0.05
+    assert rules.max_kl == 0.1
+
+
+def test_policy_by_name_resolves_to_policies_folder():
+    assert load_policy("default") == load_policy(DEFAULT_POLICY)
+
+
+def test_precedence_eval_set_over_recipe_over_defaults(tmp_path):
+    path = write_policy(
+        tmp_path,
+        recipes={"w4a16": {"max_abs_drop": 3.0, "max_kl": 0.2}},
+        eval_sets={"orders": {"max_abs_drop": 1.0}},
+    )
+    policy = load_policy(path)
+    assert policy.for_set("w8a8", "tickets").max_abs_drop == 2.0
+    assert policy.for_set("w4a16", "tickets").max_abs_drop == 3.0
+    assert policy.for_set("w8a8", "orders").max_abs_drop == 1.0
+    both = policy.for_set("w4a16", "orders")
+    assert both.max_abs_drop == 1.0  # eval set beats recipe
+    assert both.max_kl == 0.2  # the recipe still applies where the eval set is silent
+    assert both.max_flip_rate == 0.05  # and defaults where both are
+
+
+def test_explicit_null_turns_a_rule_off_but_omission_inherits(tmp_path):
+    path = write_policy(tmp_path, recipes={"gptq": {"max_kl": None}}, eval_sets={"free_text": {"max_flip_rate": None}})
+    policy = load_policy(path)
+    assert policy.for_set("gptq", "orders").max_kl is None
+    assert policy.for_set("w8a8", "orders").max_kl == 0.1
+    assert policy.for_set("gptq", "free_text").max_flip_rate is None
+
+
+@pytest.mark.parametrize(
+    ("sections", "field"),
+    [
+        ({"defaults": {**DEFAULTS, "max_abs_dorp": 1.0}}, "defaults.max_abs_dorp"),
+        ({"eval_sets": {"orders": {"max_flip": 0.1}}}, "eval_sets.orders.max_flip"),
+        ({"recipes": {"w8a8": {"fit": {"gpu": "L4-24GB", "max_model_len": 2048, "gpus": 2}}}}, "recipes.w8a8.fit.gpus"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_unknown_keys_are_refused_naming_file_and_field(tmp_path, sections, field):
+    path = write_policy(tmp_path, **sections)
+    with pytest.raises(InputError) as raised:
+        load_policy(path)
+    assert raised.value.field == field
+    assert raised.value.file == str(path)
+    assert "unknown key" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("sections", "field"),
+    [
+        ({"defaults": {**DEFAULTS, "max_flip_rate": 1.5}}, "defaults.max_flip_rate"),
+        ({"defaults": {**DEFAULTS, "ni_margin": 0}}, "defaults.ni_margin"),
+        ({"defaults": {k: v for k, v in DEFAULTS.items() if k != "max_kl"}}, "defaults.max_kl"),
+        ({"eval_sets": {"orders": {"ni_margin": None}}}, "eval_sets.orders.ni_margin"),
+        ({"recipes": {"w8a8": {"min_items": None}}}, "recipes.w8a8.min_items"),
+        ({"schema_version": 2}, "schema_version"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(tmp_path, sections, field):
+    with pytest.raises(InputError) as raised:
+        load_policy(write_policy(tmp_path, **sections))
+    assert raised.value.field == field
+
+
+def test_fit_requirement_needs_exactly_one_target(tmp_path):
+    with pytest.raises(InputError, match="exactly one of `gpu` or `memory_gib`"):
+        load_policy(write_policy(tmp_path, fit={"gpu": "L4-24GB", "memory_gib": 24, "max_model_len": 2048}))
+    with pytest.raises(InputError, match="exactly one"):
+        load_policy(write_policy(tmp_path, fit={"max_model_len": 2048}))
+
+
+def test_fit_for_recipe_override_beats_top_level(tmp_path):
+    path = write_policy(
+        tmp_path,
+        fit={"gpu": "A100-80GB", "max_model_len": 8192, "concurrency": 32},
+        recipes={"w4a16": {"fit": {"memory_gib": 24, "max_model_len": 4096}}, "w8a8": {"max_kl": 0.05}},
+    )
+    policy = load_policy(path)
+    assert policy.fit_for("w8a8").gpu == "A100-80GB"
+    small = policy.fit_for("w4a16")
+    assert (small.memory_gib, small.max_model_len, small.concurrency) == (24, 4096, 1)
+    assert load_policy(write_policy(tmp_path, fit={"gpu": "L4", "max_model_len": 512}, recipes={"cpu": {"fit": None}})).fit_for("cpu") is None
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: [unclosed\n")
+    with pytest.raises(InputError) as raised:
+        load_policy(bad)
+    assert raised.value.field.startswith("line ")
+    with pytest.raises(InputError, match="no such policy"):
+        load_policy(tmp_path / "missing.yaml")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n")
+    with pytest.raises(InputError, match="mapping"):
+        load_policy(listing)
+
+
+def test_override_model_names_the_same_rules_as_set_policy():
+    assert list(RuleOverrides.model_fields) == list(SetPolicy.model_fields)

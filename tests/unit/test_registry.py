@@ -1,0 +1,382 @@
+"""The model registry: versions, integrity checks, status changes, aliases, history, concurrency, CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import main
+from pipelines.errors import InputError
+from pipelines.hashing import file_hashes, sha256_json
+from pipelines.registry import (
+    MANIFEST_FILES_KEY,
+    EvalSetRef,
+    NewVersion,
+    Registry,
+    artifact_hash,
+    default_registry_path,
+    verify_artifact,
+)
+
+
+def make_artifact(folder: Path, weights: bytes = b"weights") -> Path:
+    """A quantized-artifact folder as pipelines.quantize leaves it: files plus manifest.json."""
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "config.json").write_text('{"quantization_config": {}}')
+    (folder / "sub" / "tokenizer.json").write_text("{}")
+    manifest = {MANIFEST_FILES_KEY: file_hashes(folder)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def make_gate(path: Path, verdict: str = "promoted", delta: float = -0.5) -> Path:
+    """A gate.json in the shape pipelines.gate.GateReport writes (only the fields the registry reads)."""
+    report = {
+        "schema_version": 1,
+        "inputs": {},
+        "gate": {
+            "verdict": verdict,
+            "sets": [{"eval_set": "tickets", "delta": delta, "ci_low": delta - 1, "ci_high": delta + 1,
+                      "flips_right_to_wrong": 2, "flip_rate": 0.01, "kl_mean": 0.003, "passed": verdict == "promoted"}],
+            "reasons": [] if verdict == "promoted" else ["tickets: delta below limit"],
+        },
+    }
+    path.write_text(json.dumps(report))
+    return path
+
+
+def new_version(artifact: Path, gate: Path | None = None, model: str = "demo-llama") -> NewVersion:
+    return NewVersion(
+        source_model=model, source_hash="src-hash", artifact_path=artifact, recipe_name="w8a8",
+        recipe_hash="recipe-hash", eval_sets=[EvalSetRef(name="tickets", hash="set-hash")], gate_path=gate,
+    )
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    return Registry(tmp_path / "registry.db")
+
+
+def promoted(registry: Registry, tmp_path: Path, name: str) -> int:
+    """Register and promote a fresh artifact; returns its version number."""
+    artifact = make_artifact(tmp_path / name, weights=name.encode())
+    version = registry.register(new_version(artifact, make_gate(tmp_path / f"{name}-gate.json")))
+    return registry.promote(version.id, "gate passed").version
+
+
+# --- integrity ----------------------------------------------------------------------------------------
+
+
+def test_verify_artifact_accepts_an_intact_artifact(tmp_path: Path) -> None:
+    verify_artifact(make_artifact(tmp_path / "a"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (lambda a: (a / "model.safetensors").write_bytes(b"tampered"), "model.safetensors"),
+        (lambda a: (a / "sub" / "tokenizer.json").unlink(), "tokenizer.json"),
+        (lambda a: (a / "extra.bin").write_bytes(b"x"), "extra.bin"),
+        (lambda a: (a / "manifest.json").unlink(), "manifest.json"),
+        (lambda a: (a / "manifest.json").write_text('{"other": 1}'), "manifest.json"),
+    ],
+    ids=["changed", "missing", "added", "no-manifest", "manifest-without-files"],
+)
+def test_verify_artifact_names_the_bad_file(tmp_path: Path, damage, named: str) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    damage(artifact)
+    with pytest.raises(InputError, match=named):
+        verify_artifact(artifact)
+
+
+def test_artifact_hash_is_the_hash_of_the_manifest_file_hashes(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    expected = sha256_json(json.loads((artifact / "manifest.json").read_text())[MANIFEST_FILES_KEY])
+    assert artifact_hash(artifact) == expected
+    assert artifact_hash(make_artifact(tmp_path / "b", weights=b"other")) != expected
+
+
+# --- registering ----------------------------------------------------------------------------------------
+
+
+def test_register_records_everything_and_numbers_per_model(registry: Registry, tmp_path: Path) -> None:
+    gate = make_gate(tmp_path / "gate.json")
+    first = registry.register(new_version(make_artifact(tmp_path / "a"), gate))
+    second = registry.register(new_version(make_artifact(tmp_path / "b", b"b"), gate))
+    other = registry.register(new_version(make_artifact(tmp_path / "c", b"c"), gate, model="other-model"))
+    assert (first.version, second.version, other.version) == (1, 2, 1)
+    assert first.status == "candidate" and first.aliases == []
+    assert first.artifact_path == (tmp_path / "a").resolve().as_posix()
+    assert first.artifact_hash == artifact_hash(tmp_path / "a")
+    assert first.gate == json.loads(gate.read_text()) and first.gate_path == gate.resolve().as_posix()
+    assert first.eval_sets == [EvalSetRef(name="tickets", hash="set-hash")]
+    assert registry.show("demo-llama", 1) == first
+
+
+def test_register_is_idempotent_on_artifact_and_gate_evidence(registry: Registry, tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    first = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json", delta=-0.5)))
+    again = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json", delta=-0.5)))
+    regated = registry.register(new_version(artifact, make_gate(tmp_path / "g2.json", delta=-0.7)))
+    assert again.id == first.id
+    assert regated.version == 2
+    assert [e.kind for e in registry.history("demo-llama")] == ["registered", "registered"]
+
+
+def test_register_refuses_an_incomplete_artifact(registry: Registry, tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    (artifact / "manifest.json").unlink()
+    with pytest.raises(InputError, match="manifest"):
+        registry.register(new_version(artifact))
+    with pytest.raises(InputError, match="does not exist"):
+        registry.register(new_version(tmp_path / "nowhere"))
+    assert registry.list() == []
+
+
+def test_register_refuses_unreadable_gate_evidence(registry: Registry, tmp_path: Path) -> None:
+    (tmp_path / "gate.json").write_text("{not json")
+    with pytest.raises(InputError, match="gate.json"):
+        registry.register(new_version(make_artifact(tmp_path / "a"), tmp_path / "gate.json"))
+
+
+# --- status ---------------------------------------------------------------------------------------------
+
+
+def test_promote_and_reject_are_recorded_with_reason_and_evidence(registry: Registry, tmp_path: Path) -> None:
+    one = registry.register(new_version(make_artifact(tmp_path / "a")))
+    two = registry.register(new_version(make_artifact(tmp_path / "b", b"b")))
+    assert registry.promote(one.id, "gate passed", {"gate": "g.json"}).status == "promoted"
+    rejected = registry.reject(two.id, "tickets dropped 3 points")
+    assert (rejected.status, rejected.reason) == ("rejected", "tickets dropped 3 points")
+    events = registry.history("demo-llama")
+    assert [(e.kind, e.version) for e in events] == [("registered", 1), ("registered", 2), ("promoted", 1), ("rejected", 2)]
+    assert events[2].evidence == {"gate": "g.json"} and events[3].reason == "tickets dropped 3 points"
+
+
+def test_promote_verifies_the_artifact_first(registry: Registry, tmp_path: Path) -> None:
+    version = registry.register(new_version(make_artifact(tmp_path / "a")))
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"swapped after registration")
+    with pytest.raises(InputError, match="model.safetensors"):
+        registry.promote(version.id, "gate passed")
+    assert registry.show("demo-llama", 1).status == "candidate"
+
+
+def test_promote_refuses_a_gate_rejected_version_without_override(registry: Registry, tmp_path: Path) -> None:
+    gate = make_gate(tmp_path / "gate.json", verdict="rejected")
+    version = registry.register(new_version(make_artifact(tmp_path / "a"), gate))
+    with pytest.raises(InputError, match="gate rejected"):
+        registry.promote(version.id, "I like it")
+    assert registry.promote(version.id, "accepted risk", override_gate=True).status == "promoted"
+    assert registry.history("demo-llama")[-1].evidence == {"override_gate": True}
+
+
+def test_illegal_transitions_are_refused(registry: Registry, tmp_path: Path) -> None:
+    version = registry.register(new_version(make_artifact(tmp_path / "a")))
+    registry.reject(version.id, "bad")
+    with pytest.raises(InputError, match="rejected and cannot become promoted"):
+        registry.promote(version.id, "changed my mind")
+    broken = registry.register(new_version(make_artifact(tmp_path / "b", b"b")))
+    registry.mark_error(broken.id, "server died")
+    with pytest.raises(InputError, match="error and cannot become rejected"):
+        registry.reject(broken.id, "x")
+
+
+# --- aliases --------------------------------------------------------------------------------------------
+
+
+def test_only_promoted_versions_carry_an_alias(registry: Registry, tmp_path: Path) -> None:
+    registry.register(new_version(make_artifact(tmp_path / "a")))
+    with pytest.raises(InputError, match="candidate; only promoted"):
+        registry.set_alias("demo-llama", "production", 1)
+    with pytest.raises(InputError, match="alias"):
+        registry.set_alias("demo-llama", "42", 1)
+
+
+def test_alias_moves_and_rolls_back_through_its_history(registry: Registry, tmp_path: Path) -> None:
+    versions = [promoted(registry, tmp_path, name) for name in ("a", "b", "c")]
+    for number in versions:
+        registry.set_alias("demo-llama", "production", number)
+    assert registry.resolve("demo-llama", "production").version == 3
+    assert registry.show("demo-llama", 3).aliases == ["production"]
+    assert registry.rollback("demo-llama", "production").version == 2
+    assert registry.rollback("demo-llama", "production").version == 1
+    with pytest.raises(InputError, match="no earlier promoted version"):
+        registry.rollback("demo-llama", "production")
+    moves = [(e.kind, e.from_version, e.to_version) for e in registry.history("demo-llama", alias="production")]
+    assert moves == [("alias_set", None, 1), ("alias_set", 1, 2), ("alias_set", 2, 3),
+                     ("alias_rollback", 3, 2), ("alias_rollback", 2, 1)]
+
+
+def test_setting_the_same_target_twice_is_not_a_move(registry: Registry, tmp_path: Path) -> None:
+    number = promoted(registry, tmp_path, "a")
+    registry.set_alias("demo-llama", "production", number)
+    registry.set_alias("demo-llama", "production", number)
+    assert len(registry.history("demo-llama", alias="production")) == 1
+
+
+def test_rollback_skips_versions_rejected_since(registry: Registry, tmp_path: Path) -> None:
+    one, two, three = (promoted(registry, tmp_path, name) for name in ("a", "b", "c"))
+    for number in (one, two, three):
+        registry.set_alias("demo-llama", "production", number)
+    registry.reject(registry.show("demo-llama", two).id, "regression found in production")
+    assert registry.rollback("demo-llama", "production").version == one
+
+
+def test_a_version_holding_an_alias_cannot_be_rejected(registry: Registry, tmp_path: Path) -> None:
+    number = promoted(registry, tmp_path, "a")
+    registry.set_alias("demo-llama", "production", number)
+    with pytest.raises(InputError, match="target of alias"):
+        registry.reject(registry.show("demo-llama", number).id, "x")
+
+
+def test_resolve_verifies_the_artifact_for_serving(registry: Registry, tmp_path: Path) -> None:
+    registry.set_alias("demo-llama", "production", promoted(registry, tmp_path, "a"))
+    assert registry.resolve("demo-llama", "production").version == 1
+    assert registry.resolve("demo-llama", "1").version == 1
+    (tmp_path / "a" / "config.json").write_text("{}")
+    with pytest.raises(InputError, match="config.json"):
+        registry.resolve("demo-llama", "production")
+    assert registry.show("demo-llama", "production").version == 1  # inspecting still works
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda r: r.show("unknown-model", 1), "model"),
+        (lambda r: r.show("demo-llama", 9), "version"),
+        (lambda r: r.resolve("demo-llama", "staging"), "alias"),
+        (lambda r: r.rollback("demo-llama", "staging"), "alias"),
+        (lambda r: r.set_alias("demo-llama", "production", 9), "version"),
+        (lambda r: r.promote(999, "x"), "version_id"),
+        (lambda r: r.list("unknown-model"), "model"),
+    ],
+)
+def test_unknown_names_raise_input_errors(registry: Registry, tmp_path: Path, call, field: str) -> None:
+    promoted(registry, tmp_path, "a")
+    with pytest.raises(InputError) as caught:
+        call(registry)
+    assert caught.value.field == field and caught.value.file == str(registry.path)
+
+
+def test_events_are_append_only(registry: Registry, tmp_path: Path) -> None:
+    promoted(registry, tmp_path, "a")
+    with sqlite3.connect(registry.path) as db, pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        db.execute("DELETE FROM events")
+    assert len(registry.history()) == 2
+
+
+def test_registry_path_comes_from_the_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QUANTGATE_REGISTRY", str(tmp_path / "elsewhere.db"))
+    assert default_registry_path() == tmp_path / "elsewhere.db"
+    assert Registry().path == tmp_path / "elsewhere.db"
+    assert (tmp_path / "elsewhere.db").is_file()
+
+
+def test_a_file_that_is_not_a_registry_is_an_input_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.db").write_text("not sqlite at all, just text that is long enough" * 10)
+    with pytest.raises(InputError, match="bad.db"):
+        Registry(tmp_path / "bad.db")
+
+
+# --- concurrency ------------------------------------------------------------------------------------------
+
+WORKERS = 4
+PER_WORKER = 5
+
+
+def _worker(db_path: str, artifacts: list[str], barrier) -> list[tuple[int, int]]:
+    registry = Registry(db_path)  # the first open of a fresh file races too
+    barrier.wait()
+    done = []
+    for artifact in artifacts:
+        version = registry.register(new_version(Path(artifact)))
+        registry.promote(version.id, f"promoted by {artifact}")
+        registry.set_alias("demo-llama", "production", version.version)
+        done.append((version.id, version.version))
+    return done
+
+
+def test_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
+    artifacts = [[str(make_artifact(tmp_path / f"w{w}-{i}", f"{w}-{i}".encode())) for i in range(PER_WORKER)]
+                 for w in range(WORKERS)]
+    db_path = str(tmp_path / "registry.db")
+    context = multiprocessing.get_context("fork")
+    barrier = context.Manager().Barrier(WORKERS)
+    with context.Pool(WORKERS) as pool:
+        results = pool.starmap(_worker, [(db_path, batch, barrier) for batch in artifacts])
+
+    registry = Registry(db_path)
+    versions = registry.list("demo-llama")
+    total = WORKERS * PER_WORKER
+    assert sorted(v.version for v in versions) == list(range(1, total + 1))
+    assert all(v.status == "promoted" for v in versions)
+    assert sorted(v.artifact_path for v in versions) == sorted(
+        Path(a).resolve().as_posix() for batch in artifacts for a in batch)
+    assert sorted(n for done in results for _, n in done) == list(range(1, total + 1))
+    kinds = [e.kind for e in registry.history("demo-llama")]
+    assert (kinds.count("registered"), kinds.count("promoted"), kinds.count("alias_set")) == (total, total, total)
+    # The alias ends on the last move recorded, and every move chains from the one before it.
+    moves = registry.history("demo-llama", alias="production")
+    assert all(later.from_version == earlier.to_version for earlier, later in zip(moves, moves[1:]))
+    assert registry.resolve("demo-llama", "production").version == moves[-1].to_version
+
+
+# --- CLI --------------------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["registry", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_lists_shows_and_moves_aliases(capsys, registry: Registry, tmp_path: Path) -> None:
+    db = str(registry.path)
+    promoted(registry, tmp_path, "a")
+    registry.register(new_version(make_artifact(tmp_path / "b", b"b"), make_gate(tmp_path / "gb.json", delta=-2)))
+
+    code, out, _ = run_cli(capsys, "list", "--registry", db, "--json")
+    assert code == 0 and [(v["version"], v["status"]) for v in json.loads(out)] == [(1, "promoted"), (2, "candidate")]
+
+    code, out, _ = run_cli(capsys, "promote", "demo-llama", "2", "--reason", "manual", "--registry", db, "--json")
+    assert code == 0 and json.loads(out)["status"] == "promoted"
+
+    for version in ("1", "2"):
+        assert run_cli(capsys, "alias", "demo-llama", "production", version, "--registry", db)[0] == 0
+    code, out, _ = run_cli(capsys, "rollback", "demo-llama", "production", "--registry", db, "--json")
+    assert code == 0 and json.loads(out)["version"] == 1
+
+    code, out, _ = run_cli(capsys, "show", "demo-llama", "production", "--registry", db)
+    assert code == 0 and "demo-llama v1" in out and "production" in out
+
+    code, out, _ = run_cli(capsys, "history", "demo-llama", "--registry", db, "--json")
+    assert [e["kind"] for e in json.loads(out)][-3:] == ["alias_set", "alias_set", "alias_rollback"]
+
+    code, out, _ = run_cli(capsys, "list", "--registry", db)
+    assert code == 0 and "demo-llama" in out and "promoted" in out
+
+
+def test_cli_errors_exit_2_with_one_line(capsys, registry: Registry, tmp_path: Path) -> None:
+    db = str(registry.path)
+    promoted(registry, tmp_path, "a")
+    for argv in (["show", "demo-llama", "7"], ["show", "nobody", "1"], ["rollback", "demo-llama", "staging"],
+                 ["reject", "demo-llama", "9", "--reason", "x"]):
+        code, out, err = run_cli(capsys, *argv, "--registry", db)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, argv
+    code, _, err = run_cli(capsys, "list", "--registry", str(tmp_path / "missing.db"))
+    assert code == 2 and "missing.db" in err and not (tmp_path / "missing.db").exists()
+
+
+def test_cli_promote_needs_override_for_a_gate_rejected_version(capsys, registry: Registry, tmp_path: Path) -> None:
+    db = str(registry.path)
+    gate = make_gate(tmp_path / "gate.json", verdict="rejected")
+    registry.register(new_version(make_artifact(tmp_path / "a"), gate))
+    assert run_cli(capsys, "promote", "demo-llama", "1", "--reason", "r", "--registry", db)[0] == 2
+    code, out, _ = run_cli(capsys, "promote", "demo-llama", "1", "--reason", "r", "--override-gate",
+                           "--registry", db, "--json")
+    assert code == 0 and json.loads(out)["status"] == "promoted"

@@ -1,0 +1,95 @@
+"""The Markdown and terminal reports carry the verdict, the numbers, the reasons and the timings."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.policy import Policy, SetPolicy
+from pipelines.report import plan_tables, render_console, render_markdown
+
+POLICY = Policy(
+    defaults=SetPolicy(
+        max_abs_drop=2.0, max_rel_drop=None, non_inferiority=True, ni_margin=5.0, max_flip_rate=0.05, max_kl=None, min_items=100
+    )
+)
+
+
+def comparison(name: str, lost: int, kept: int) -> SetComparison:
+    cells = [(1.0, 0.0)] * lost + [(1.0, 1.0)] * kept
+    items = [PairedItem(item_id=f"{name}{i}", baseline=b, candidate=c, kl=0.002) for i, (b, c) in enumerate(cells)]
+    return SetComparison(eval_set=name, metric="exact_match", binary=True, items=items, kl_method="top-20 logprobs")
+
+
+def make_report(*, plan=None) -> GateReport:
+    gate = decide(
+        [comparison("orders|v2", lost=25, kept=175), comparison("[tickets]", lost=0, kept=20)],
+        POLICY,
+        "w8a8",
+        fit=FitCheck(fits=True, required_bytes=3 * 1024**3, available_bytes=24 * 1024**3, gpu="L4-24GB"),
+    )
+    return GateReport(
+        created_at="2026-11-02T10:00:00Z",
+        inputs={
+            "model": {"path": "models/demo-llama", "hash": "a" * 64},
+            "artifact": {"path": "artifacts/demo-w8a8", "hash": "b" * 64},
+            "recipe": {"path": "recipes/w8a8.yaml", "hash": "c" * 64},
+            "eval_sets": {"orders": {"path": "eval_sets/orders", "hash": "d" * 64}},
+        },
+        stages={"quantize": 1.5, "serve": 28.25, "score": 40.0},
+        plan=plan,
+        gate=gate,
+    )
+
+
+def test_markdown_has_header_sets_reasons_warnings_and_stage_times():
+    text = render_markdown(make_report())
+    assert text.startswith("# Quantization gate: REJECTED")
+    assert "| Model | models/demo-llama (aaaaaaaaaaaa) |" in text
+    assert "| Recipe | recipes/w8a8.yaml (cccccccccccc) |" in text
+    # 25 of 200 lost: 100 -> 87.5, delta -12.5; the pipe in the set name is escaped.
+    assert "| orders\\|v2 | exact_match | 200 | 100.0 | 87.5 | -12.5 [" in text
+    assert "25 / 0 (12.5%)" in text
+    assert "0.0020 / 0.0020" in text
+    assert "- orders|v2: drop 12.50 points > max_abs_drop 2.0" in text
+    assert "## Warnings" in text and "[tickets]: 20 items < min_items 100" in text
+    assert "| serve | 28.2 |" in text or "| serve | 28.3 |" in text
+    assert "| total | 69.8 |" in text
+    assert "| eval_sets.orders | eval_sets/orders (dddddddddddd) |" in text
+    assert "| L4-24GB | 3.00 | 24.00 | yes |" in text
+    assert "## Plan" not in text
+
+
+def test_markdown_rules_table_shows_turned_off_rules_as_dash():
+    text = render_markdown(make_report())
+    assert "| orders\\|v2 | 2.0 | - | True | 5.0 | 0.05 | - | 100 |" in text
+
+
+def test_markdown_promoted_report_says_no_reasons():
+    gate = decide([comparison("orders", lost=0, kept=300)], POLICY, "w8a8")
+    text = render_markdown(GateReport(gate=gate))
+    assert text.startswith("# Quantization gate: PROMOTED")
+    assert "| Recipe | w8a8 |" in text
+    assert "None: every rule passed." in text
+    assert "## Stage times" not in text
+
+
+def test_plan_renders_records_as_their_own_table():
+    plan = {"gpu": "L4-24GB", "budget": {"kv_cache_bytes": 1024}, "components": [{"name": "weights", "bytes": 10}, {"name": "kv", "bytes": 5, "note": "fp16"}]}
+    tables = plan_tables(plan)
+    assert tables[0] == ("Plan", ["Field", "Value"], [["gpu", "L4-24GB"], ["budget.kv_cache_bytes", "1024"]])
+    assert tables[1] == ("Plan: components", ["name", "bytes", "note"], [["weights", "10", ""], ["kv", "5", "fp16"]])
+    text = render_markdown(make_report(plan=plan))
+    assert "## Plan: components" in text and "| kv | 5 | fp16 |" in text
+
+
+def test_console_renders_the_same_numbers_with_markup_escaped():
+    console = Console(record=True, width=160, color_system=None)
+    render_console(make_report(plan={"gpu": "L4-24GB"}), console=console)
+    text = console.export_text()
+    assert "REJECTED" in text
+    assert "[tickets]" in text  # not swallowed as a rich markup tag
+    assert "-12.5 [" in text and "25 / 0 (12.5%)" in text
+    assert "orders|v2: drop 12.50 points > max_abs_drop 2.0" in text
+    assert "Stage times" in text and "69.8" in text
+    assert "Model: models/demo-llama (aaaaaaaaaaaa)" in text
