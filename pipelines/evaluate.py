@@ -18,7 +18,7 @@ from typing import Iterable
 from pydantic import BaseModel
 
 from pipelines.errors import EvalError
-from pipelines.evalsets import EvalSet, materialize_task
+from pipelines.evalsets import EvalSet, load_task_config, materialize_task
 from pipelines.output import progress
 from pipelines.serving import RunningServer
 
@@ -48,8 +48,14 @@ class Prompt(BaseModel):
     text: str
 
 
+def task_name(eval_set: EvalSet) -> str:
+    return str(load_task_config(eval_set.task_yaml)["task"])
+
+
 def primary_metric(eval_set: EvalSet) -> str:
-    return eval_set.metric or PRIMARY_METRIC.get(eval_set.output_type, "acc")
+    """The first metric the task YAML lists (lm-eval's own default for its output type otherwise)."""
+    metrics = load_task_config(eval_set.task_yaml).get("metric_list") or []
+    return str(metrics[0]["metric"]) if metrics else PRIMARY_METRIC.get(eval_set.output_type, "acc")
 
 
 def lm_eval_command(
@@ -91,7 +97,7 @@ def load_prompts(eval_set: EvalSet, include_dir: Path) -> list[Prompt]:
     from lm_eval.tasks import TaskManager, get_task_dict
 
     manager = TaskManager(include_path=str(include_dir), include_defaults=False)
-    task = get_task_dict([eval_set.task_name], manager)[eval_set.task_name]
+    task = get_task_dict([task_name(eval_set)], manager)[task_name(eval_set)]
     docs = task.eval_docs
     return [Prompt(doc_id=index, text=str(task.doc_to_text(doc))) for index, doc in enumerate(docs)]
 
@@ -107,7 +113,7 @@ def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir
             raise EvalError(
                 f"item {prompt.doc_id} is {length} tokens; with {reserve} tokens for the answer it exceeds "
                 f"max_model_len {max_model_len}",
-                file=eval_set.data_path, field=f"eval set {eval_set.name}",
+                file=eval_set.data, field=f"eval set {eval_set.name}",
             )
 
 
@@ -117,7 +123,7 @@ def score_eval_sets(
     """Run lm-eval once for all sets against `server`; return per-set scores with per-item results."""
     output_dir = work_dir / "lm_eval"
     log_path = work_dir / "lm_eval.log"
-    command = lm_eval_command(server, tokenizer_dir, [s.task_name for s in eval_sets], include_dir, output_dir)
+    command = lm_eval_command(server, tokenizer_dir, [task_name(s) for s in eval_sets], include_dir, output_dir)
     progress(f"scoring {', '.join(s.name for s in eval_sets)} with lm-eval against {server.served_name} (log: {log_path})")
     started = time.monotonic()
     _run_watching_server(command, server, log_path)
@@ -159,10 +165,10 @@ def _read_results(output_dir: Path, log_path: Path) -> dict:
 
 def _set_score(eval_set: EvalSet, results: dict, output_dir: Path, wall_s: float) -> SetScore:
     metric = primary_metric(eval_set)
-    task_results = results["results"].get(eval_set.task_name, {})
+    task_results = results["results"].get(task_name(eval_set), {})
     key = next((k for k in task_results if k.split(",")[0] == metric), None)
     if key is None:
-        raise EvalError(f"lm-eval reported no '{metric}' for task {eval_set.task_name}", file=eval_set.task_yaml)
+        raise EvalError(f"lm-eval reported no '{metric}' for task {task_name(eval_set)}", file=eval_set.task_yaml)
     items = _read_items(eval_set, metric, output_dir)
     return SetScore(
         eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=metric,
@@ -171,9 +177,9 @@ def _set_score(eval_set: EvalSet, results: dict, output_dir: Path, wall_s: float
 
 
 def _read_items(eval_set: EvalSet, metric: str, output_dir: Path) -> list[ItemScore]:
-    files = sorted(output_dir.rglob(f"samples_{eval_set.task_name}_*.jsonl"))
+    files = sorted(output_dir.rglob(f"samples_{task_name(eval_set)}_*.jsonl"))
     if not files:
-        raise EvalError(f"lm-eval wrote no per-sample file for task {eval_set.task_name}", file=output_dir)
+        raise EvalError(f"lm-eval wrote no per-sample file for task {task_name(eval_set)}", file=output_dir)
     items = []
     for line in files[-1].read_text().splitlines():
         record = json.loads(line)

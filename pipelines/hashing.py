@@ -27,9 +27,13 @@ def file_hashes(folder: Path, *, exclude: tuple[str, ...] = ()) -> dict[str, str
     }
 
 
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def sha256_json(value: Any) -> str:
     """A stable hash of a JSON-serialisable value (keys sorted)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+    return sha256_text(json.dumps(value, sort_keys=True, default=str))
 
 
 def folder_hash(folder: Path, *, exclude: tuple[str, ...] = ()) -> str:

@@ -26,7 +26,7 @@ from pipelines.errors import InputError
 from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
 from pipelines.evalsets import EvalSet, discover_eval_sets
 from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
-from pipelines.hashing import folder_hash, sha256_file
+from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import DEFAULT_POLICY, Policy, load_policy
@@ -96,9 +96,9 @@ def quantize_and_gate(recipe: str, model_dir: Path, settings: GateSettings, *, f
     result = quantize_model(recipe, model_dir, force=force)
     manifest = result.manifest
     job = GateJob(
-        artifact_dir=result.artifact_dir, baseline_dir=model_dir, recipe_name=manifest.recipe_name, settings=settings,
-        stages={"quantize_s": 0.0 if result.reused else manifest.stages["quantize_s"]},
-        inputs={"recipe_sha256": manifest.recipe_sha256, "quantize_reused": result.reused},
+        artifact_dir=result.artifact_dir, baseline_dir=model_dir, recipe_name=manifest.recipe, settings=settings,
+        stages={"quantize_s": 0.0 if result.reused else manifest.wall_time_s},
+        inputs={"recipe_sha256": sha256_text(manifest.recipe_text), "quantize_input_key": manifest.input_key, "quantize_reused": result.reused},
     )
     return run_gate(job)
 

@@ -47,9 +47,9 @@ def print_outcome(outcome: RunOutcome, as_json: bool) -> int:
 def _recipe_name_of(artifact: Path) -> str:
     manifest = artifact / "manifest.json"
     if manifest.is_file():
-        recipe = json.loads(manifest.read_text()).get("recipe", {})
-        if isinstance(recipe, dict) and recipe.get("name"):
-            return str(recipe["name"])
+        recipe = json.loads(manifest.read_text()).get("recipe")
+        if isinstance(recipe, str) and recipe:
+            return recipe
     return artifact.name
 
 
