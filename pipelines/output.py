@@ -10,8 +10,10 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=False, highlight=False, soft_wrap=True)
-progress_console = Console(stderr=True, highlight=False)
+# Reports are read in CI logs too, where there is no terminal to size them: give tables room there.
+_LOG_WIDTH = 160
+console = Console(stderr=False, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _LOG_WIDTH)
+progress_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _LOG_WIDTH)
 
 
 def to_jsonable(value: Any) -> Any:

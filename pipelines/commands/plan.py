@@ -1,0 +1,157 @@
+"""`quantize plan`: will the model fit a GPU in 16-bit and under each recipe? Argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from pipelines.errors import InputError, from_validation_error
+from pipelines.output import console, emit, table
+from pipelines.planner import (
+    GiB,
+    KV_CACHE_DTYPES,
+    GpuSpec,
+    Plan,
+    PlanRow,
+    PlanSettings,
+    gpu_spec,
+    known_gpus,
+    load_config,
+    model_shape,
+    plan,
+)
+from pipelines.recipe import load_recipe
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="memory plan: weights, KV cache, activations, overhead; does it fit the GPU?",
+        description="Plan GPU memory for the 16-bit model and each recipe from config.json alone "
+                    "(weights measured exactly from safetensors headers when the files are there).",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, metavar="DIR", help="a model folder (config.json; safetensors optional)")
+    source.add_argument("--artifact", type=Path, metavar="DIR", help="a quantized artifact folder (measured exactly)")
+    source.add_argument("--config", type=Path, metavar="FILE", help="a config.json: plan without any weights")
+    parser.add_argument("--recipe", action="extend", nargs="+", default=[], metavar="RECIPE",
+                        help="shipped recipe name (w8a8) or YAML path; repeatable")
+    parser.add_argument("--gpu", metavar="NAME", help="a GPU from pipelines/data/gpus.yaml (see --list-gpus)")
+    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="or the device memory, in GiB")
+    parser.add_argument("--gpu-bandwidth-gbs", type=float, metavar="GBS", help="memory bandwidth in GB/s (decode ceiling)")
+    parser.add_argument("--max-model-len", type=int, metavar="N", help="tokens per sequence (default: the model's maximum)")
+    parser.add_argument("--concurrency", type=int, default=1, metavar="N", help="sequences at once (default 1)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="as vLLM's --kv-cache-dtype (default auto: the config's kv_cache_scheme, else the model dtype)")
+    defaults = PlanSettings()
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, metavar="N",
+                        help="tokens in vLLM's profiling pass, sizes activations (default %(default)s)")
+    parser.add_argument("--overhead-fraction", type=float, default=defaults.overhead_fraction, metavar="F",
+                        help="slack on weights + KV + activations (default %(default)s)")
+    parser.add_argument("--overhead-gib", type=float, default=defaults.fixed_overhead_bytes / GiB, metavar="GIB",
+                        help="fixed CUDA context and workspaces (default %(default)s)")
+    parser.add_argument("--max-gpu-memory-utilization", type=float, default=defaults.max_gpu_memory_utilization,
+                        metavar="F", help="share of device memory a plan may use (default %(default)s)")
+    parser.add_argument("--list-gpus", action="store_true", help="print the known GPUs and exit")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_gpus:
+        emit(list(known_gpus().values()), as_json=args.json, render=_render_gpus)
+        return 0
+    config, artifact_dir = _source(args)
+    if args.gpu is None and args.gpu_memory_gib is None:
+        raise InputError("give --gpu NAME or --gpu-memory-gib GIB (see --list-gpus)", field="gpu")
+    gpu = gpu_spec(args.gpu, args.gpu_memory_gib, args.gpu_bandwidth_gbs)
+    recipes = [None, *(load_recipe(name)[0] for name in args.recipe)]
+    result = plan(
+        config, recipes, gpu, _max_model_len(args, config), args.concurrency, artifact_dir,
+        settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype,
+    )
+    emit(result, as_json=args.json, render=render_plan)
+    return 0
+
+
+def _source(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """config.json to plan from, and the folder whose safetensors are measured (if any)."""
+    if args.config:
+        return args.config, None
+    folder = args.model or args.artifact
+    if folder is None:
+        raise InputError("give --model DIR, --artifact DIR or --config FILE", field="model")
+    has_weights = any(Path(folder).glob("*.safetensors"))
+    if args.artifact and not has_weights:
+        raise InputError("no *.safetensors files", file=folder, field="artifact")
+    return folder, folder if has_weights else None
+
+
+def _max_model_len(args: argparse.Namespace, config: Path) -> int:
+    if args.max_model_len is not None:
+        return args.max_model_len
+    shape = model_shape(*load_config(config))
+    if shape.max_position is None:
+        raise InputError("config.json has no max_position_embeddings: give --max-model-len", field="max_model_len")
+    return shape.max_position
+
+
+def _settings(args: argparse.Namespace) -> PlanSettings:
+    if not math.isfinite(args.overhead_gib):
+        raise InputError(f"must be a number of GiB (got {args.overhead_gib})", field="overhead_gib")
+    try:
+        return PlanSettings(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            overhead_fraction=args.overhead_fraction,
+            fixed_overhead_bytes=int(args.overhead_gib * GiB),
+            max_gpu_memory_utilization=args.max_gpu_memory_utilization,
+        )
+    except ValidationError as error:
+        raise from_validation_error(error, "command line") from None
+
+
+def _gib(value: int) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def _size(value: int) -> str:
+    """GiB, or MiB for the small sizes a demo model has."""
+    return f"{value / GiB:.2f} GiB" if value >= GiB / 10 else f"{value / 2**20:.1f} MiB"
+
+
+def render_plan(result: Plan) -> None:
+    gpu = result.gpu
+    bandwidth = f", {gpu.bandwidth_bytes_per_s / 1e9:g} GB/s" if gpu.bandwidth_bytes_per_s else ""
+    device = f"{gpu.name} ({_gib(gpu.memory_bytes)} GiB{bandwidth})" if gpu.name in known_gpus() else f"{gpu.name}{bandwidth}"
+    title = (
+        f"{result.model} on {device}: "
+        f"{result.max_model_len:,} tokens x {result.concurrency} sequences"
+    )
+    columns = ["scheme", "weights", "KV/token KiB", "KV total", "activations", "overhead", "total", "fits",
+               "max conc.", "max context", "recommended util / len / seqs", "decode tok/s"]
+    console.print(table(title, columns, [_row_cells(row) for row in result.rows]))
+    for row in result.rows:
+        args = row.recommended.vllm_args if row.recommended else "does not fit at any context"
+        console.print(f"{row.scheme}: vllm serve ... {args}" if row.recommended else f"{row.scheme}: {args}")
+
+
+def _row_cells(row: PlanRow) -> list[str]:
+    advice = row.recommended
+    return [
+        row.scheme + (" (measured)" if row.weights_source == "measured" else ""),
+        _size(row.weights_bytes), f"{row.kv_cache_bytes_per_token / 1024:g}", _size(row.kv_cache_bytes),
+        _size(row.activation_bytes), _size(row.overhead_bytes), _size(row.total_bytes),
+        "yes" if row.fits else "NO", f"{row.max_concurrency:,}", f"{row.max_context:,}",
+        f"{advice.gpu_memory_utilization:.2f} / {advice.max_model_len:,} / {advice.max_num_seqs}" if advice else "-",
+        f"{row.decode_tokens_per_s:,.0f}" if row.decode_tokens_per_s is not None else "-",
+    ]
+
+
+def _render_gpus(gpus: list[GpuSpec]) -> None:
+    rows = [
+        [g.name, _gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-"]
+        for g in gpus
+    ]
+    console.print(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s"], rows))

@@ -1,0 +1,381 @@
+"""The memory planner: known public figures, checkpoint layouts, sliding windows, search, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from pipelines import cli
+from pipelines.errors import InputError
+from pipelines.gate import FitCheck
+from pipelines.planner import (
+    GiB,
+    PlanSettings,
+    check_fit,
+    gpu_spec,
+    known_gpus,
+    kv_cache_bytes_for_context,
+    kv_cache_bytes_per_token,
+    kv_capacity_tokens,
+    linear_bytes,
+    load_config,
+    model_shape,
+    plan,
+    predict_weight_bytes,
+    safetensors_bytes,
+)
+from pipelines.recipe import GroupScheme, Recipe
+
+CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
+LLAMA2_7B = CONFIGS / "llama-2-7b" / "config.json"
+LLAMA3_8B = CONFIGS / "llama-3-8b" / "config.json"
+LLAMA3_70B = CONFIGS / "llama-3-70b" / "config.json"
+MISTRAL_7B = CONFIGS / "mistral-7b-v0.1" / "config.json"
+
+TINY = {  # the demo model's shape
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 2048,
+    "model_type": "llama", "dtype": "bfloat16",
+}
+
+
+def shape_of(config: Path | dict):
+    return model_shape(*load_config(config))
+
+
+def recipe(attention: dict | None, mlp: dict | None = None, **extra) -> Recipe:
+    groups = {"attention": attention, "mlp": mlp if mlp is not None else attention}
+    return Recipe.model_validate({"name": "test", "groups": groups, **extra})
+
+
+W8A8 = {"weights": {"bits": 8, "granularity": "channel"}, "activations": {"granularity": "token", "dynamic": True}}
+W4A16 = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
+
+
+# --- known public figures ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, published_parameters", [
+    (LLAMA2_7B, 6_738_415_616),
+    (LLAMA3_8B, 8_030_261_248),
+    (LLAMA3_70B, 70_553_706_496),
+    (MISTRAL_7B, 7_241_732_096),
+])
+def test_16_bit_weights_are_two_bytes_per_published_parameter(config: Path, published_parameters: int) -> None:
+    assert predict_weight_bytes(shape_of(config), None).total_bytes == 2 * published_parameters
+
+
+def test_llama_2_7b_known_memory_figures() -> None:
+    shape = shape_of(LLAMA2_7B)
+    assert predict_weight_bytes(shape, None).total_bytes == pytest.approx(13.5e9, rel=0.01)
+    assert kv_cache_bytes_for_context(shape, 2, 2048) == pytest.approx(1.07e9, rel=0.01)
+    assert 8 * kv_cache_bytes_for_context(shape, 2, 8192) == pytest.approx(34e9, rel=0.02)
+
+
+def test_grouped_query_attention_shrinks_the_kv_cache_by_the_group_size() -> None:
+    llama2, llama3 = shape_of(LLAMA2_7B), shape_of(LLAMA3_8B)
+    assert kv_cache_bytes_per_token(llama2, 2) == 4 * kv_cache_bytes_per_token(llama3, 2)
+    assert kv_cache_bytes_per_token(llama3, 2) == 128 * 1024  # 2 x 32 layers x 8 heads x 128 x 2 bytes
+
+
+def test_quantized_llama_2_7b_is_near_public_checkpoint_sizes() -> None:
+    shape = shape_of(LLAMA2_7B)
+    # Public INT8 W8A8 and 4-bit group-128 checkpoints of Llama-2-7B weigh about 7.0 GB and 3.9 GB.
+    assert predict_weight_bytes(shape, recipe(W8A8)).total_bytes == pytest.approx(7.0e9, rel=0.02)
+    assert predict_weight_bytes(shape, recipe(W4A16)).total_bytes == pytest.approx(3.9e9, rel=0.03)
+
+
+# --- checkpoint layouts (observed in compressed-tensors 0.19 checkpoints written by llm-compressor) ----
+
+
+def scheme(weights: dict, activations: dict | None = None) -> GroupScheme:
+    return GroupScheme.model_validate({"weights": weights, "activations": activations})
+
+
+@pytest.mark.parametrize("group, expected", [
+    # int-quantized: int8 weight [out, in] + bf16 scale [out, 1]
+    (scheme({"bits": 8}, {"granularity": "token"}), 256 * 512 + 256 * 2),
+    # + a bf16 input_scale [1] when activations are static
+    (scheme({"bits": 8}, {"granularity": "tensor", "dynamic": False}), 256 * 512 + 256 * 2 + 2),
+    # pack-quantized: int32 [out, in/32 x bits] + int64 shape [2] + bf16 scale [out, in/group]
+    (scheme({"bits": 4, "granularity": "group", "group_size": 64}), 256 * 64 * 4 + 16 + 256 * 8 * 2),
+    # asymmetric: + zero points packed along out: int32 [out/32 x bits, in/group]
+    (scheme({"bits": 4, "granularity": "group", "group_size": 64, "symmetric": False}),
+     256 * 64 * 4 + 16 + 256 * 8 * 2 + 32 * 8 * 4),
+    (scheme({"bits": 8, "symmetric": False}), 256 * 128 * 4 + 16 + 256 * 2 + 64 * 4),
+    (scheme({"bits": 3, "granularity": "group", "group_size": 64}), 256 * 48 * 4 + 16 + 256 * 8 * 2),
+    (scheme({"bits": 4, "granularity": "tensor"}), 256 * 64 * 4 + 16 + 2),
+])
+def test_linear_bytes_follow_the_compressed_tensors_layout(group: GroupScheme, expected: int) -> None:
+    assert linear_bytes(256, 512, group) == expected
+
+
+def test_16_bit_linear_is_two_bytes_per_weight() -> None:
+    assert linear_bytes(256, 512, None) == 256 * 512 * 2
+
+
+def test_embeddings_lm_head_and_norms_stay_16_bit() -> None:
+    shape = shape_of(TINY)
+    everything_4bit = predict_weight_bytes(shape, recipe(W4A16)).total_bytes
+    kept = 2 * 1000 * 256 * 2 + (2 * 4 + 1) * 256 * 2
+    assert everything_4bit > kept
+    lm_head_4bit = {"quantize": True, "weights": W4A16["weights"]}
+    quantized_head = Recipe.model_validate({"name": "t", "groups": {"attention": W4A16, "mlp": W4A16, "lm_head": lm_head_4bit}})
+    saving = linear_bytes(1000, 256, None) - linear_bytes(1000, 256, GroupScheme.model_validate(W4A16))
+    assert predict_weight_bytes(shape, quantized_head).total_bytes == everything_4bit - saving
+
+
+def test_overrides_keep_layers_in_16_bit() -> None:
+    shape = shape_of(TINY)
+    plain = predict_weight_bytes(shape, recipe(W4A16)).total_bytes
+    keep_ends = recipe(W4A16, overrides=[{"layers": [0, -1], "keep": True}])
+    keep_down = recipe(W4A16, overrides=[{"match": r"mlp\.down_proj$", "keep": True}])
+    one_layer_16 = predict_weight_bytes(shape, None).total_bytes - plain  # all four layers' saving
+    assert predict_weight_bytes(shape, keep_ends).total_bytes == plain + one_layer_16 // 2
+    down_saving = 4 * (linear_bytes(256, 512, None) - linear_bytes(256, 512, GroupScheme.model_validate(W4A16)))
+    assert predict_weight_bytes(shape, keep_down).total_bytes == plain + down_saving
+
+
+def test_override_scheme_replaces_only_its_group() -> None:
+    shape = shape_of(TINY)
+    w8_attention_last = recipe(W4A16, overrides=[{"layers": [-1], "attention": W8A8}])
+    base = predict_weight_bytes(shape, recipe(W4A16)).total_bytes
+    w8, w4 = GroupScheme.model_validate(W8A8), GroupScheme.model_validate(W4A16)
+    q_o = 2 * (linear_bytes(256, 256, w8) - linear_bytes(256, 256, w4))
+    k_v = 2 * (linear_bytes(128, 256, w8) - linear_bytes(128, 256, w4))
+    assert predict_weight_bytes(shape, w8_attention_last).total_bytes == base + q_o + k_v
+
+
+# --- exact bytes from safetensors headers ---------------------------------------------------------------
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> int:
+    """A valid safetensors file with the given (dtype, shape, nbytes); returns the data size."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"\0" * offset)
+    return offset
+
+
+def test_safetensors_bytes_sums_every_shard_without_reading_tensors(tmp_path: Path) -> None:
+    first = write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": ("BF16", [4, 8], 64), "b": ("I8", [3], 3)})
+    second = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": ("I32", [2, 2], 16)})
+    assert safetensors_bytes(tmp_path) == first + second == 83
+
+
+def test_broken_safetensors_header_is_an_input_error(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!")
+    with pytest.raises(InputError, match="safetensors header"):
+        safetensors_bytes(tmp_path)
+    with pytest.raises(InputError, match="no \\*.safetensors"):
+        safetensors_bytes(tmp_path / "missing")
+
+
+# --- KV cache: sliding windows, quantized KV, vLLM's capacity ------------------------------------------
+
+
+def test_sliding_window_layers_hold_at_most_the_window() -> None:
+    mistral = shape_of(MISTRAL_7B)
+    per_token = kv_cache_bytes_per_token(mistral, 2)
+    assert kv_cache_bytes_for_context(mistral, 2, 2048) == 2048 * per_token
+    assert kv_cache_bytes_for_context(mistral, 2, 32768) == 4096 * per_token
+
+
+def test_layer_types_mix_sliding_and_full_layers() -> None:
+    config = {**TINY, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    shape = shape_of(config)
+    per_layer = kv_cache_bytes_per_token(shape, 2) // 4
+    assert kv_cache_bytes_for_context(shape, 2, 1000) == per_layer * (2 * 128 + 2 * 1000)
+
+
+@pytest.mark.parametrize("extra, sliding_layers", [
+    ({"sliding_window": 64, "use_sliding_window": False}, 0),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}, 1),
+    ({"sliding_window": 64, "sliding_window_pattern": 2}, 2),
+    ({"sliding_window": None}, 0),
+])
+def test_sliding_window_config_variants(extra: dict, sliding_layers: int) -> None:
+    shape = shape_of({**TINY, **extra})
+    assert sum(window is not None for window in shape.windows) == sliding_layers
+
+
+def test_quantized_kv_cache_from_config_or_flag_halves_the_cache() -> None:
+    fp8 = {**TINY, "quantization_config": {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}}
+    gpu = gpu_spec(memory_gib=8)
+    sixteen = plan(TINY, [None], gpu, 1024, 1).rows[0]
+    from_config = plan(fp8, [None], gpu, 1024, 1).rows[0]
+    from_flag = plan(TINY, [None], gpu, 1024, 1, kv_cache_dtype="fp8").rows[0]
+    for row in (from_config, from_flag):
+        assert row.kv_cache_bytes_per_token * 2 == sixteen.kv_cache_bytes_per_token
+        assert row.recommended.kv_cache_dtype == "fp8"
+
+
+def test_kv_capacity_counts_blocks_like_vllm() -> None:
+    # 2 KiB per token for the demo shape; 1 GiB holds 4096 blocks of 128 tokens.
+    assert kv_capacity_tokens(TINY, GiB, block_size=128) == 524_288
+    assert kv_capacity_tokens(TINY, GiB, block_size=128, max_model_len=512) == 524_288
+    # A request of 500 tokens still takes 4 whole blocks: vLLM reports 1024 x 500.
+    assert kv_capacity_tokens(TINY, GiB, block_size=128, max_model_len=500) == 512_000
+    assert kv_capacity_tokens(TINY, GiB - 1, block_size=128) == 524_288 - 128
+
+
+# --- the plan: fit, search, recommendations, decode ceiling ----------------------------------------------
+
+
+def test_70b_is_planned_from_config_alone() -> None:
+    result = plan(LLAMA3_70B, [None, recipe(W4A16)], gpu_spec("H100-80GB"), 4096, 8)
+    sixteen, w4 = result.rows
+    assert (sixteen.fits, w4.fits) == (False, True)
+    assert sixteen.recommended is None and sixteen.max_context == 0
+    assert w4.weights_source == "predicted"
+
+
+def test_totals_add_up_and_the_largest_fits_are_boundaries() -> None:
+    gpu, settings = gpu_spec("RTX-4090"), PlanSettings()
+    row = plan(LLAMA2_7B, [None], gpu, 2048, 4, settings=settings).rows[0]
+    assert row.total_bytes == row.weights_bytes + row.kv_cache_bytes + row.activation_bytes + row.overhead_bytes
+    assert row.kv_cache_bytes == 4 * 2048 * row.kv_cache_bytes_per_token
+    assert row.available_bytes == int(gpu.memory_bytes * settings.max_gpu_memory_utilization)
+
+    def total(context: int, concurrency: int) -> int:
+        return plan(LLAMA2_7B, [None], gpu, context, concurrency).rows[0].total_bytes
+
+    assert total(2048, row.max_concurrency) <= row.available_bytes < total(2048, row.max_concurrency + 1)
+    assert row.max_context == 4096 or total(row.max_context, 4) <= row.available_bytes < total(row.max_context + 1, 4)
+
+
+def test_recommendation_lowers_concurrency_when_the_request_does_not_fit() -> None:
+    gpu = gpu_spec("RTX-4090")
+    row = plan(LLAMA2_7B, [None], gpu, 4096, 64).rows[0]
+    assert not row.fits and 1 <= row.max_concurrency < 64
+    assert row.recommended.max_num_seqs == row.max_concurrency
+    assert row.recommended.max_model_len == 4096
+    assert 0.90 <= row.recommended.gpu_memory_utilization <= 0.95
+    assert "--max-num-seqs" in row.recommended.vllm_args
+
+
+def test_decode_ceiling_is_bandwidth_over_bytes_read_per_token() -> None:
+    shape = shape_of(LLAMA2_7B)
+    row = plan(LLAMA2_7B, [None], gpu_spec("H100-80GB"), 2048, 1).rows[0]
+    weights = predict_weight_bytes(shape, None)
+    read = weights.total_bytes - weights.embedding_bytes + kv_cache_bytes_for_context(shape, 2, 2048)
+    assert row.decode_tokens_per_s == pytest.approx(3350e9 / read, abs=0.1)
+    assert plan(LLAMA2_7B, [None], gpu_spec(memory_gib=80), 2048, 1).rows[0].decode_tokens_per_s is None
+
+
+def test_artifact_rows_are_measured(tmp_path: Path) -> None:
+    unquantized = tmp_path / "base"
+    unquantized.mkdir()
+    (unquantized / "config.json").write_text(json.dumps(TINY))
+    size = write_safetensors(unquantized / "model.safetensors", {"w": ("BF16", [10], 1_000_000)})
+    rows = plan(unquantized, [None, recipe(W8A8)], gpu_spec("T4"), 512, 1, artifact_dir=unquantized).rows
+    assert [(r.scheme, r.weights_source) for r in rows] == [("16-bit", "measured"), ("test", "predicted")]
+    assert rows[0].weights_bytes == size
+
+    quantized = tmp_path / "tiny-w8a8"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({**TINY, "quantization_config": {"format": "int-quantized"}}))
+    write_safetensors(quantized / "model.safetensors", {"w": ("I8", [10], 500_000)})
+    fit = check_fit(quantized, recipe(W8A8), gpu_spec("T4"), 512, 1, artifact_dir=quantized)
+    assert isinstance(fit, FitCheck) and fit.gpu == "T4" and fit.fits
+    measured = plan(quantized, [recipe(W8A8)], gpu_spec("T4"), 512, 1, artifact_dir=quantized).rows[-1]
+    assert (measured.scheme, measured.weights_bytes, fit.required_bytes) == ("tiny-w8a8", 500_000, measured.total_bytes)
+
+
+# --- GPUs and bad input ---------------------------------------------------------------------------------
+
+
+def test_gpu_names_and_aliases() -> None:
+    assert {"T4", "L4", "RTX-4090", "A10", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "L40S", "MI300X"} <= set(known_gpus())
+    assert gpu_spec("h100").name == gpu_spec("H100 80GB").name == "H100-80GB"
+    assert gpu_spec("H100", bandwidth_gbs=1000).bandwidth_bytes_per_s == 1000 * 10**9
+    custom = gpu_spec(memory_gib=24, bandwidth_gbs=936)
+    assert (custom.memory_bytes, custom.bandwidth_bytes_per_s) == (24 * GiB, 936 * 10**9)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"name": "B9000"}, "gpu"),
+    ({"memory_gib": -1}, "gpu_memory_gib"),
+    ({"memory_gib": float("nan")}, "gpu_memory_gib"),
+    ({"memory_gib": 24, "bandwidth_gbs": 0}, "gpu_bandwidth_gbs"),
+    ({}, "gpu"),
+])
+def test_bad_gpu_is_an_input_error(kwargs: dict, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        gpu_spec(**kwargs)
+    assert caught.value.field == field
+    if kwargs.get("name"):
+        assert "H100-80GB" in caught.value.message  # the known names are listed
+
+
+@pytest.mark.parametrize("config, field", [
+    ({k: v for k, v in TINY.items() if k != "num_hidden_layers"}, "num_hidden_layers"),
+    ({**TINY, "hidden_size": "big"}, "hidden_size"),
+    ({**TINY, "num_key_value_heads": 3}, "num_key_value_heads"),
+    ({**TINY, "sliding_window": 64, "layer_types": ["sliding_attention"]}, "layer_types"),
+    ({**TINY, "layer_types": ["sliding_attention"] * 4}, "sliding_window"),
+    ({**TINY, "kv_lora_rank": 512}, "kv_lora_rank"),
+])
+def test_config_without_needed_fields_is_an_input_error(config: dict, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        plan(config, [None], gpu_spec("T4"), 512, 1)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("max_model_len, concurrency, field", [
+    (0, 1, "max_model_len"), (512, -2, "concurrency"), (4096, 1, "max_model_len"),  # TINY allows 2048 tokens
+])
+def test_nonsense_sizes_are_input_errors(max_model_len: int, concurrency: int, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        plan(TINY, [None], gpu_spec("T4"), max_model_len, concurrency)
+    assert caught.value.field == field
+
+
+# --- the command line -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def only_the_plan_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI with just `plan` registered, so these tests don't depend on the other commands' imports."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("plan",))
+
+
+@pytest.mark.usefixtures("only_the_plan_command")
+def test_cli_json_has_the_promised_fields(capsys: pytest.CaptureFixture) -> None:
+    code = cli.main(["plan", "--config", str(LLAMA3_8B), "--gpu", "L4", "--max-model-len", "4096", "--concurrency", "2", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["rows"][0]
+    assert {"weights_bytes", "kv_cache_bytes_per_token", "kv_cache_bytes", "total_bytes", "fits"} <= set(row)
+    assert row["kv_cache_bytes"] == 2 * 4096 * row["kv_cache_bytes_per_token"]
+
+
+@pytest.mark.usefixtures("only_the_plan_command")
+def test_cli_table_names_every_scheme(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    recipe_file = tmp_path / "w4.yaml"
+    recipe_file.write_text("name: w4\ngroups:\n  attention: {weights: {bits: 4, granularity: group, group_size: 128}}\n")
+    argv = ["--config", str(MISTRAL_7B), "--recipe", str(recipe_file), "--gpu-memory-gib", "24", "--max-model-len", "8192"]
+    code = cli.main(["plan", *argv])
+    out = capsys.readouterr().out
+    assert code == 0 and "16-bit" in out and "w4" in out and "--max-model-len 8192" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--config", str(LLAMA2_7B), "--gpu", "B9000"],
+    ["plan", "--config", str(LLAMA2_7B)],
+    ["plan", "--config", str(LLAMA2_7B), "--gpu", "T4", "--concurrency", "0"],
+    ["plan", "--config", "/nonexistent/config.json", "--gpu", "T4"],
+    ["plan", "--artifact", str(CONFIGS / "llama-2-7b"), "--gpu", "T4"],
+    ["plan", "--config", str(LLAMA2_7B), "--gpu-memory-gib", "-3"],
+])
+@pytest.mark.usefixtures("only_the_plan_command")
+def test_cli_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("quantize: error:") and "\n" not in error
