@@ -2,19 +2,20 @@
 
 A recipe says, per layer group, how weights and activations are quantized. It is validated here
 (types, unknown keys, contradictions that need no model), then compiled to an llm-compressor recipe by
-pipelines.compiler, which also checks it against a concrete model.
+pipelines.compiler, which also checks it against a concrete model and against what vLLM can serve.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipelines.errors import InputError, from_validation_error
+from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
+from pipelines.yamlio import parse_yaml_model
 
 
 class _Strict(BaseModel):
@@ -83,13 +84,27 @@ class Groups(_Strict):
 
 
 class Override(_Strict):
-    """Applies to decoder layers by index (negative counts from the end) and/or module-name regex."""
+    """Re-schemes attention / MLP Linear layers selected by decoder-layer index and/or name regex.
 
-    layers: list[int] | None = None
-    match: str | None = Field(default=None, description="regular expression on the module name")
+    `layers` (negative counts from the end) and `match` (searched in the module name) are ANDed;
+    later overrides win over earlier ones.
+    """
+
+    layers: list[int] | None = Field(default=None, min_length=1)
+    match: str | None = Field(default=None, description="regular expression searched in the module name")
     keep: bool = Field(default=False, description="keep the matched Linear layers in 16-bit")
     attention: GroupScheme | None = None
     mlp: GroupScheme | None = None
+
+    @field_validator("match")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as error:
+                raise ValueError(f"not a regular expression: {error}") from None
+        return value
 
     @model_validator(mode="after")
     def _selects_and_acts(self) -> "Override":
@@ -97,6 +112,8 @@ class Override(_Strict):
             raise ValueError("an override needs `layers` or `match`")
         if not self.keep and self.attention is None and self.mlp is None:
             raise ValueError("an override needs `keep: true` or a scheme for attention / mlp")
+        if self.keep and (self.attention is not None or self.mlp is not None):
+            raise ValueError("`keep: true` keeps layers in 16-bit; it cannot also give them a scheme")
         return self
 
 
@@ -104,7 +121,26 @@ class Algorithm(_Strict):
     method: Literal["rtn", "gptq"] = "rtn"
     block_size: int = Field(default=128, gt=0)
     dampening_frac: float = Field(default=0.01, ge=0, lt=1)
-    actorder: Literal["static", "group", "weight"] | None = None
+    actorder: Literal["weight", "static"] | None = Field(
+        default=None, description="GPTQ column order by activation size ('static' is an alias of 'weight')"
+    )
+
+    @field_validator("actorder", mode="before")
+    @classmethod
+    def _no_group_order(cls, value: object) -> object:
+        if value in ("group", "dynamic", True):
+            raise ValueError(
+                "actorder 'group' (a g_idx per weight) was removed in compressed-tensors 0.19 and vLLM CPU "
+                "has no kernel for it; use 'weight' (or 'static') or leave it out"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _gptq_knobs_need_gptq(self) -> "Algorithm":
+        knobs = self.model_fields_set & {"block_size", "dampening_frac", "actorder"}
+        if self.method == "rtn" and knobs:
+            raise ValueError(f"{', '.join(sorted(knobs))} only apply to method 'gptq'")
+        return self
 
 
 class SmoothQuant(_Strict):
@@ -119,7 +155,7 @@ class Calibration(_Strict):
 
 
 class Recipe(_Strict):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
     description: str = ""
     algorithm: Algorithm = Algorithm()
     smoothquant: SmoothQuant | None = None
@@ -128,9 +164,20 @@ class Recipe(_Strict):
     overrides: list[Override] = []
 
     @model_validator(mode="after")
+    def _something_to_do(self) -> "Recipe":
+        groups = self.groups
+        if not (groups.attention or groups.mlp or groups.embeddings.quantize or groups.lm_head.quantize):
+            raise ValueError("the recipe quantizes nothing: give groups.attention and/or groups.mlp a scheme")
+        return self
+
+    @model_validator(mode="after")
     def _calibration_when_needed(self) -> "Recipe":
         if self.needs_calibration and self.calibration is None:
             raise ValueError("this recipe needs calibration data (GPTQ, SmoothQuant or static activations): add `calibration:`")
+        if not self.needs_calibration and self.calibration is not None:
+            raise ValueError(
+                "calibration given but nothing uses it (RTN weights, dynamic activations, no SmoothQuant): remove `calibration:`"
+            )
         return self
 
     @property
@@ -148,22 +195,18 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     return RECIPES_DIR / f"{name_or_path}.yaml"
 
 
+def shipped_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
 def load_recipe(name_or_path: str) -> tuple[Recipe, Path, str]:
     """Parse and validate a recipe; returns it with its path and the text as written."""
     path = resolve_recipe_path(name_or_path)
     if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
-        raise InputError(f"no such recipe (shipped recipes: {shipped})", file=path, field="recipe")
+        raise InputError(f"no such recipe (shipped recipes: {', '.join(shipped_recipes())})", file=path, field="recipe")
     text = path.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "YAML"
-        raise InputError(f"malformed YAML: {getattr(error, 'problem', error)}", file=path, field=where) from None
-    if not isinstance(data, dict):
-        raise InputError("a recipe is a YAML mapping", file=path, field="(top level)")
-    try:
-        return Recipe.model_validate(data), path, text
-    except ValidationError as error:
-        raise from_validation_error(error, path) from None
+    return parse_recipe(text, path), path, text
+
+
+def parse_recipe(text: str, path: Path | str) -> Recipe:
+    return parse_yaml_model(text, path, Recipe, "recipe")

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -27,6 +28,14 @@ from pipelines.paths import SERVE_PYTHON
 LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
+# Imported by every Python process of the server (API server, engine core) through PYTHONPATH.
+NO_AMX_SITECUSTOMIZE = (
+    "try:\n"
+    "    import torch.cpu\n"
+    "    torch.cpu._is_amx_tile_supported = lambda: False\n"
+    "except Exception:\n"
+    "    pass\n"
+)
 
 
 class ServeSettings(BaseModel):
@@ -37,8 +46,10 @@ class ServeSettings(BaseModel):
     memory_fraction: float = Field(default=0.2, gt=0, le=1, description="--gpu-memory-utilization (on CPU: fraction of host memory)")
     cpu_kv_cache_gib: int = Field(default=1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
     max_model_len: int = Field(default=512, gt=0)
-    # bf16 makes vLLM CPU pick its AMX kernels, which die with SIGILL on these VMs (measured); fp16 avoids them.
-    dtype: str = "float16"
+    # The model's bf16: vLLM CPU's int8 W8A8 kernel refuses float16 ("scale_C: scalar path not implemented",
+    # measured). bf16 would pick AMX kernels that die with SIGILL on these VMs, so the server runs with AMX
+    # reported unavailable (NO_AMX_SITECUSTOMIZE) and uses its AVX-512 kernels instead.
+    dtype: str = "bfloat16"
     enforce_eager: bool = True
     seed: int = 0
     max_num_seqs: int = Field(default=16, gt=0)
@@ -144,7 +155,7 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
     return command
 
 
-def _environment(settings: ServeSettings) -> dict[str, str]:
+def _environment(settings: ServeSettings, shim_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
@@ -154,8 +165,13 @@ def _environment(settings: ServeSettings) -> dict[str, str]:
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(shim_dir)  # only the shim: nothing of the project environment leaks in
     return env
+
+
+def _write_shim(shim_dir: Path) -> Path:
+    (shim_dir / "sitecustomize.py").write_text(NO_AMX_SITECUSTOMIZE)
+    return shim_dir
 
 
 def _wait_until_healthy(server: subprocess.Popen, port: int, log_path: Path, timeout_s: float) -> None:
@@ -219,11 +235,12 @@ def vllm_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()
+    shim = tempfile.TemporaryDirectory(prefix="quantgate-vllm-")
     with log_path.open("w") as log:
         process = subprocess.Popen(
             _command(model_dir, served_name, port, settings),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_environment(settings), start_new_session=True,
+            env=_environment(settings, _write_shim(Path(shim.name))), start_new_session=True,
         )
     try:
         _wait_until_healthy(process, port, log_path, settings.startup_timeout_s)
@@ -236,3 +253,4 @@ def vllm_server(
         )
     finally:
         stop_process_group(process)
+        shim.cleanup()

@@ -1,0 +1,61 @@
+"""`quantize recipe list|show|validate`: the recipes and what they compile to for llm-compressor."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipelines.compiler import CompiledRecipe, compile_file
+from pipelines.output import console, emit, table
+from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.recipe import load_recipe, shipped_recipes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("recipe", help="list, show and validate quantization recipes")
+    actions = parser.add_subparsers(dest="recipe_action", metavar="ACTION", required=True)
+
+    listing = actions.add_parser("list", help="the shipped recipes under recipes/")
+    listing.add_argument("--json", action="store_true", help="print JSON on stdout")
+    listing.set_defaults(handler=list_recipes)
+
+    for name, handler, text in (
+        ("show", show_recipe, "print the llm-compressor recipe a recipe compiles to for a model"),
+        ("validate", validate_recipe, "check a recipe against a model and vLLM's kernels (exit 0 ok, 2 not)"),
+    ):
+        sub = actions.add_parser(name, help=text)
+        sub.add_argument("recipe", help="a shipped recipe name (w8a8) or a YAML file")
+        sub.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help=f"model folder (default: {DEMO_MODEL_DIR})")
+        sub.add_argument("--json", action="store_true", help="print JSON on stdout")
+        sub.set_defaults(handler=handler)
+
+
+def list_recipes(args: argparse.Namespace) -> int:
+    rows = []
+    for name in shipped_recipes():
+        recipe, path, _ = load_recipe(name)
+        rows.append({"name": recipe.name, "file": str(path), "algorithm": recipe.algorithm.method, "description": recipe.description})
+    emit(rows, as_json=args.json, render=lambda r: console.print(table(None, ["name", "algorithm", "description"], [[x["name"], x["algorithm"], x["description"]] for x in r])))
+    return 0
+
+
+def show_recipe(args: argparse.Namespace) -> int:
+    compiled = _compile(args)
+    emit(compiled, as_json=args.json, render=lambda c: console.print(c.yaml, end="", markup=False))
+    return 0
+
+
+def validate_recipe(args: argparse.Namespace) -> int:
+    compiled = _compile(args)
+    result = {"recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "valid": True, "layers": compiled.layers}
+    emit(result, as_json=args.json, render=_render_layers)
+    return 0
+
+
+def _compile(args: argparse.Namespace) -> CompiledRecipe:
+    return compile_file(args.recipe, args.model)
+
+
+def _render_layers(result: dict) -> None:
+    console.print(f"{result['file']}: valid for {result['model']}")
+    console.print(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))

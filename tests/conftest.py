@@ -1,0 +1,90 @@
+"""Shared fixtures: a tiny random Llama with the demo model's shape, its calibration data, the demo model.
+
+The tiny model has the dimensions of models/demo-llama (hidden 256, intermediate 768, 4 layers, 4 heads,
+2 KV heads, head_dim 64, bf16, untied lm_head) but random weights and a small vocabulary, so tests can
+quantize and serve it in seconds before (or without) the trained demo model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines.paths import DEMO_MODEL_DIR
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_VOCAB = 512
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "bfloat16",
+}
+
+
+def sample_texts(count: int) -> list[str]:
+    """Deterministic ticket-like lines, for the tokenizer and for calibration."""
+    teams = ("billing", "shipping", "returns", "accounts")
+    return [f"Ticket {i}: order {(i * 7919) % 100000:05d} goes to {teams[i % 4]}, ref PAY-{(i * 104729) % 9973}." for i in range(count)]
+
+
+def make_tiny_llama(folder: Path) -> Path:
+    """Write a random-weight Llama (demo-model shape) and a byte-level BPE tokenizer into `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipelines.demo.tokenizer import train_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: v for k, v in TINY_LLAMA_CONFIG.items() if k not in ("model_type", "architectures")})
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    train_tokenizer(sample_texts(200), TINY_VOCAB).save_pretrained(folder)
+    return folder
+
+
+def write_calibration_set(folder: Path, count: int = 64) -> Path:
+    """A calibration set folder as pipelines.evalsets reads it: set.yaml + data.jsonl with a `text` field."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "set.yaml").write_text("kind: calibration\ndescription: tiny test calibration lines\n")
+    (folder / "data.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in sample_texts(count)))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config() -> dict[str, Any]:
+    return dict(TINY_LLAMA_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def demo_or_tiny_model(request: pytest.FixtureRequest) -> Path:
+    """models/demo-llama once it exists, else the tiny random Llama."""
+    if (DEMO_MODEL_DIR / "config.json").is_file():
+        return DEMO_MODEL_DIR
+    return request.getfixturevalue("tiny_llama_dir")
+
+
+@pytest.fixture(scope="session")
+def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_calibration_set(tmp_path_factory.mktemp("eval_sets") / "calibration")

@@ -1,0 +1,245 @@
+"""The compiler: recipes -> llm-compressor recipes for a concrete model, and every check it makes first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from compressed_tensors.utils.match import match_name
+
+from pipelines.cli import main
+from pipelines.compiler import (
+    GROUP_TARGET,
+    CompiledRecipe,
+    LinearInfo,
+    ModelLayout,
+    compile_recipe,
+    layout_from_config,
+)
+from pipelines.errors import InputError
+from pipelines.recipe import load_recipe, parse_recipe
+
+W8_DYNAMIC = {"weights": {"bits": 8}, "activations": {"granularity": "token", "dynamic": True}}
+W4_GROUP = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_llama_config: dict) -> ModelLayout:
+    return layout_from_config(tiny_llama_config)
+
+
+def recipe_text(groups: dict | None = None, **top) -> str:
+    data = {"name": "t", "groups": groups or {"attention": W4_GROUP, "mlp": W4_GROUP}, **top}
+    return yaml.safe_dump(data)
+
+
+def compile_text(text: str, layout: ModelLayout, file: str = "recipes/t.yaml") -> CompiledRecipe:
+    return compile_recipe(parse_recipe(text, file), layout, file)
+
+
+def compile_error(text: str, layout: ModelLayout) -> InputError:
+    with pytest.raises(InputError) as caught:
+        compile_text(text, layout)
+    assert caught.value.file == "recipes/t.yaml"
+    return caught.value
+
+
+def claimed_by(compiled: CompiledRecipe, module: str) -> list[str]:
+    """Config groups whose targets match `module`, by compressed-tensors' own matching rule."""
+    quantizer = list(compiled.llmcompressor["quant_stage"]["quant_modifiers"].values())[-1]
+    if any(match_name(module, target) for target in quantizer["ignore"]):
+        return []
+    return [name for name, group in quantizer["config_groups"].items() if any(match_name(module, t) for t in group["targets"])]
+
+
+def test_layout_of_the_demo_shape(layout: ModelLayout) -> None:
+    assert layout.num_layers == 4
+    assert len(layout.of_kind("attention")) == 16 and len(layout.of_kind("mlp")) == 12
+    assert layout.lm_head == "lm_head" and layout.embeddings == ["model.embed_tokens"]
+    shapes = {info.name: (info.in_features, info.out_features) for info in layout.linears}
+    assert shapes["model.layers.0.self_attn.k_proj"] == (256, 128)  # 2 KV heads x 64
+    assert shapes["model.layers.3.mlp.down_proj"] == (768, 256)
+
+
+def test_shipped_w8a8_compiles_to_smoothquant_then_gptq_with_mixed_activations(layout: ModelLayout) -> None:
+    recipe, path, _ = load_recipe("w8a8")
+    compiled = compile_recipe(recipe, layout, path)
+    modifiers = compiled.llmcompressor["quant_stage"]["quant_modifiers"]
+    assert list(modifiers) == ["SmoothQuantModifier", "GPTQModifier"]
+    gptq = modifiers["GPTQModifier"]
+    assert "lm_head" in gptq["ignore"] and gptq["actorder"] is None
+    attention, mlp = gptq["config_groups"]["attention"], gptq["config_groups"]["mlp"]
+    assert attention["targets"] == [GROUP_TARGET["attention"]] and mlp["targets"] == [GROUP_TARGET["mlp"]]
+    assert attention["input_activations"] | {} == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    assert (mlp["input_activations"]["strategy"], mlp["input_activations"]["dynamic"]) == ("tensor", False)
+    assert yaml.safe_load(compiled.yaml) == compiled.llmcompressor
+    assert compiled.layers["model.layers.0.self_attn.q_proj"] == "w8 channel sym / a8 token dynamic"
+    assert compiled.layers["model.layers.0.mlp.down_proj"] == "w8 channel sym / a8 tensor static"
+    assert compiled.layers["lm_head"] == compiled.layers["model.embed_tokens"] == "16-bit"
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w4a16", "gptq", "aggressive"])
+def test_every_shipped_recipe_claims_each_decoder_linear_once(layout: ModelLayout, name: str) -> None:
+    recipe, path, _ = load_recipe(name)
+    compiled = compile_recipe(recipe, layout, path)
+    for info in layout.linears:
+        assert claimed_by(compiled, info.name) == [info.kind], info.name
+    assert claimed_by(compiled, "lm_head") == []
+
+
+def test_compiled_yaml_is_an_llmcompressor_recipe(layout: ModelLayout) -> None:
+    from llmcompressor.recipe import Recipe as LlmcRecipe
+
+    recipe, path, _ = load_recipe("gptq")
+    modifiers = LlmcRecipe.create_instance(compile_recipe(recipe, layout, path).yaml).modifiers
+    (gptq,) = modifiers
+    assert type(gptq).__name__ == "GPTQModifier"
+    assert gptq.actorder == "weight"
+    assert gptq.config_groups["attention"].weights.group_size == 128
+
+
+def test_rtn_compiles_to_quantization_modifier_without_gptq_knobs(layout: ModelLayout) -> None:
+    compiled = compile_text(recipe_text(), layout)
+    (name, quantizer), = compiled.llmcompressor["quant_stage"]["quant_modifiers"].items()
+    assert name == "QuantizationModifier" and "actorder" not in quantizer
+    assert quantizer["config_groups"]["mlp"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    assert "input_activations" not in quantizer["config_groups"]["mlp"]
+
+
+def test_keeping_first_and_last_layers_16_bit(layout: ModelLayout) -> None:
+    compiled = compile_text(recipe_text(overrides=[{"layers": [0, -1], "keep": True}]), layout)
+    for info in layout.linears:
+        kept = info.layer in (0, 3)
+        assert claimed_by(compiled, info.name) == ([] if kept else [info.kind]), info.name
+        assert (compiled.layers[info.name] == "16-bit") == kept
+    quantizer = compiled.llmcompressor["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
+    assert quantizer["config_groups"]["attention"]["targets"] == [r"re:.*\.layers\.(1|2)\.self_attn\.(q|k|v|o)_proj$"]
+
+
+def test_an_override_scheme_becomes_its_own_config_group(layout: ModelLayout) -> None:
+    w8 = {"weights": {"bits": 8}, "activations": {"granularity": "token"}}
+    compiled = compile_text(recipe_text(overrides=[{"layers": [1], "attention": w8, "mlp": w8}]), layout)
+    assert claimed_by(compiled, "model.layers.1.self_attn.v_proj") == ["attention_1"]
+    assert claimed_by(compiled, "model.layers.1.mlp.up_proj") == ["mlp_1"]
+    assert claimed_by(compiled, "model.layers.2.self_attn.v_proj") == ["attention"]
+    assert compiled.layers["model.layers.1.mlp.up_proj"] == "w8 channel sym / a8 token dynamic"
+
+
+def test_a_regex_override_on_whole_fused_sets_is_fine(layout: ModelLayout) -> None:
+    compiled = compile_text(recipe_text(overrides=[{"match": r"\.o_proj$|down_proj", "keep": True}]), layout)
+    assert claimed_by(compiled, "model.layers.2.self_attn.o_proj") == []
+    assert claimed_by(compiled, "model.layers.2.mlp.down_proj") == []
+    assert claimed_by(compiled, "model.layers.2.mlp.gate_proj") == ["mlp"]
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "fragment"),
+    [
+        ({"match": r"q_proj$", "keep": True}, "overrides.0", "q_proj/k_proj/v_proj"),
+        ({"match": "up_proj", "mlp": W8_DYNAMIC}, "overrides.0.mlp", "gate_proj/up_proj"),
+        ({"match": "nothing_like_this", "keep": True}, "overrides.0", "selects no"),
+        ({"layers": [4], "keep": True}, "overrides.0.layers", "layer 4 does not exist"),
+        ({"match": "mlp", "attention": W8_DYNAMIC}, "overrides.0.attention", "selects no module"),
+        ({"match": "lm_head|embed", "keep": True}, "overrides.0.match", "quantize: true"),
+    ],
+)
+def test_override_errors_name_the_override(layout: ModelLayout, override: dict, field: str, fragment: str) -> None:
+    error = compile_error(recipe_text(overrides=[override]), layout)
+    assert error.field == field
+    assert fragment in error.message
+
+
+def test_a_later_override_that_splits_fused_shards_is_the_one_named(layout: ModelLayout) -> None:
+    w4_channel = {"weights": {"bits": 4, "granularity": "channel"}}
+    text = recipe_text(overrides=[{"layers": [2], "mlp": w4_channel}, {"layers": [2], "match": "gate_proj", "keep": True}])
+    error = compile_error(text, layout)
+    assert error.field == "overrides.1"
+    assert "model.layers.2.mlp" in error.message
+
+
+@pytest.mark.parametrize(
+    ("groups", "field", "fragment"),
+    [
+        ({"attention": {"weights": {"bits": 4, "granularity": "group", "group_size": 96}}}, "groups.attention.weights.group_size", "does not divide the input size 256"),
+        ({"mlp": {"weights": {"bits": 2, "granularity": "channel"}}}, "groups.mlp.weights.bits", "4 bits only"),
+        ({"mlp": {"weights": {"bits": 3, "granularity": "group", "group_size": 128}}}, "groups.mlp.weights.bits", "4 bits only"),
+        ({"mlp": {"weights": {"bits": 8, "granularity": "channel"}}}, "groups.mlp.weights.bits", "4 bits only"),
+        ({"mlp": {"weights": {"bits": 4, "granularity": "tensor"}}}, "groups.mlp.weights.granularity", "channel' or 'group"),
+        ({"mlp": {"weights": {"bits": 4}, "activations": {}}}, "groups.mlp.weights.bits", "8-bit weights"),
+        ({"mlp": {"weights": {"bits": 8, "granularity": "group", "group_size": 128}, "activations": {}}}, "groups.mlp.weights.granularity", "per channel"),
+        ({"mlp": {"weights": {"bits": 8, "symmetric": False}, "activations": {}}}, "groups.mlp.weights.symmetric", "symmetric"),
+        ({"mlp": {"weights": {"bits": 8}, "activations": {"granularity": "tensor", "dynamic": True}}}, "groups.mlp.activations.granularity", "dynamic"),
+        ({"mlp": W4_GROUP, "embeddings": {"quantize": True, "weights": {"bits": 8}}}, "groups.embeddings.quantize", "embeddings"),
+        ({"mlp": W4_GROUP, "lm_head": {"quantize": True, "weights": {"bits": 2}}}, "groups.lm_head.weights.bits", "4 bits only"),
+    ],
+)
+def test_scheme_errors_name_the_field(layout: ModelLayout, groups: dict, field: str, fragment: str) -> None:
+    error = compile_error(recipe_text(groups), layout)
+    assert error.field == field
+    assert fragment in error.message
+
+
+def test_quantized_lm_head_needs_and_gets_its_own_group(layout: ModelLayout) -> None:
+    compiled = compile_text(recipe_text({"mlp": W4_GROUP, "lm_head": {"quantize": True, "weights": W4_GROUP["weights"]}}), layout)
+    assert claimed_by(compiled, "lm_head") == ["lm_head"]
+    assert compiled.layers["lm_head"] == "w4 group128 sym / a16"
+
+
+def _layout(linears: list[LinearInfo]) -> ModelLayout:
+    return ModelLayout(architecture="Toy", num_layers=1, linears=linears, embeddings=["embed"], lm_head="lm_head")
+
+
+def test_a_group_matching_no_module_is_an_error() -> None:
+    toy = _layout([LinearInfo(name="h.0.attn.c_attn", in_features=256, out_features=768, layer=0)])
+    error = compile_error(recipe_text({"attention": W4_GROUP}), toy)
+    assert error.field == "groups.attention"
+    assert "matches no module" in error.message
+
+
+def test_four_bit_layers_need_sizes_in_multiples_of_32() -> None:
+    odd = _layout([LinearInfo(name="model.layers.0.mlp.down_proj", in_features=100, out_features=256, kind="mlp", layer=0)])
+    error = compile_error(recipe_text({"mlp": {"weights": {"bits": 4, "granularity": "channel"}}}), odd)
+    assert error.field == "groups.mlp.weights"
+    assert "multiples of 32" in error.message
+
+
+def _model_folder(tmp_path: Path, config: dict) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_cli_show_prints_the_compiled_yaml(tmp_path: Path, tiny_llama_config: dict, capsys: pytest.CaptureFixture) -> None:
+    assert main(["recipe", "show", "w4a16", "--model", str(_model_folder(tmp_path, tiny_llama_config))]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["ignore"] == ["lm_head"]
+
+
+def test_cli_show_json(tmp_path: Path, tiny_llama_config: dict, capsys: pytest.CaptureFixture) -> None:
+    assert main(["recipe", "show", "w8a8", "--json", "--model", str(_model_folder(tmp_path, tiny_llama_config))]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert yaml.safe_load(shown["yaml"]) == shown["llmcompressor"]
+    assert shown["layers"]["lm_head"] == "16-bit"
+
+
+def test_cli_validate_exit_codes(tmp_path: Path, tiny_llama_config: dict, capsys: pytest.CaptureFixture) -> None:
+    model = _model_folder(tmp_path, tiny_llama_config)
+    assert main(["recipe", "validate", "aggressive", "--model", str(model)]) == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe_text({"mlp": {"weights": {"bits": 4, "granularity": "group", "group_size": 512}}}))
+    assert main(["recipe", "validate", str(bad), "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: groups.mlp.weights.group_size:" in err and "does not divide" in err
+
+
+def test_cli_validate_bad_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["recipe", "validate", "w4a16", "--model", str(tmp_path / "absent")]) == 2
+    assert "model folder does not exist" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert main(["recipe", "validate", "w4a16", "--model", str(broken)]) == 2
+    assert f"{broken / 'config.json'}: line 1: not valid JSON" in capsys.readouterr().err
