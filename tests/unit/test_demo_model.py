@@ -1,0 +1,71 @@
+"""The committed demo model loads with transformers, has the shape vLLM's CPU kernels need, and still
+scores on the shipped multiple-choice eval set."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from pipelines import evalsets  # noqa: E402
+from pipelines.demo.scoring import multiple_choice_accuracy  # noqa: E402
+from pipelines.paths import DEMO_MODEL_DIR, EVAL_SETS_DIR  # noqa: E402
+
+MAX_BYTES = 20 * 2**20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+
+
+def test_files_and_dimensions() -> None:
+    config = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert (config["hidden_size"], config["head_dim"], config["num_hidden_layers"]) == (256, 64, 4)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["intermediate_size"] % 128 == 0 and config["vocab_size"] % 64 == 0
+    assert config["tie_word_embeddings"] is False
+    assert sum(p.stat().st_size for p in DEMO_MODEL_DIR.iterdir() if p.is_file()) <= MAX_BYTES
+    from safetensors import safe_open
+
+    with safe_open(DEMO_MODEL_DIR / "model.safetensors", "pt") as weights:
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
+        assert "lm_head.weight" in weights.keys()
+
+
+def test_tokenizer_adds_nothing_and_splits_answers_consistently(tokenizer) -> None:
+    for found in evalsets.discover_eval_sets(EVAL_SETS_DIR):
+        config = evalsets.load_task_config(found.task_yaml)
+        for number, item in list(evalsets.iter_jsonl(found.data))[:50]:
+            prompt = evalsets.render_template(config["doc_to_text"], item)
+            answers = config["doc_to_choice"] if isinstance(config.get("doc_to_choice"), list) else [item["answer"]]
+            context = tokenizer(prompt).input_ids
+            assert tokenizer.decode(context) == prompt
+            for answer in answers:
+                whole = tokenizer(f"{prompt} {answer}").input_ids
+                assert whole[: len(context)] == context, (found.name, number, answer)
+                assert tokenizer.unk_token_id is None or tokenizer.unk_token_id not in whole
+
+
+def test_scores_on_the_multiple_choice_set(model, tokenizer) -> None:
+    (found,) = [s for s in evalsets.discover_eval_sets(EVAL_SETS_DIR) if s.output_type == "multiple_choice"]
+    config = evalsets.load_task_config(found.task_yaml)
+    items = [item for _, item in evalsets.iter_jsonl(found.data)]
+    prompts = [evalsets.render_template(config["doc_to_text"], item) for item in items]
+    labels = [item[config["doc_to_target"]] for item in items]
+    correct = multiple_choice_accuracy(model, tokenizer, prompts, [config["doc_to_choice"]] * len(items), labels)
+    assert sum(correct) / len(correct) >= 0.95

@@ -1,0 +1,242 @@
+"""The eval-set validator, materialisation, calibration loading and the `quantize eval-sets` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import evalsets
+from pipelines.cli import main
+from pipelines.errors import InputError
+from pipelines.paths import EVAL_SETS_DIR
+
+GOOD_YAML = {
+    "task": "refunds",
+    "dataset_path": "json",
+    "dataset_kwargs": {"data_files": {"test": "data.jsonl"}},
+    "test_split": "test",
+    "output_type": "generate_until",
+    "doc_to_text": "Question: {{question}}\nAnswer:",
+    "doc_to_target": "answer",
+    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8},
+    "metric_list": [{"metric": "exact_match"}],
+}
+GOOD_ITEMS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
+
+
+def write_set(root: Path, name: str = "refunds", config: dict | None = None, lines: list[str] | None = None) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    config = {**GOOD_YAML, "task": name, **(config or {})}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    if lines is None:
+        lines = [json.dumps(item) for item in GOOD_ITEMS]
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_a_good_set_validates(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path))
+    assert (found.name, found.output_type, found.num_items) == ("refunds", "generate_until", 5)
+    assert found.data == tmp_path / "refunds" / "data.jsonl"
+    assert len(found.sha256) == 64
+
+
+def test_the_hash_follows_the_data(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    before = evalsets.validate_eval_set(folder).sha256
+    with (folder / "data.jsonl").open("a") as handle:
+        handle.write(json.dumps({"question": "q9", "answer": "a9"}) + "\n")
+    assert evalsets.validate_eval_set(folder).sha256 != before
+
+
+def test_missing_data_file_names_the_yaml_and_field(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    (folder / "data.jsonl").unlink()
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("refunds.yaml")
+    assert caught.value.field == "dataset_kwargs.data_files"
+    assert "data.jsonl" in caught.value.message
+
+
+def test_bad_json_line_names_file_and_line(tmp_path: Path) -> None:
+    lines = [json.dumps(item) for item in GOOD_ITEMS]
+    lines.insert(2, '{"question": "q", "answer": ')
+    folder = write_set(tmp_path, lines=lines)
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("data.jsonl")
+    assert caught.value.field == "line 3"
+    assert "invalid JSON" in caught.value.one_line()
+
+
+def test_unknown_yaml_key_names_the_key(tmp_path: Path) -> None:
+    folder = write_set(tmp_path, config={"doc_to_txt": "{{question}}"})
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("refunds.yaml")
+    assert caught.value.field == "doc_to_txt"
+
+
+def test_every_task_config_field_is_accepted() -> None:
+    from lm_eval.api.task import TaskConfig
+
+    assert evalsets.task_config_keys() == {f.name for f in dataclasses.fields(TaskConfig)}
+
+
+def test_missing_required_key(tmp_path: Path) -> None:
+    config = {k: v for k, v in GOOD_YAML.items() if k != "doc_to_target"}
+    folder = tmp_path / "refunds"
+    folder.mkdir()
+    (folder / "refunds.yaml").write_text(yaml.safe_dump(config))
+    (folder / "data.jsonl").write_text(json.dumps(GOOD_ITEMS[0]) + "\n")
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.field == "doc_to_target"
+
+
+def test_item_missing_a_template_field_names_the_line(tmp_path: Path) -> None:
+    lines = [json.dumps(item) for item in GOOD_ITEMS] + [json.dumps({"answer": "x"})]
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_set(tmp_path, lines=lines))
+    assert caught.value.field == "line 6"
+    assert "'question'" in caught.value.message and "doc_to_text" in caught.value.message
+
+
+def test_item_missing_the_target_field(tmp_path: Path) -> None:
+    lines = [json.dumps({"question": "q"})]
+    with pytest.raises(InputError, match="'answer'.*doc_to_target"):
+        evalsets.validate_eval_set(write_set(tmp_path, lines=lines))
+
+
+def test_multiple_choice_label_out_of_range(tmp_path: Path) -> None:
+    config = {
+        "output_type": "multiple_choice",
+        "doc_to_choice": ["yes", "no"],
+        "doc_to_target": "label",
+        "metric_list": [{"metric": "acc"}],
+    }
+    lines = [json.dumps({"question": "q", "label": 1}), json.dumps({"question": "q", "label": 2})]
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_set(tmp_path, config=config, lines=lines))
+    assert caught.value.field == "line 2"
+
+
+def test_malformed_yaml_names_the_line(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    (folder / "refunds.yaml").write_text("task: refunds\ndoc_to_text: [unclosed\n  more: x\n")
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("refunds.yaml")
+    assert caught.value.field.startswith("line ")
+
+
+def test_task_name_must_match_the_folder(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    config = {**GOOD_YAML, "task": "other"}
+    (folder / "refunds.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.field == "task"
+
+
+def test_folder_without_task_yaml(tmp_path: Path) -> None:
+    (tmp_path / "loose").mkdir()
+    with pytest.raises(InputError, match="no task YAML loose.yaml"):
+        evalsets.discover_eval_sets(tmp_path)
+
+
+def test_discovery_skips_calibration_and_hidden_folders(tmp_path: Path) -> None:
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "warranty")
+    (tmp_path / ".cache").mkdir()
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "set.yaml").write_text("kind: calibration\n")
+    (calibration / "data.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    assert [s.name for s in evalsets.discover_eval_sets(tmp_path)] == ["refunds", "warranty"]
+
+
+def test_materialized_task_points_at_the_absolute_data(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path / "sets"))
+    include = evalsets.materialize_task(found, tmp_path / "run")
+    written = yaml.safe_load((include / "refunds.yaml").read_text())
+    data_path = Path(written["dataset_kwargs"]["data_files"]["test"])
+    assert data_path.is_absolute() and data_path == found.data.resolve()
+    assert {k: v for k, v in written.items() if k != "dataset_kwargs"} == {
+        k: v for k, v in GOOD_YAML.items() if k != "dataset_kwargs"
+    }
+
+
+def test_materialize_keeps_function_tags(tmp_path: Path) -> None:
+    folder = write_set(tmp_path / "sets")
+    text = (folder / "refunds.yaml").read_text() + "process_results: !function helpers.score\n"
+    (folder / "refunds.yaml").write_text(text)
+    (folder / "helpers.py").write_text("def score(doc, results):\n    return {}\n")
+    include = evalsets.materialize_task(evalsets.validate_eval_set(folder), tmp_path / "run")
+    written = evalsets.load_task_config(include / "refunds.yaml")
+    assert isinstance(written["process_results"], evalsets.FunctionRef)
+    assert written["process_results"] == "helpers.score"
+    assert (include / "helpers.py").is_file()
+
+
+def test_calibration_texts_are_sampled_reproducibly(tmp_path: Path) -> None:
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(50)))
+    first = evalsets.load_calibration_texts(str(data), 10, seed=3)
+    assert first == evalsets.load_calibration_texts(str(data), 10, seed=3)
+    assert first != evalsets.load_calibration_texts(str(data), 10, seed=4)
+    assert len(set(first)) == 10 and all(text.startswith("line ") for text in first)
+    with pytest.raises(InputError, match="asks for 51"):
+        evalsets.load_calibration_texts(str(data), 51, seed=3)
+
+
+def test_calibration_line_without_text(tmp_path: Path) -> None:
+    data = tmp_path / "calib.jsonl"
+    data.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(InputError) as caught:
+        evalsets.load_calibration_texts(str(data), 1, seed=0)
+    assert caught.value.field == "line 2"
+
+
+def test_shipped_sets_validate() -> None:
+    shipped = evalsets.discover_eval_sets(EVAL_SETS_DIR)
+    assert len(shipped) >= 3
+    assert {s.output_type for s in shipped} == {"generate_until", "multiple_choice"}
+    assert all(s.num_items >= 200 for s in shipped)
+    calibration = evalsets.validate_calibration_set(EVAL_SETS_DIR / "calibration")
+    assert calibration.num_items >= 256
+
+
+def test_shipped_calibration_is_disjoint_from_eval_items() -> None:
+    calibration = {json.loads(line)["text"] for line in (EVAL_SETS_DIR / "calibration" / "data.jsonl").read_text().splitlines()}
+    for found in evalsets.discover_eval_sets(EVAL_SETS_DIR):
+        config = yaml.safe_load(found.task_yaml.read_text())
+        for _, item in evalsets.iter_jsonl(found.data):
+            prompt = evalsets.render_template(config["doc_to_text"], item)
+            assert not any(text.startswith(prompt + " ") for text in calibration), prompt
+
+
+def test_cli_validate_reports_the_broken_set(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "warranty", lines=['{"question": "q", "answer": "a"}', "not json"])
+    assert main(["eval-sets", "validate", "--root", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert [(r["name"], r["status"]) for r in rows] == [("refunds", "ok"), ("warranty", "error")]
+    error_lines = captured.err.strip().splitlines()
+    assert len(error_lines) == 1
+    assert error_lines[0].startswith("quantize: error: ") and "data.jsonl: line 2: invalid JSON" in error_lines[0]
+
+
+def test_cli_list_and_validate_succeed_on_good_sets(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_set(tmp_path, "refunds")
+    assert main(["eval-sets", "validate", "--root", str(tmp_path)]) == 0
+    assert "refunds" in capsys.readouterr().out
+    assert main(["eval-sets", "list", "--root", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["items"] == len(GOOD_ITEMS)
