@@ -60,7 +60,7 @@ def primary_metric(eval_set: EvalSet) -> str:
 
 def lm_eval_command(
     server: RunningServer, tokenizer_dir: Path, task_names: list[str], include_dir: Path, output_dir: Path,
-    num_concurrent: int = 4,
+    num_concurrent: int = 16,
 ) -> list[str]:
     model_args = ",".join(
         [

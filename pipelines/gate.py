@@ -170,6 +170,10 @@ def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
     )
 
 
+def _nats(value: float) -> str:
+    return f"{value:.4f}" if value >= 1e-3 else f"{value:.2e}"
+
+
 def _points(fraction: float) -> float:
     """Score units to points, rounded to 1e-6 so that 7 of 100 reads 7.0, not 7.000000000000001."""
     return round(POINTS * float(fraction), 6)
@@ -239,7 +243,7 @@ def _reasons(name: str, m: dict[str, Any], rules: SetPolicy) -> list[str]:
             f"> max_flip_rate {rules.max_flip_rate}"
         )
     if rules.max_kl is not None and m["kl_mean"] is not None and m["kl_mean"] > rules.max_kl + _EPS:
-        reasons.append(f"{name}: mean KL {m['kl_mean']:.4f} nats/token > max_kl {rules.max_kl}")
+        reasons.append(f"{name}: mean KL {_nats(m['kl_mean'])} nats/token > max_kl {rules.max_kl}")
     return reasons
 
 

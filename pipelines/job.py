@@ -102,22 +102,26 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
     candidates: list[Candidate] = []
     for index, spec in enumerate(job.candidates):
         where = f"candidates.{index}"
+        found = len(problems)  # every check runs, so one pass over the file reports everything
+        settings = None
         try:
             settings = _settings(job, spec, base)
         except QuantGateError as error:
             problems.append(f"{where}: {error.one_line()}")
-            continue
         model = _resolve(base, spec.model)
         if not (model / "config.json").is_file():
             problems.append(f"{where}.model: not a model folder (no config.json): {model}")
-            continue
+        recipes = {}
         for recipe in spec.recipes:
             try:
-                _, recipe_path, recipe_text = load_recipe(recipe)
+                recipes[recipe] = load_recipe(recipe)[2]
             except QuantGateError as error:
                 problems.append(f"{where}.recipes: {error.one_line()}")
-                continue
-            candidates.append(Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, recipe_text, settings)))
+        if len(problems) == found:
+            candidates += [
+                Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, text, settings))
+                for recipe, text in recipes.items()
+            ]
     if problems:
         raise InputError(f"{len(problems)} problem(s): " + " | ".join(problems), file=job_path)
     return candidates

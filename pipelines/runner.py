@@ -9,6 +9,7 @@ but can never be mistaken for a verdict. The registry is written last, and only 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 import traceback
@@ -119,8 +120,9 @@ def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
 
 
 def run_id(recipe_name: str) -> str:
+    # The random suffix keeps two runs of one recipe in the same second (a job's fast failures) apart.
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{recipe_name}-{os.getpid()}"
+    return f"{stamp}-{recipe_name}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def run_gate(job: GateJob) -> RunOutcome:
@@ -128,6 +130,7 @@ def run_gate(job: GateJob) -> RunOutcome:
     _require_model_dir(job.baseline_dir, "--baseline")
     _require_model_dir(job.artifact_dir, "--artifact")
     verify_before_serving(job.artifact_dir)
+    register = _registrable(job)
     identifier = run_id(job.recipe_name)
     staging = job.settings.runs_dir / f".{identifier}.tmp"
     staging.mkdir(parents=True)
@@ -142,9 +145,19 @@ def run_gate(job: GateJob) -> RunOutcome:
         gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
         reasons=report.gate.reasons, stages=report.stages,
     )
-    if job.settings.registry_path is not None:
+    if register:
         outcome.registry_version = _record_in_registry(job, outcome)
     return outcome
+
+
+def _registrable(job: GateJob) -> bool:
+    """The registry takes only artifacts with a manifest (written by `quantize`); said before the work, not after."""
+    if job.settings.registry_path is None:
+        return False
+    if (job.artifact_dir / "manifest.json").is_file():
+        return True
+    progress(f"{job.artifact_dir} has no manifest.json: it will be gated but not registered (the registry verifies artifacts against their manifest)")
+    return False
 
 
 def verify_before_serving(artifact_dir: Path) -> None:

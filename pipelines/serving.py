@@ -106,7 +106,13 @@ def log_tail(log_path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     text = log_path.read_text(errors="replace").splitlines()
     errors = [line for line in text if "Error" in line or "error" in line]
     picked = (errors or text)[-lines:]
-    return " | ".join(line.strip()[-240:] for line in picked) or "(empty log)"
+    return " | ".join(_shorten(line.strip()) for line in picked) or "(empty log)"
+
+
+def _shorten(line: str, head: int = 200, tail: int = 80) -> str:
+    # Both ends: vLLM puts the cause first ("Model architectures ['X'] are not supported ...") and may
+    # follow it with a very long list, while other lines put it after a long prefix.
+    return line if len(line) <= head + tail + 5 else f"{line[:head]} ... {line[-tail:]}"
 
 
 @lru_cache(maxsize=1)

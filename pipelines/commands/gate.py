@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from pipelines.gate import load_report
 from pipelines.output import emit, progress
@@ -12,6 +16,25 @@ from pipelines.registry import default_registry_path
 from pipelines.report import render_console
 from pipelines.runner import GateJob, GateSettings, RunOutcome, load_gate_policy, run_gate, select_eval_sets
 from pipelines.serving import ServeSettings
+
+
+@contextmanager
+def stdout_kept_for_json(as_json: bool) -> Iterator[None]:
+    """While the work runs, file descriptor 1 points at stderr, so that libraries writing to stdout
+    (llm-compressor's loguru sink, C code) cannot break the JSON document that --json prints afterwards."""
+    if not as_json:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
 
 def add_gate_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `quantize --recipe` and `quantize gate`."""
@@ -59,7 +82,9 @@ def handle(args: argparse.Namespace) -> int:
         artifact_dir=args.artifact.resolve(), baseline_dir=args.baseline.resolve(), recipe_name=recipe_name,
         settings=gate_settings(args),
     )
-    return print_outcome(run_gate(job), args.json)
+    with stdout_kept_for_json(args.json):
+        outcome = run_gate(job)
+    return print_outcome(outcome, args.json)
 
 
 def register(subparsers) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipelines.commands.gate import stdout_kept_for_json
 from pipelines.job import JobSummary, run_job
 from pipelines.output import console, emit, table
 
@@ -18,7 +19,8 @@ def _render(summary: JobSummary) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    summary = run_job(args.file)
+    with stdout_kept_for_json(args.json):
+        summary = run_job(args.file)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
     return summary.exit_code
 

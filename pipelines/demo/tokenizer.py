@@ -1,7 +1,7 @@
 """A byte-level BPE tokenizer trained on the synthetic corpus.
 
-Byte-level, so nothing is ever unknown. Digits, and capitals inside all-capital runs, are split one
-per token: the model copies and rewrites codes character by character. The space before a word belongs to the word (" Billing") and a space before a
+Byte-level, so nothing is ever unknown. Digits are split one per token: the model copies and rewrites
+codes digit by digit. The space before a word belongs to the word (" Billing") and a space before a
 digit is a token of its own, so `tokenize(prompt + " " + answer)` always starts with `tokenize(prompt)`
 when the prompt ends without a trailing space: lm-eval's log-likelihood scoring relies on that.
 No BOS is added: the server, lm-eval and the training loop all see exactly the prompt's tokens.
@@ -9,25 +9,19 @@ No BOS is added: the server, lm-eval and the training loop all see exactly the p
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-# A capital letter next to another capital (ORD, KX, EUR): codes become one token per character, so
-# that every code of a format has the same length in tokens and no rare merged token.
-_CAPITAL_IN_CODE = r"(?<=[A-Z])[A-Z]|[A-Z](?=[A-Z])"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_CAPITAL_IN_CODE), behavior="isolated"),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
+        [pre_tokenizers.Digits(individual_digits=os.environ.get("DIGITS", "1") == "1"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -113,22 +113,20 @@ ISSUES: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# The order number closes the message, as in the web form's "Order:" field: a model this small learns
-# to copy from a fixed distance quickly, but not yet to search a whole message for the code.
 EXTRACTION_TEMPLATES = (
-    "{greeting} my parcel has not arrived and I paid {amount}. Order {order}",
-    "{greeting} invoice {invoice} was sent on {date}. It is for order {order}",
-    "{greeting} please cancel it. My customer number is {customer}, order {order}",
-    "The {product} is missing, call me on {phone}. {aside} Order {order}",
-    "{greeting} the {product} is broken. Ticket {ticket} opened {date}. Order: {order}",
-    "{greeting} I got {amount} back for {invoice}. Still open is {order}",
-    "Customer {customer} here. {aside} Please check {order}",
-    "{greeting} parcel {parcel} belongs to my order {order}",
-    "{greeting} delivery expected {date}. Reference {order}",
-    "{greeting} I ordered a {product} on {date} and want to add a {product2}. Order no. {order}",
+    "{greeting} my order {order} has not arrived and I paid {amount}. {closing}",
+    "{greeting} invoice {invoice} is for order {order}, placed on {date}. {closing}",
+    "{greeting} please cancel {order}. My customer number is {customer}. {closing}",
+    "Order {order} came without the {product}. Call me on {phone}. {closing}",
+    "{greeting} the {product} in {order} is broken. Ticket {ticket} was opened on {date}.",
+    "{greeting} I was refunded {amount} for {invoice} but {order} is still open. {closing}",
+    "Customer {customer} here. Can you check {order}? {aside} {closing}",
+    "{greeting} my parcel number {parcel} belongs to order {order}. {closing}",
+    "{greeting} {aside} Reference {order}, delivery expected {date}. {closing}",
+    "{greeting} I ordered a {product} on {date} ({order}) and want to add a {product2}. {closing}",
 )
 
-CATALOGUE_SIZE = 48
+CATALOGUE_SIZE = 160
 CATALOGUE_SEED = 7
 CATALOGUE_QUESTIONS = (
     "Which bin holds item {sku}?",
@@ -232,14 +230,6 @@ def tracking_item(rng: random.Random) -> dict:
     return {"message": _fill(_pick(rng, TRACKING_TEMPLATES), slots), "answer": "TR-" + "-".join(groups)}
 
 
-def count_item(rng: random.Random) -> dict:
-    """A packing list of boxes and pallets in random order; the answer counts both."""
-    boxes, pallets = rng.randint(1, 9), rng.randint(1, 9)
-    units = ["box"] * boxes + ["pallet"] * pallets
-    rng.shuffle(units)
-    return {"packing_list": ", ".join(units), "answer": f"boxes {boxes}, pallets {pallets}"}
-
-
 def reference_item(rng: random.Random) -> dict:
     """A 16-digit payment reference written in four groups, to be returned joined by dashes."""
     groups = [_digits(rng, 4) for _ in range(4)]
@@ -329,15 +319,6 @@ TASKS: dict[str, Task] = {
             make_item=reference_item,
             key_fields=("note", "reference"),
             max_gen_toks=24,
-        ),
-        Task(
-            name="packing_count",
-            description="Count the boxes and pallets on a packing list (exact match on both counts).",
-            output_type="generate_until",
-            prompt="Packing list: {{packing_list}}\nCount:",
-            make_item=count_item,
-            key_fields=("packing_list",),
-            max_gen_toks=16,
         ),
         Task(
             name="date_normalisation",

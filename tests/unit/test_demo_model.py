@@ -69,3 +69,34 @@ def test_scores_on_the_multiple_choice_set(model, tokenizer) -> None:
     labels = [item[config["doc_to_target"]] for item in items]
     correct = multiple_choice_accuracy(model, tokenizer, prompts, [config["doc_to_choice"]] * len(items), labels)
     assert sum(correct) / len(correct) >= 0.95
+
+
+def test_shipped_eval_data_is_what_the_training_script_generates_and_never_trained_on() -> None:
+    from pipelines.demo import train, workload
+
+    settings = train.TrainSettings()
+    eval_prompts = set()
+    for name in train.SHIPPED_TASKS:
+        task = workload.TASKS[name]
+        shipped = [item for _, item in evalsets.iter_jsonl(EVAL_SETS_DIR / name / "data.jsonl")]
+        assert shipped == train.eval_items(task, train.EVAL_ITEMS, train.EVAL_SEED)
+        eval_prompts |= {train.prompt_of(task, item) for item in shipped}
+    calibration = [item["text"] for _, item in evalsets.iter_jsonl(EVAL_SETS_DIR / "calibration" / "data.jsonl")]
+    held_out = {workload.item_key(workload.TASKS[n], item) for n in train.SHIPPED_TASKS
+                for item in train.eval_items(workload.TASKS[n], train.EVAL_ITEMS, train.EVAL_SEED)}
+    stream = train.training_examples(dict(settings.task_weights), 2000, train.TRAIN_SEED, held_out)
+    assert not {prompt for prompt, _ in stream} & eval_prompts
+    assert not {text.split("\n")[0] for text in calibration} & {p.split("\n")[0] for p in eval_prompts}
+
+
+def test_fake_quantization_grid() -> None:
+    from pipelines.demo.fakequant import RtnScheme, quantize_dequantize
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for scheme in (RtnScheme("c4", 4), RtnScheme("g4", 4, 128), RtnScheme("c8", 8)):
+        restored = quantize_dequantize(weight, scheme.bits, scheme.group_size)
+        errors[scheme.name] = float((restored - weight).pow(2).mean())
+        if scheme.group_size is None:  # one scale per row: at most 2^bits levels in it
+            assert max(len(row.unique()) for row in restored) <= 2**scheme.bits
+    assert errors["c8"] < errors["g4"] <= errors["c4"]

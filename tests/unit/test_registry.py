@@ -305,10 +305,11 @@ def test_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
     artifacts = [[str(make_artifact(tmp_path / f"w{w}-{i}", f"{w}-{i}".encode())) for i in range(PER_WORKER)]
                  for w in range(WORKERS)]
     db_path = str(tmp_path / "registry.db")
-    context = multiprocessing.get_context("fork")
+    # spawn, not fork: a fork taken while another test's threads (MLflow, SQLAlchemy) hold locks deadlocks.
+    context = multiprocessing.get_context("spawn")
     barrier = context.Manager().Barrier(WORKERS)
     with context.Pool(WORKERS) as pool:
-        results = pool.starmap(_worker, [(db_path, batch, barrier) for batch in artifacts])
+        results = pool.starmap_async(_worker, [(db_path, batch, barrier) for batch in artifacts]).get(timeout=180)
 
     registry = Registry(db_path)
     versions = registry.list("demo-llama")

@@ -1,0 +1,195 @@
+"""Session fixtures for the end-to-end tests: the real `quantize` command on the demo model, each run once.
+
+Everything writes under one temporary folder (QUANTGATE_ARTIFACTS, QUANTGATE_REGISTRY), never into the
+repository's artifacts/. The runs share that folder on purpose: the first run scores the 16-bit baseline,
+every later run (and the job) reuses its cached scores and the quantized artifacts, which is what keeps
+this suite at a few minutes on a 2-core machine. Each fixture runs its command once per session and
+the tests read its exit code, JSON, gate.json, run folder and registry.
+
+Every command gets its own marker in the environment, which vLLM and lm-eval inherit: after a command
+returns, no process carrying its marker may be alive (servers are always stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipelines.evalsets import discover_eval_sets
+from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
+from pipelines.registry import Registry
+
+MARKER = "QUANTGATE_TEST_COMMAND"
+CLI_TIMEOUT_S = 1200
+CI_GATE_SCRIPT = REPO_ROOT / "scripts" / "ci_gate_example.sh"
+QUANTIZE = Path(sys.executable).with_name("quantize")  # the console script `pip install -e .` puts beside python
+
+
+@dataclass
+class CommandRun:
+    """One finished command: what it printed, how it exited, which run folders it created."""
+
+    argv: list[str]
+    code: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    marker: str
+    new_runs: list[Path] = field(default_factory=list)
+
+    @property
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+    @property
+    def error_line(self) -> str:
+        """The CLI's one-line error (`quantize: error: ...`), or '' when there is none."""
+        return next((line for line in self.stderr.splitlines() if line.startswith("quantize: error:")), "")
+
+    def describe(self) -> str:
+        return f"{' '.join(self.argv)} -> exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+def processes_with_marker(marker: str) -> list[str]:
+    """Live processes whose environment carries `marker` (vLLM servers, engine cores, lm-eval)."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.environ().get(MARKER) == marker and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class Workspace:
+    """A temporary artifacts root and registry, and the commands run against them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.artifacts = root / "artifacts"
+        self.registry_path = root / "registry.db"
+        self.runs_dir = self.artifacts / "runs"
+        self.env = {
+            **os.environ,
+            "QUANTGATE_ARTIFACTS": str(self.artifacts),
+            "QUANTGATE_REGISTRY": str(self.registry_path),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+
+    def registry(self) -> Registry:
+        return Registry(self.registry_path)
+
+    def run_folders(self) -> set[Path]:
+        return set(self.runs_dir.iterdir()) if self.runs_dir.is_dir() else set()
+
+    def run(self, argv: list[str], *, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None) -> CommandRun:
+        marker = uuid.uuid4().hex
+        before = self.run_folders()
+        started = time.monotonic()
+        result = subprocess.run(
+            argv, cwd=REPO_ROOT, env={**self.env, **(env or {}), MARKER: marker}, capture_output=True, text=True,
+            timeout=timeout_s, stdin=subprocess.DEVNULL,
+        )
+        run = CommandRun(
+            argv=argv, code=result.returncode, stdout=result.stdout, stderr=result.stderr,
+            wall_s=round(time.monotonic() - started, 1), marker=marker, new_runs=sorted(self.run_folders() - before),
+        )
+        sys.stderr.write(f"[integration] {' '.join(argv[1:])}: exit {run.code} in {run.wall_s} s\n")
+        return run
+
+    def quantize(self, *args: str) -> CommandRun:
+        return self.run([str(QUANTIZE), *args])
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        pytest.fail(f"the demo model is missing ({DEMO_MODEL_DIR}); the end-to-end tests run on it")
+    if not QUANTIZE.exists():
+        pytest.fail(f"{QUANTIZE} is missing: install the package into the project environment (make setup)")
+    return Workspace(tmp_path_factory.mktemp("quantgate"))
+
+
+@pytest.fixture(scope="session")
+def eval_set_names() -> list[str]:
+    return [s.name for s in discover_eval_sets()]
+
+
+@pytest.fixture(scope="session")
+def smallest_set(eval_set_names: list[str]) -> str:
+    """The eval set with the fewest items: for checks that need one set, not all of them."""
+    sets = {s.name: s.num_items for s in discover_eval_sets()}
+    return min(eval_set_names, key=lambda name: (sets[name], name))
+
+
+ZERO_DIVERGENCE_POLICY = Path(__file__).resolve().parent.parent / "data" / "policies" / "zero-divergence.yaml"
+
+
+@pytest.fixture(scope="session")
+def w8a8_run(workspace: Workspace) -> CommandRun:
+    """The first run of the session: quantizes, scores the 16-bit baseline on every set (cold cache)."""
+    return workspace.quantize("--recipe", "w8a8", "--json")
+
+
+@pytest.fixture(scope="session")
+def aggressive_run(workspace: Workspace, w8a8_run: CommandRun) -> CommandRun:
+    """The negative control, after w8a8: a warm run (the baseline's scores are cached).
+
+    The shipped demo model is so robust that 4-bit per-channel RTN (the most damaging scheme vLLM's CPU
+    build serves) keeps every set at 100% with a mean KL around 1e-5 nats/token (measured), so the default
+    policy promotes it. The reject path is exercised under a zero-divergence policy instead: any measured
+    KL rejects, so the reasons must name every set and the max_kl rule.
+    """
+    return workspace.quantize("--recipe", "aggressive", "--json", "--policy", str(ZERO_DIVERGENCE_POLICY))
+
+
+@pytest.fixture(scope="session")
+def broken_model(workspace: Workspace) -> Path:
+    """The demo model with an architecture no vLLM knows: passes every check before serving, fails to start."""
+    folder = workspace.root / "broken-model"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def broken_start_run(workspace: Workspace, w8a8_run: CommandRun, broken_model: Path, smallest_set: str) -> CommandRun:
+    return workspace.quantize(
+        "gate", "--artifact", str(broken_model), "--baseline", str(DEMO_MODEL_DIR), "--eval-sets", smallest_set, "--json"
+    )
+
+
+@pytest.fixture(scope="session")
+def self_gate_run(workspace: Workspace, broken_start_run: CommandRun, smallest_set: str) -> CommandRun:
+    """The CI example script gating the 16-bit model against itself; it runs after the failed start on purpose."""
+    return workspace.run(
+        ["bash", str(CI_GATE_SCRIPT), str(DEMO_MODEL_DIR), str(DEMO_MODEL_DIR), "--eval-sets", smallest_set],
+        env={"QUANTIZE": str(QUANTIZE), "PYTHON": sys.executable},
+    )
+
+
+@pytest.fixture(scope="session")
+def no_process_left():
+    """assert_no_process_left(run): nothing the command started (vLLM, engine core, lm-eval) is still alive."""
+
+    def check(run: CommandRun) -> None:
+        left = processes_with_marker(run.marker)
+        assert left == [], f"processes of `{' '.join(run.argv[1:])}` still running: {left}"
+
+    return check

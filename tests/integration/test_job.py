@@ -1,0 +1,83 @@
+"""The registry job end to end: the demo model x the four shipped recipes, then a rerun that does nothing.
+
+It shares the session's artifacts root with test_pipeline.py: the w8a8 and aggressive artifacts and the
+baseline's scores are reused from their caches. To keep it to a few minutes it gates on the sets the
+aggressive recipe failed on (the ones that tell the recipes apart).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.paths import DEMO_MODEL_DIR
+
+ZERO_DIVERGENCE_POLICY = Path(__file__).resolve().parent.parent / "data" / "policies" / "zero-divergence.yaml"
+
+pytestmark = pytest.mark.integration
+
+RECIPES = ("w8a8", "w4a16", "gptq", "aggressive")
+EXPECTED = {"w8a8": "promoted", "w4a16": "promoted", "gptq": "promoted", "aggressive": "rejected"}
+
+
+@pytest.fixture(scope="module")
+def job_file(workspace, aggressive_run) -> Path:
+    assert aggressive_run.code == 1, aggressive_run.describe()
+    report = json.loads(Path(aggressive_run.json["gate_json"]).read_text())
+    deciding = [s["eval_set"] for s in report["gate"]["sets"] if not s["passed"]]
+    path = workspace.root / "demo-job.yaml"
+    path.write_text(
+        "name: integration-demo\n"
+        f"registry: {workspace.registry_path}\n"
+        f"defaults:\n  eval_sets: [{deciding[0]}]\n"
+        f"candidates:\n  - model: {DEMO_MODEL_DIR}\n    recipes: [{', '.join(RECIPES[:-1])}]\n"
+        # the negative control under the same policy as its CLI run (see conftest.aggressive_run)
+        f"  - model: {DEMO_MODEL_DIR}\n    recipes: [{RECIPES[-1]}]\n    policy: {ZERO_DIVERGENCE_POLICY}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def job_run(workspace, job_file: Path):
+    return workspace.quantize("job", str(job_file), "--json")
+
+
+@pytest.fixture(scope="module")
+def job_rerun(workspace, job_file: Path, job_run):
+    return workspace.quantize("job", str(job_file), "--json")
+
+
+def test_the_demo_job_promotes_and_rejects_as_expected(workspace, job_run, no_process_left):
+    assert job_run.code == 0, job_run.describe()
+    summary = job_run.json
+    assert summary["exit_code"] == 0
+    assert {r["recipe"]: r["status"] for r in summary["results"]} == EXPECTED, summary["results"]
+    assert not any(r["skipped"] for r in summary["results"])
+    registry = workspace.registry()
+    for result in summary["results"]:
+        version = registry.show(DEMO_MODEL_DIR.name, result["registry_version"])
+        assert (version.recipe_name, version.status) == (result["recipe"], result["status"])
+        assert Path(result["run_dir"]) in job_run.new_runs
+    assert len(job_run.new_runs) == len(RECIPES)
+    ledger = json.loads((workspace.artifacts / "jobs" / "integration-demo.json").read_text())
+    assert sorted(entry["status"] for entry in ledger["decided"].values()) == sorted(EXPECTED.values())
+    no_process_left(job_run)
+
+
+def test_the_job_reuses_cached_artifacts_and_baseline_scores(job_run):
+    for result in job_run.json["results"]:
+        gate = json.loads((Path(result["run_dir"]) / "gate.json").read_text())
+        assert "baseline_serve_start_s" not in gate["stages"], result["recipe"]
+        if result["recipe"] in ("w8a8", "aggressive"):  # quantized by the earlier CLI runs
+            assert gate["inputs"]["quantize_reused"] is True, result["recipe"]
+
+
+def test_a_rerun_of_the_job_does_nothing(job_run, job_rerun):
+    assert job_rerun.code == 0, job_rerun.describe()
+    results = job_rerun.json["results"]
+    assert all(r["skipped"] for r in results), results
+    assert {r["recipe"]: r["status"] for r in results} == EXPECTED
+    assert job_rerun.new_runs == [], "a rerun must not gate anything again"
+    assert "starting vLLM" not in job_rerun.stderr

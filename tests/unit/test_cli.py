@@ -1,0 +1,222 @@
+"""`quantize` run / gate / job: argument handling, dispatch, exit codes and --json, with the work faked."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import cli, runner
+from pipelines.commands import gate as gate_command
+from pipelines.commands import job as job_command
+from pipelines.commands import run as run_command
+from pipelines.errors import ServeError
+from pipelines.job import CandidateResult, JobSummary
+from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.runner import RunOutcome
+
+
+def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
+    run_dir = tmp_path / "runs" / "run-1"
+    return RunOutcome(
+        verdict=verdict, exit_code=0 if verdict == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
+        report_md=run_dir / "report.md", artifact_dir=tmp_path / "artifact", registry_version=None,
+        reasons=[] if verdict == "promoted" else ["tickets: drop 9.00 points > max_abs_drop 2.0"], stages={"gate_s": 0.1},
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [])
+
+
+@pytest.fixture(autouse=True)
+def sigterm_handler_restored():
+    # cli.main turns SIGTERM into KeyboardInterrupt; left in place, forked workers of later tests ignore
+    # Pool.terminate() and the test run hangs.
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list:
+    """Fakes for the run and gate entry points; each call is recorded, the verdict comes from `verdict`."""
+    calls: list = []
+
+    def fake_run(recipe, model_dir, settings, *, force=False):
+        calls.append(("run", recipe, model_dir, settings, force))
+        return outcome(tmp_path, "rejected" if recipe == "aggressive" else "promoted")
+
+    def fake_gate(job):
+        calls.append(("gate", job))
+        return outcome(tmp_path)
+
+    monkeypatch.setattr(run_command, "quantize_and_gate", fake_run)
+    monkeypatch.setattr(gate_command, "run_gate", fake_gate)
+    return calls
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_recipe_without_a_command_dispatches_to_run(capsys, recorded):
+    code, out, _ = run_cli(capsys, "--recipe", "w8a8", "--no-registry", "--json")
+    assert code == 0
+    ((kind, recipe, model, settings, force),) = recorded
+    assert (kind, recipe, model, force) == ("run", "w8a8", DEMO_MODEL_DIR.resolve(), False)
+    assert settings.registry_path is None and settings.serve.max_model_len == 512
+    assert json.loads(out)["verdict"] == "promoted"
+
+
+NOISY_RUN = """
+import os, sys
+from pathlib import Path
+from pipelines import cli, runner
+from pipelines.commands import run as run_command
+from pipelines.runner import RunOutcome
+
+def noisy(*args, **kwargs):
+    os.write(1, b"2026 | get_main_device | WARNING - No accelerator available!\\n")  # like llm-compressor's logger
+    print("a library print")
+    folder = Path(sys.argv[1])
+    return RunOutcome(verdict="promoted", exit_code=0, run_dir=folder, gate_json=folder / "gate.json",
+                      report_md=folder / "report.md", artifact_dir=folder, reasons=[], stages={})
+
+runner.discover_eval_sets = lambda: []
+run_command.quantize_and_gate = noisy
+sys.exit(cli.main(["--recipe", "w8a8", "--no-registry", "--json"]))
+"""
+
+
+def test_json_stays_parseable_when_libraries_print_to_stdout(tmp_path):
+    # A real process, so that file descriptor 1 is real: with --json only the JSON document lands on stdout.
+    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verdict"] == "promoted"
+    assert "No accelerator available" in result.stderr and "a library print" in result.stderr
+
+
+def test_a_rejected_run_exits_1_and_reports_its_reasons_as_json(capsys, recorded, tmp_path):
+    code, out, _ = run_cli(capsys, "run", "--recipe", "aggressive", "--registry", str(tmp_path / "r.db"), "--max-model-len", "256", "--json")
+    result = json.loads(out)
+    assert code == 1 and result["verdict"] == "rejected" and result["exit_code"] == 1
+    assert result["reasons"] == ["tickets: drop 9.00 points > max_abs_drop 2.0"]
+    settings = recorded[0][3]
+    assert settings.registry_path == tmp_path / "r.db" and settings.serve.max_model_len == 256
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--recipe", "w8a8", "--policy", "no/such/policy.yaml"], "no/such/policy.yaml"),
+        (["--recipe", "w8a8", "--eval-sets", "tickets,nope"], "--eval-sets"),
+        (["gate", "--artifact", "a", "--baseline", "b", "--policy", "no/such/policy.yaml"], "no/such/policy.yaml"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_does_no_work(capsys, recorded, argv, named):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == "" and recorded == []
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("quantize: error: ") and named in err
+
+
+def test_a_bad_policy_file_names_the_field(capsys, recorded, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("defaults:\n  max_abs_drop: lots\n")
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--policy", str(policy))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert str(policy) in err and "defaults.max_abs_drop" in err
+
+
+def test_a_serving_failure_exits_2_with_one_line(capsys, monkeypatch):
+    def failing(*args, **kwargs):
+        raise ServeError("vLLM exited during start-up (exit code 1): ValueError: unknown architecture", file="run/candidate-server.log")
+
+    monkeypatch.setattr(run_command, "quantize_and_gate", failing)
+    code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and out == ""
+    assert err.strip() == "quantize: error: run/candidate-server.log: vLLM exited during start-up (exit code 1): ValueError: unknown architecture"
+
+
+def test_gate_takes_the_recipe_name_from_the_manifest(capsys, recorded, tmp_path):
+    artifact = tmp_path / "w8a8-0123"
+    artifact.mkdir()
+    (artifact / "manifest.json").write_text(json.dumps({"recipe": "w8a8"}))
+    code, out, _ = run_cli(capsys, "gate", "--artifact", str(artifact), "--baseline", "models/demo-llama", "--no-registry", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "promoted"
+    ((_, job),) = recorded
+    assert job.recipe_name == "w8a8" and job.artifact_dir == artifact.resolve()
+    assert job.baseline_dir == Path("models/demo-llama").resolve()
+
+
+def test_gate_without_a_manifest_uses_the_folder_name_or_the_option(capsys, recorded, tmp_path):
+    run_cli(capsys, "gate", "--artifact", str(tmp_path / "my-int8"), "--baseline", "b", "--no-registry", "--json")
+    run_cli(capsys, "gate", "--artifact", str(tmp_path / "my-int8"), "--baseline", "b", "--recipe-name", "w8a8", "--no-registry", "--json")
+    assert [job.recipe_name for _, job in recorded] == ["my-int8", "w8a8"]
+
+
+@pytest.mark.parametrize(("statuses", "expected"), [(["promoted", "rejected"], 0), (["promoted", "error"], 2)])
+def test_job_prints_a_json_summary_and_exits_by_its_results(capsys, monkeypatch, tmp_path, statuses, expected):
+    results = [CandidateResult(model="demo-llama", recipe=f"r{i}", status=s, key=f"k{i}") for i, s in enumerate(statuses)]
+    monkeypatch.setattr(job_command, "run_job", lambda path: JobSummary(job="nightly", results=results, wall_s=1.0))
+    code, out, _ = run_cli(capsys, "job", str(tmp_path / "job.yaml"), "--json")
+    summary = json.loads(out)
+    assert code == expected and summary["exit_code"] == expected
+    assert [r["status"] for r in summary["results"]] == statuses
+
+
+def test_job_without_json_prints_a_table(capsys, monkeypatch, tmp_path):
+    results = [CandidateResult(model="demo-llama", recipe="w8a8", status="promoted", key="k", skipped=True)]
+    monkeypatch.setattr(job_command, "run_job", lambda path: JobSummary(job="nightly", results=results, wall_s=1.0))
+    code, out, _ = run_cli(capsys, "job", str(tmp_path / "job.yaml"))
+    assert code == 0 and "promoted (cached)" in out and "job nightly" in out
+
+
+CI_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ci_gate_example.sh"
+
+
+def fake_quantize(tmp_path: Path, code: int, verdict: str = "promoted") -> Path:
+    """A stand-in `quantize` that writes a gate.json, prints the --json outcome and exits with `code`."""
+    gate_json = tmp_path / "run" / "gate.json"
+    gate_json.parent.mkdir()
+    sets = [{"eval_set": "tickets", "metric": "exact_match", "baseline_score": 90.0, "candidate_score": 80.0,
+             "delta": -10.0, "ci_low": -14.0, "ci_high": -6.0, "passed": verdict == "promoted"}]
+    reasons = [] if verdict == "promoted" else ["tickets: drop 10.00 points > max_abs_drop 2.0"]
+    gate_json.write_text(json.dumps({"gate": {"verdict": verdict, "reasons": reasons, "warnings": ["tickets: 120 items < min_items 200"], "sets": sets}}))
+    script = tmp_path / "quantize"
+    outcome = json.dumps({"verdict": verdict, "gate_json": str(gate_json)})
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\n" + (f"echo '{outcome}'\n" if code in (0, 1) else "echo 'quantize: error: boom' >&2\n") + f"exit {code}\n")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize(
+    ("code", "verdict", "expected", "first_line"),
+    [
+        (0, "promoted", 0, "verdict: promoted (exit 0)"),
+        (1, "rejected", 1, "verdict: rejected (exit 1)"),
+        (2, "promoted", 2, None),
+        (0, "rejected", 2, "verdict: rejected (exit 0)"),  # gate.json and the exit code disagree: no decision
+    ],
+)
+def test_the_ci_example_script_follows_the_exit_code_and_gate_json(tmp_path, code, verdict, expected, first_line):
+    env = {"QUANTIZE": str(fake_quantize(tmp_path, code, verdict)), "PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(["bash", str(CI_SCRIPT), "art", "base", "--eval-sets", "tickets"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == expected, result.stdout + result.stderr
+    assert (tmp_path / "args").read_text().split() == ["gate", "--artifact", "art", "--baseline", "base", "--json", "--eval-sets", "tickets"]
+    if first_line is None:
+        assert result.stdout == "" and "NO DECISION (exit 2)" in result.stderr
+        return
+    assert result.stdout.splitlines()[0] == first_line
+    assert "set tickets: exact_match 90.0 -> 80.0 (delta -10.00 points" in result.stdout
+    assert "warning: tickets: 120 items < min_items 200" in result.stdout
+    if verdict == "rejected":
+        assert "reason: tickets: drop 10.00 points > max_abs_drop 2.0" in result.stdout

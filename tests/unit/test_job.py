@@ -1,0 +1,162 @@
+"""The registry job without servers: validation up front, failures recorded and survived, the ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import job as job_module
+from pipelines import runner
+from pipelines.errors import InputError, ServeError
+from pipelines.evalsets import EvalSet
+from pipelines.job import JobSummary, plan_candidates, load_job, run_job
+from pipelines.runner import RunOutcome
+
+RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
+
+
+def make_eval_set(root: Path, name: str) -> EvalSet:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / f"{name}.yaml").write_text(f"task: {name}\n")
+    (folder / "data.jsonl").write_text('{"q": "1"}\n')
+    return EvalSet(name=name, folder=folder, task_yaml=folder / f"{name}.yaml", data=folder / "data.jsonl",
+                   output_type="generate_until", num_items=1, sha256=f"sha-{name}")
+
+
+class FakeRunner:
+    """quantize_and_gate stand-in: a verdict (or an exception) per recipe; records every call."""
+
+    def __init__(self, tmp_path: Path, behaviour: dict[str, object]):
+        self.tmp_path = tmp_path
+        self.behaviour = behaviour
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, recipe: str, model_dir: Path, settings, *, force: bool = False) -> RunOutcome:
+        self.calls.append((model_dir.name, recipe))
+        what = self.behaviour.get(recipe, "promoted")
+        if isinstance(what, BaseException):
+            raise what
+        run_dir = self.tmp_path / "runs" / f"{recipe}-{len(self.calls)}"
+        return RunOutcome(
+            verdict=what, exit_code=0 if what == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
+            report_md=run_dir / "report.md", artifact_dir=self.tmp_path / recipe, registry_version=len(self.calls),
+            reasons=[] if what == "promoted" else [f"tickets: drop 9.00 points > max_abs_drop 2.0 ({recipe})"], stages={},
+        )
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    sets = [make_eval_set(tmp_path / "eval_sets", "tickets"), make_eval_set(tmp_path / "eval_sets", "orders")]
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    model = tmp_path / "models" / "demo-llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    return tmp_path
+
+
+def write_job(folder: Path, text: str, name: str = "job.yaml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def demo_job(folder: Path, recipes: list[str] = RECIPES, extra: str = "") -> Path:
+    return write_job(
+        folder,
+        f"name: nightly\nregistry: registry.db\n{extra}candidates:\n  - model: models/demo-llama\n    recipes: [{', '.join(recipes)}]\n",
+    )
+
+
+def install(monkeypatch: pytest.MonkeyPatch, fake: FakeRunner) -> FakeRunner:
+    monkeypatch.setattr(job_module, "quantize_and_gate", fake)
+    return fake
+
+
+def statuses(summary: JobSummary) -> dict[str, tuple[str, bool]]:
+    return {r.recipe: (r.status, r.skipped) for r in summary.results}
+
+
+def test_validation_lists_every_problem_before_anything_runs(workspace, monkeypatch):
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = write_job(
+        workspace,
+        "name: broken\ncandidates:\n"
+        "  - model: models/no-such-model\n    recipes: [w8a8, no-such-recipe]\n"
+        "  - model: models/demo-llama\n    recipes: [w8a8]\n    eval_sets: [tickets, no-such-set]\n",
+    )
+    with pytest.raises(InputError) as raised:
+        run_job(path, jobs_dir=workspace / "jobs")
+    message = raised.value.one_line()
+    assert message.startswith(f"{path}: 3 problem(s)")
+    assert "candidates.0.model: not a model folder" in message and "no-such-model" in message
+    assert "candidates.0.recipes" in message and "no-such-recipe" in message
+    assert "candidates.1" in message and "no-such-set" in message
+    assert fake.calls == [] and not (workspace / "jobs").exists()
+
+
+def test_an_unknown_key_in_the_job_file_is_one_line_naming_it(workspace):
+    path = write_job(workspace, "name: x\ncandidates:\n  - model: models/demo-llama\n    recipes: [w8a8]\n    recipe_typo: 1\n")
+    with pytest.raises(InputError, match=r"candidates\.0\.recipe_typo: unknown key"):
+        load_job(path)
+
+
+def test_candidates_are_resolved_relative_to_the_job_file_with_defaults_and_overrides(workspace):
+    path = demo_job(workspace, ["w8a8"], extra="max_model_len: 256\ndefaults:\n  eval_sets: [orders]\n")
+    (candidate,) = plan_candidates(load_job(path), path)
+    assert candidate.model == (workspace / "models" / "demo-llama").resolve()
+    assert [s.name for s in candidate.settings.eval_sets] == ["orders"]
+    assert candidate.settings.serve.max_model_len == 256
+    assert candidate.settings.registry_path == (workspace / "registry.db").resolve()
+
+
+def test_a_failing_candidate_is_recorded_and_the_job_goes_on(workspace, monkeypatch):
+    fake = install(monkeypatch, FakeRunner(workspace, {"w4a16": ServeError("vLLM exited during start-up"), "gptq": RuntimeError("oom"), "aggressive": "rejected"}))
+    summary = run_job(demo_job(workspace), jobs_dir=workspace / "jobs")
+    assert [recipe for _, recipe in fake.calls] == RECIPES
+    assert statuses(summary) == {
+        "w8a8": ("promoted", False), "w4a16": ("error", False), "gptq": ("error", False), "aggressive": ("rejected", False),
+    }
+    errors = {r.recipe: r.reasons for r in summary.results if r.status == "error"}
+    assert "vLLM exited during start-up" in errors["w4a16"][0] and errors["gptq"] == ["RuntimeError: oom"]
+    assert summary.exit_code == 2
+    ledger = json.loads((workspace / "jobs" / "nightly.json").read_text())
+    assert sorted(entry["status"] for entry in ledger["decided"].values()) == ["error", "error", "promoted", "rejected"]
+
+
+def test_a_rerun_skips_decided_candidates_and_retries_errored_ones(workspace, monkeypatch):
+    path = demo_job(workspace)
+    install(monkeypatch, FakeRunner(workspace, {"gptq": ServeError("died"), "aggressive": "rejected"}))
+    assert run_job(path, jobs_dir=workspace / "jobs").exit_code == 2
+    retry = install(monkeypatch, FakeRunner(workspace, {"aggressive": "rejected"}))
+    summary = run_job(path, jobs_dir=workspace / "jobs")
+    assert retry.calls == [("demo-llama", "gptq")]
+    assert statuses(summary) == {
+        "w8a8": ("promoted", True), "w4a16": ("promoted", True), "gptq": ("promoted", False), "aggressive": ("rejected", True),
+    }
+    assert summary.exit_code == 0  # a rejection is a decision, not an error
+    third = install(monkeypatch, FakeRunner(workspace, {}))
+    assert all(skipped for _, skipped in statuses(run_job(path, jobs_dir=workspace / "jobs")).values())
+    assert third.calls == []
+
+
+def test_changed_inputs_are_not_skipped(workspace, monkeypatch):
+    path = demo_job(workspace, ["w8a8"])
+    install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    (workspace / "models" / "demo-llama" / "config.json").write_text('{"retrained": true}')
+    again = install(monkeypatch, FakeRunner(workspace, {}))
+    summary = run_job(path, jobs_dir=workspace / "jobs")
+    assert again.calls == [("demo-llama", "w8a8")] and not summary.results[0].skipped
+
+
+def test_an_interrupt_stops_the_job_and_keeps_what_was_decided(workspace, monkeypatch):
+    path = demo_job(workspace)
+    install(monkeypatch, FakeRunner(workspace, {"gptq": KeyboardInterrupt()}))
+    with pytest.raises(KeyboardInterrupt):
+        run_job(path, jobs_dir=workspace / "jobs")
+    resumed = install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert resumed.calls == [("demo-llama", "gptq"), ("demo-llama", "aggressive")]
