@@ -63,9 +63,10 @@ def greedy_generations(
     newline = tokenizer("\n", add_special_tokens=False).input_ids
     stop_ids = [tokenizer.eos_token_id, *newline[-1:]]
     outputs: list[str] = []
-    tokenizer.padding_side = "left"
     for start in range(0, len(prompts), _BATCH):
-        batch = tokenizer(prompts[start : start + _BATCH], add_special_tokens=False, padding=True, return_tensors="pt")
+        batch = tokenizer(
+            prompts[start : start + _BATCH], add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
+        )
         generated = model.generate(
             **batch,
             max_new_tokens=max_new_tokens,

@@ -9,7 +9,6 @@ No BOS is added: the server, lm-eval and the training loop all see exactly the p
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,7 +20,7 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=os.environ.get("DIGITS", "1") == "1"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

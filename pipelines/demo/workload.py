@@ -3,6 +3,11 @@
 Each task draws items from a `random.Random`, so a seed fixes the whole data set. An item is a flat
 dict of the fields the eval set's YAML renders; `answer` is the text the model must produce after the
 prompt (for multiple choice it is the gold choice, and `label` is its index).
+
+Tried and dropped, within the training budget on 2 CPU cores: pulling an order number out of the middle
+of a message (0% exact match after 300 steps: the model learns to copy from a fixed distance, as in
+payment_reference, long before it learns to search), a memorised 160-SKU bin catalogue (6% after 900
+steps) and counting boxes on a packing list (17% after 450 steps).
 """
 
 from __future__ import annotations
@@ -113,33 +118,6 @@ ISSUES: dict[str, tuple[str, ...]] = {
     ),
 }
 
-EXTRACTION_TEMPLATES = (
-    "{greeting} my order {order} has not arrived and I paid {amount}. {closing}",
-    "{greeting} invoice {invoice} is for order {order}, placed on {date}. {closing}",
-    "{greeting} please cancel {order}. My customer number is {customer}. {closing}",
-    "Order {order} came without the {product}. Call me on {phone}. {closing}",
-    "{greeting} the {product} in {order} is broken. Ticket {ticket} was opened on {date}.",
-    "{greeting} I was refunded {amount} for {invoice} but {order} is still open. {closing}",
-    "Customer {customer} here. Can you check {order}? {aside} {closing}",
-    "{greeting} my parcel number {parcel} belongs to order {order}. {closing}",
-    "{greeting} {aside} Reference {order}, delivery expected {date}. {closing}",
-    "{greeting} I ordered a {product} on {date} ({order}) and want to add a {product2}. {closing}",
-)
-
-CATALOGUE_SIZE = 160
-CATALOGUE_SEED = 7
-CATALOGUE_QUESTIONS = (
-    "Which bin holds item {sku}?",
-    "Where is {sku} stored?",
-    "Bin location for {sku}?",
-    "Picker needs {sku}. Which bin?",
-    "Customer wants {sku}, where do I find it?",
-    "Stock check: {sku}, bin?",
-    "Find {sku} in the warehouse.",
-    "Restock {sku}. Which bin is it?",
-)
-
-
 def _clean(text: str) -> str:
     """Single spaces, and a capital letter at the start of every sentence."""
     text = " ".join(text.split())
@@ -200,36 +178,6 @@ def routing_item(rng: random.Random) -> dict:
     return {"ticket": _fill(" ".join(parts), slots), "label": label, "answer": DEPARTMENTS[label]}
 
 
-def extraction_item(rng: random.Random) -> dict:
-    slots = _slots(rng)
-    slots["greeting"] = _pick(rng, GREETINGS)
-    slots["closing"] = _pick(rng, CLOSINGS).format(**slots)
-    slots["aside"] = _pick(rng, ASIDES).format(**slots)
-    return {"message": _fill(_pick(rng, EXTRACTION_TEMPLATES), slots), "answer": slots["order"]}
-
-
-TRACKING_TEMPLATES = (
-    "{greeting} my parcel {tracking} was due on {date} but has not arrived. {closing}",
-    "{greeting} the courier gave me tracking {tracking} for {order}. {closing}",
-    "Tracking {tracking} shows delivered but I have nothing. {aside} {closing}",
-    "{greeting} {aside} Can you check shipment {tracking}? The {product} is a gift. {closing}",
-    "{greeting} I got two numbers, {parcel} and {tracking}, which one is mine? {closing}",
-    "{greeting} the {product} from {order} left the depot as {tracking} on {date}. {closing}",
-    "Customer {customer}: shipment {tracking} is stuck in customs. {closing}",
-    "{greeting} please redirect {tracking} to my office. {aside}",
-)
-
-
-def tracking_item(rng: random.Random) -> dict:
-    """A 12-digit tracking number anywhere in a message, to be copied out in its dashed form."""
-    groups = [_digits(rng, 4) for _ in range(3)]
-    slots = _slots(rng)
-    slots |= {"greeting": _pick(rng, GREETINGS), "tracking": "TR " + " ".join(groups)}
-    slots["closing"] = _pick(rng, CLOSINGS).format(**slots)
-    slots["aside"] = _pick(rng, ASIDES).format(**slots)
-    return {"message": _fill(_pick(rng, TRACKING_TEMPLATES), slots), "answer": "TR-" + "-".join(groups)}
-
-
 def reference_item(rng: random.Random) -> dict:
     """A 16-digit payment reference written in four groups, to be returned joined by dashes."""
     groups = [_digits(rng, 4) for _ in range(4)]
@@ -248,25 +196,6 @@ def date_item(rng: random.Random) -> dict:
     else:
         written = f"{day:02d}.{month:02d}.{year}"
     return {"written": written, "answer": f"{year}-{month:02d}-{day:02d}"}
-
-
-def catalogue(size: int = CATALOGUE_SIZE, seed: int = CATALOGUE_SEED) -> dict[str, str]:
-    """The warehouse's SKU -> bin map: the fixed knowledge the model has to memorise."""
-    rng = random.Random(seed)
-    table: dict[str, str] = {}
-    while len(table) < size:
-        sku = f"{_letters(rng, 2)}-{_digits(rng, 4)}"
-        table[sku] = f"{_letters(rng, 1)}-{_digits(rng, 2)}-{_digits(rng, 2)}"
-    return table
-
-
-_CATALOGUE = catalogue()
-_SKUS = tuple(_CATALOGUE)
-
-
-def catalogue_item(rng: random.Random) -> dict:
-    sku = _pick(rng, _SKUS)
-    return {"question": _pick(rng, CATALOGUE_QUESTIONS).format(sku=sku), "answer": _CATALOGUE[sku]}
 
 
 @dataclass(frozen=True)
@@ -294,24 +223,6 @@ TASKS: dict[str, Task] = {
             choices=DEPARTMENTS,
         ),
         Task(
-            name="order_extraction",
-            description="Copy the order number (ORD-12345-AB) out of a customer message (exact match).",
-            output_type="generate_until",
-            prompt="Message: {{message}}\nOrder number:",
-            make_item=extraction_item,
-            key_fields=("message",),
-            max_gen_toks=16,
-        ),
-        Task(
-            name="tracking_number",
-            description="Copy the 12-digit tracking number out of a message, written TR-1234-5678-9012 (exact match).",
-            output_type="generate_until",
-            prompt="Message: {{message}}\nTracking number:",
-            make_item=tracking_item,
-            key_fields=("message",),
-            max_gen_toks=24,
-        ),
-        Task(
             name="payment_reference",
             description="Rewrite a 16-digit payment reference into its canonical dashed form (exact match).",
             output_type="generate_until",
@@ -327,15 +238,6 @@ TASKS: dict[str, Task] = {
             prompt="Date: {{written}}\nISO date:",
             make_item=date_item,
             key_fields=("written",),
-            max_gen_toks=16,
-        ),
-        Task(
-            name="bin_lookup",
-            description="Answer the warehouse bin of a SKU from the memorised catalogue (exact match).",
-            output_type="generate_until",
-            prompt="Warehouse: {{question}}\nBin:",
-            make_item=catalogue_item,
-            key_fields=("question",),
             max_gen_toks=16,
         ),
     )

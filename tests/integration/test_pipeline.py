@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_util import complete
 
 from pipelines.evalsets import discover_eval_sets, load_task_config
 from pipelines.paths import DEMO_MODEL_DIR
@@ -56,6 +57,9 @@ def test_aggressive_is_rejected_with_reasons_naming_the_set_and_the_rule(workspa
     assert outcome["verdict"] == report["gate"]["verdict"] == "rejected"
     assert outcome["reasons"] == report["gate"]["reasons"] and outcome["reasons"]
     failed = {s["eval_set"] for s in report["gate"]["sets"] if not s["passed"]}
+    worst = min(report["gate"]["sets"], key=lambda s: s["delta"])
+    assert worst["delta"] <= -10.0, f"the negative control must lose >= 10 points on a set: {worst}"
+    assert any(reason.startswith(f"{worst['eval_set']}:") and "max_abs_drop" in reason for reason in outcome["reasons"])
     for reason in outcome["reasons"]:
         set_name = reason.split(":")[0]
         assert set_name in failed and set_name in eval_set_names, reason
@@ -137,6 +141,8 @@ def test_reported_scores_equal_lm_eval_own_command_line(w8a8_run, smallest_set: 
     (reported,) = [s for s in gate_report(w8a8_run)["gate"]["sets"] if s["eval_set"] == smallest_set]
     with vllm_server(artifact, log_path=tmp_path / "server.log", served_name="candidate") as server:
         result = _lm_eval_by_hand(server.base_url, artifact, eval_set.folder, task, tmp_path / "out")
+        answer = complete(server, "Ticket 7: order", max_tokens=4)
+    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["finish_reason"] in ("length", "stop")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (results_file,) = (tmp_path / "out").rglob("results_*.json")
     by_hand = json.loads(results_file.read_text())["results"][task]

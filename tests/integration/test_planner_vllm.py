@@ -1,12 +1,12 @@
 """The planner against reality: vLLM's own KV-cache sizing, and real quantized checkpoints.
 
-Uses models/demo-llama when it exists, else a small random Llama (hidden 256, 4 layers, 4 heads,
-2 KV heads, head_dim 64, bf16) with a word-level tokenizer written to a temporary folder.
+On models/demo-llama: the KV-cache lines vLLM logged while the session's w8a8 run served the 16-bit
+model and its artifact, and the four shipped recipes' artifacts in the session's artifacts root.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
 from pathlib import Path
 
@@ -19,56 +19,24 @@ from pipelines.recipe import load_recipe
 pytestmark = pytest.mark.integration
 
 CPU_BLOCK_SIZE = 128  # vLLM's CPU default (vllm/platforms/cpu.py) when --block-size is not given
-KV_SPACE_GIB = 1
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens")
 
 
-def _tiny_llama(folder: Path) -> Path:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=2048,
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 1000)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>",
-    ).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if (DEMO_MODEL_DIR / "config.json").is_file():
-        return DEMO_MODEL_DIR
-    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def test_kv_capacity_matches_the_tokens_vllm_logs(demo_model: Path, tmp_path: Path) -> None:
-    from pipelines.serving import ServeSettings, vllm_server
-
-    longest = model_shape(*load_config(demo_model)).max_position or 500
-    # 500 is not a multiple of the block size: vLLM then counts whole blocks per request.
-    settings = ServeSettings(cpu_kv_cache_gib=KV_SPACE_GIB, max_model_len=min(500, longest))
-    log_path = tmp_path / "vllm.log"
-    with vllm_server(demo_model, log_path=log_path, settings=settings):
-        pass
-    found = _KV_LOG.search(log_path.read_text())
-    assert found, f"no 'KV cache size' line in {log_path}"
-    logged_tokens = int(found.group(1).replace(",", ""))
-    max_model_len = int(found.group(2).replace(",", ""))
-    assert max_model_len == settings.max_model_len
-
-    planned = kv_capacity_tokens(
-        demo_model, KV_SPACE_GIB * GiB, block_size=CPU_BLOCK_SIZE, max_model_len=max_model_len,
-    )
-    assert abs(planned - logged_tokens) <= 0.01 * logged_tokens, (planned, logged_tokens)
+def test_kv_capacity_matches_the_tokens_vllm_logs(w8a8_run) -> None:
+    """The w8a8 run served the baseline and the artifact with its serve settings; both logs are kept."""
+    assert w8a8_run.code == 0, w8a8_run.describe()
+    run_dir = Path(w8a8_run.json["run_dir"])
+    serve = json.loads((run_dir / "gate.json").read_text())["inputs"]["serve"]
+    for model_dir, log_name in ((DEMO_MODEL_DIR, "baseline-server.log"), (Path(w8a8_run.json["artifact_dir"]), "candidate-server.log")):
+        found = _KV_LOG.search((run_dir / log_name).read_text())
+        assert found, f"no 'KV cache size' line in {run_dir / log_name}"
+        logged_tokens = int(found.group(1).replace(",", ""))
+        max_model_len = int(found.group(2).replace(",", ""))
+        assert max_model_len == serve["max_model_len"]
+        planned = kv_capacity_tokens(
+            model_dir, serve["cpu_kv_cache_gib"] * GiB, block_size=CPU_BLOCK_SIZE, max_model_len=max_model_len,
+        )
+        assert abs(planned - logged_tokens) <= 0.01 * logged_tokens, (log_name, planned, logged_tokens)
 
 
 def _shipped_recipes() -> list[str]:
@@ -76,13 +44,13 @@ def _shipped_recipes() -> list[str]:
 
 
 @pytest.mark.parametrize("recipe_name", _shipped_recipes())
-def test_predicted_weight_bytes_match_the_quantized_files(demo_model: Path, recipe_name: str, tmp_path: Path) -> None:
+def test_predicted_weight_bytes_match_the_quantized_files(workspace, recipe_name: str) -> None:
     from pipelines.quantize import quantize_model
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    artifact = quantize_model(recipe_name, demo_model, artifacts_root=tmp_path / "artifacts").artifact_dir
+    # The session's artifacts root: an artifact another test (or run) already made is reused, not redone.
+    artifact = quantize_model(recipe_name, DEMO_MODEL_DIR, artifacts_root=workspace.artifacts).artifact_dir
 
     recipe, _, _ = load_recipe(recipe_name)
-    predicted = predict_weight_bytes(model_shape(*load_config(demo_model)), recipe).total_bytes
+    predicted = predict_weight_bytes(model_shape(*load_config(DEMO_MODEL_DIR)), recipe).total_bytes
     measured = safetensors_bytes(artifact)
     assert abs(predicted - measured) <= 0.02 * measured, (recipe_name, predicted, measured)

@@ -80,6 +80,7 @@ def test_shipped_eval_data_is_what_the_training_script_generates_and_never_train
         task = workload.TASKS[name]
         shipped = [item for _, item in evalsets.iter_jsonl(EVAL_SETS_DIR / name / "data.jsonl")]
         assert shipped == train.eval_items(task, train.EVAL_ITEMS, train.EVAL_SEED)
+        assert train.task_yaml_text(task) == (EVAL_SETS_DIR / name / f"{name}.yaml").read_text()
         eval_prompts |= {train.prompt_of(task, item) for item in shipped}
     calibration = [item["text"] for _, item in evalsets.iter_jsonl(EVAL_SETS_DIR / "calibration" / "data.jsonl")]
     held_out = {workload.item_key(workload.TASKS[n], item) for n in train.SHIPPED_TASKS
@@ -100,3 +101,29 @@ def test_fake_quantization_grid() -> None:
         if scheme.group_size is None:  # one scale per row: at most 2^bits levels in it
             assert max(len(row.unique()) for row in restored) <= 2**scheme.bits
     assert errors["c8"] < errors["g4"] <= errors["c4"]
+
+
+def test_outlier_rescaling_keeps_the_function_and_moves_the_scales() -> None:
+    from pipelines.demo.outliers import add_outlier_channels, column_scale_ratio
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+        ratio_before = column_scale_ratio(model)
+        add_outlier_channels(model, 16.0)
+        after = model(ids).logits
+    assert torch.allclose(before, after, atol=1e-5)
+    assert column_scale_ratio(model) == pytest.approx(16.0 * ratio_before, rel=1e-4)
+
+
+def test_shipped_model_has_the_outlier_channels(model) -> None:
+    from pipelines.demo.outliers import column_scale_ratio
+
+    # The small columns sit in one group of 128: int4 group-128 keeps them, one scale per row does not.
+    assert column_scale_ratio(model) > 8
