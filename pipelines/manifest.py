@@ -137,6 +137,9 @@ class Manifest(_Record):
     wall_time_s: float
     peak_memory: PeakMemory
     stages: dict[str, float]
+    # GPTQ and SmoothQuant sum in a thread-count-dependent order: the same inputs give the same bits on
+    # the same device and thread count, and may differ in the last bit elsewhere.
+    compute: str = ""
 
 
 def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:

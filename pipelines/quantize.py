@@ -225,4 +225,13 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         wall_time_s=round(wall_s, 3),
         peak_memory=PeakMemory(bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         stages={"quantize_s": round(quantize_s, 3)},
+        compute=compute_description(),
     )
+
+
+def compute_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {torch.get_num_threads()} threads"

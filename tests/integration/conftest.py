@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,6 +116,35 @@ class Workspace:
 
     def quantize(self, *args: str) -> CommandRun:
         return self.run([str(QUANTIZE), *args])
+
+    def quantize_then_terminate(self, *args: str, when: Callable[[str], bool], grace_s: float = 3.0) -> CommandRun:
+        """Run `quantize args`, and send SIGTERM (what a scheduler sends) `grace_s` after its stderr so far
+        satisfies `when`. Returns what it printed and how it exited."""
+        marker, before, started = uuid.uuid4().hex, self.run_folders(), time.monotonic()
+        argv = [str(QUANTIZE), *args]
+        process = subprocess.Popen(
+            argv, cwd=REPO_ROOT, env={**self.env, MARKER: marker}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, text=True,
+        )
+        watchdog = threading.Timer(CLI_TIMEOUT_S, process.kill)
+        watchdog.start()
+        stderr = ""
+        try:
+            for line in process.stderr:
+                stderr += line
+                if when(stderr):
+                    time.sleep(grace_s)
+                    process.send_signal(signal.SIGTERM)
+                    break
+            out, rest = process.communicate()
+        finally:
+            watchdog.cancel()
+        run = CommandRun(
+            argv=argv, code=process.returncode, stdout=out, stderr=stderr + rest,
+            wall_s=round(time.monotonic() - started, 1), marker=marker, new_runs=sorted(self.run_folders() - before),
+        )
+        sys.stderr.write(f"[integration] {' '.join(argv[1:])} (terminated): exit {run.code} in {run.wall_s} s\n")
+        return run
 
 
 @pytest.fixture(scope="session")

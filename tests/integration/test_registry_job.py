@@ -1,4 +1,5 @@
-"""The registry job end to end: the demo model x the four shipped recipes, then a rerun that does nothing.
+"""The registry job end to end: the demo model x the four shipped recipes, killed midway (SIGTERM while
+the second candidate is being scored), resumed to the end, then rerun to show it does nothing.
 
 It shares the session's artifacts root with test_pipeline.py: the w8a8 and aggressive artifacts and the
 baseline's scores are reused from their caches. To keep it to a few minutes it gates on one set the
@@ -36,8 +37,20 @@ def job_file(workspace, aggressive_run) -> Path:
     return path
 
 
+def _second_candidate_is_being_scored(stderr: str) -> bool:
+    second = stderr.find("[2/")
+    return second >= 0 and "vLLM ready" in stderr[second:]
+
+
 @pytest.fixture(scope="module")
-def job_run(workspace, job_file: Path):
+def killed_job(workspace, job_file: Path):
+    """The job terminated (SIGTERM) while the second candidate's vLLM server is up and lm-eval is scoring."""
+    return workspace.quantize_then_terminate("job", str(job_file), "--json", when=_second_candidate_is_being_scored)
+
+
+@pytest.fixture(scope="module")
+def job_run(workspace, job_file: Path, killed_job):
+    """The same job run again after the kill: it must resume, not redo the candidate already decided."""
     return workspace.quantize("job", str(job_file), "--json")
 
 
@@ -46,18 +59,33 @@ def job_rerun(workspace, job_file: Path, job_run):
     return workspace.quantize("job", str(job_file), "--json")
 
 
-def test_the_demo_job_promotes_and_rejects_as_expected(workspace, job_run, no_process_left):
+def test_killing_the_job_midway_leaves_nothing_half_written(workspace, killed_job, no_process_left):
+    assert killed_job.code == 2, killed_job.describe()
+    assert "interrupted" in killed_job.stderr
+    no_process_left(killed_job)
+    assert not [str(p) for p in workspace.artifacts.rglob(".*.tmp*")], "no temporary folder may be left"
+    first, second = killed_job.new_runs
+    assert (first / "gate.json").is_file() and second.name.endswith("-error"), killed_job.new_runs
+    assert not (second / "gate.json").exists()
+    ledger = json.loads((workspace.artifacts / "jobs" / "integration-demo.json").read_text())
+    assert [entry["recipe"] for entry in ledger["decided"].values()] == [RECIPES[0]]
+    killed_runs = {path.resolve() for path in killed_job.new_runs}
+    registered = {v.recipe_name for v in workspace.registry().list() if v.gate_path and Path(v.gate_path).resolve().parent in killed_runs}
+    assert registered == {RECIPES[0]}, "the interrupted candidate must not reach the registry"
+
+
+def test_the_resumed_job_promotes_and_rejects_as_expected(workspace, job_run, no_process_left):
     assert job_run.code == 0, job_run.describe()
     summary = job_run.json
     assert summary["exit_code"] == 0
     assert {r["recipe"]: r["status"] for r in summary["results"]} == EXPECTED, summary["results"]
-    assert not any(r["skipped"] for r in summary["results"])
+    assert {r["recipe"]: r["skipped"] for r in summary["results"]} == {name: name == RECIPES[0] for name in RECIPES}
     registry = workspace.registry()
     for result in summary["results"]:
         version = registry.show(DEMO_MODEL_DIR.name, result["registry_version"])
         assert (version.recipe_name, version.status) == (result["recipe"], result["status"])
-        assert Path(result["run_dir"]) in job_run.new_runs
-    assert len(job_run.new_runs) == len(RECIPES)
+        assert (Path(result["run_dir"]) in job_run.new_runs) == (not result["skipped"])
+    assert len(job_run.new_runs) == len(RECIPES) - 1
     ledger = json.loads((workspace.artifacts / "jobs" / "integration-demo.json").read_text())
     assert sorted(entry["status"] for entry in ledger["decided"].values()) == sorted(EXPECTED.values())
     no_process_left(job_run)
