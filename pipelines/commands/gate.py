@@ -19,12 +19,10 @@ from pipelines.serving import ServeSettings
 
 
 @contextmanager
-def stdout_kept_for_json(as_json: bool) -> Iterator[None]:
-    """While the work runs, file descriptor 1 points at stderr, so that libraries writing to stdout
-    (llm-compressor's loguru sink, C code) cannot break the JSON document that --json prints afterwards."""
-    if not as_json:
-        yield
-        return
+def library_output_on_stderr() -> Iterator[None]:
+    """While the work runs, file descriptor 1 points at stderr: libraries writing to stdout (llm-compressor's
+    loguru sink, C code) land beside the progress lines, and stdout carries only the result (the table,
+    or the JSON document that --json prints afterwards)."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
@@ -82,7 +80,7 @@ def handle(args: argparse.Namespace) -> int:
         artifact_dir=args.artifact.resolve(), baseline_dir=args.baseline.resolve(), recipe_name=recipe_name,
         settings=gate_settings(args),
     )
-    with stdout_kept_for_json(args.json):
+    with library_output_on_stderr():
         outcome = run_gate(job)
     return print_outcome(outcome, args.json)
 

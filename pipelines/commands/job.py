@@ -5,21 +5,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import stdout_kept_for_json
+from pipelines.commands.gate import library_output_on_stderr
 from pipelines.job import JobSummary, run_job
 from pipelines.output import console, emit, table
 
 
+def reasons_by_set(reasons: list[str]) -> str:
+    """One line per eval set (reasons read "<set>: <rule broken>"): its first reason and how many more."""
+    grouped: dict[str, list[str]] = {}
+    for reason in reasons:
+        grouped.setdefault(reason.split(":", 1)[0], []).append(reason)
+    return "\n".join(group[0] + (f" (+{len(group) - 1} more)" if len(group) > 1 else "") for group in grouped.values())
+
+
 def _render(summary: JobSummary) -> None:
     rows = [
-        [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", "; ".join(r.reasons)[:160]]
+        [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", reasons_by_set(r.reasons)]
         for r in summary.results
     ]
     console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", ["model", "recipe", "verdict", "registry version", "wall s", "reasons"], rows))
+    if any(r.reasons for r in summary.results):
+        console.print("Every reason: gate.json and report.md in each candidate's run folder (--json lists them all).")
 
 
 def handle(args: argparse.Namespace) -> int:
-    with stdout_kept_for_json(args.json):
+    with library_output_on_stderr():
         summary = run_job(args.file)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
     return summary.exit_code

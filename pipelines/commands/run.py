@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import add_gate_options, gate_settings, print_outcome, stdout_kept_for_json
+from pipelines.commands.gate import add_gate_options, gate_settings, print_outcome, library_output_on_stderr
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.runner import quantize_and_gate
 
 
 def handle(args: argparse.Namespace) -> int:
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
-    with stdout_kept_for_json(args.json):
+    with library_output_on_stderr():
         outcome = quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force)
     return print_outcome(outcome, args.json)
 

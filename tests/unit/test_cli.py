@@ -92,16 +92,26 @@ def noisy(*args, **kwargs):
 
 runner.discover_eval_sets = lambda: []
 run_command.quantize_and_gate = noisy
-sys.exit(cli.main(["--recipe", "w8a8", "--no-registry", "--json"]))
+sys.exit(cli.main(["--recipe", "w8a8", "--no-registry", *sys.argv[2:]]))
 """
 
 
 def test_json_stays_parseable_when_libraries_print_to_stdout(tmp_path):
     # A real process, so that file descriptor 1 is real: with --json only the JSON document lands on stdout.
-    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["verdict"] == "promoted"
     assert "No accelerator available" in result.stderr and "a library print" in result.stderr
+
+
+def test_library_output_stays_off_the_result_on_stdout(tmp_path):
+    from test_report import make_report
+
+    (tmp_path / "gate.json").write_text(make_report().model_dump_json())
+    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "No accelerator available" not in result.stdout and "a library print" not in result.stdout
+    assert "No accelerator available" in result.stderr and "Model: models/demo-llama" in result.stdout
 
 
 def test_a_rejected_run_exits_1_and_reports_its_reasons_as_json(capsys, recorded, tmp_path):

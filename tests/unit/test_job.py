@@ -160,3 +160,15 @@ def test_an_interrupt_stops_the_job_and_keeps_what_was_decided(workspace, monkey
     resumed = install(monkeypatch, FakeRunner(workspace, {}))
     run_job(path, jobs_dir=workspace / "jobs")
     assert resumed.calls == [("demo-llama", "gptq"), ("demo-llama", "aggressive")]
+
+
+def test_the_summary_table_shows_one_line_per_failed_set():
+    from pipelines.commands.job import reasons_by_set
+
+    reasons = [
+        "dates: drop 68.00 points > max_abs_drop 2.0",
+        "dates: mean KL 0.4160 nats/token > max_kl 0.1",
+        "refs: drop 96.40 points > max_abs_drop 1.0",
+    ]
+    assert reasons_by_set(reasons) == "dates: drop 68.00 points > max_abs_drop 2.0 (+1 more)\nrefs: drop 96.40 points > max_abs_drop 1.0"
+    assert reasons_by_set([]) == ""
