@@ -447,6 +447,9 @@ def kv_capacity_tokens(
 
 
 class RecommendedArgs(_Model):
+    # Read back from gate.json, its JSON carries the computed vllm_args too: that key is not an input.
+    model_config = ConfigDict(extra="ignore")
+
     gpu_memory_utilization: float
     max_model_len: int
     max_num_seqs: int

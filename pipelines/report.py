@@ -12,6 +12,8 @@ from rich.markup import escape
 
 from pipelines import output
 from pipelines.gate import GateReport, GateResult, SetVerdict
+from pipelines.plan_view import PLAN_COLUMNS, plan_row_cells, plan_title, vllm_arguments
+from pipelines.planner import Plan
 from pipelines.policy import SetPolicy
 
 Rows = list[list[str]]
@@ -43,7 +45,8 @@ def _flips(verdict: SetVerdict) -> str:
 def _kl(verdict: SetVerdict) -> str:
     if verdict.kl_mean is None:
         return "-"
-    return f"{verdict.kl_mean:.4f} / {verdict.kl_max:.4f}"
+    # Three significant digits: a near-lossless candidate's KL is 1e-6, which .4f would show as 0.0000.
+    return f"{verdict.kl_mean:.3g} / {verdict.kl_max:.3g}"
 
 
 def set_rows(gate: GateResult) -> Rows:
@@ -112,20 +115,14 @@ def fit_rows(gate: GateResult) -> Rows:
 
 
 def plan_tables(plan: dict[str, Any] | None) -> list[tuple[str, list[str], Rows]]:
-    """The plan as tables: each top-level list of records becomes its own table, the rest key/value."""
+    """The plan for the artifact, as `quantize plan` prints it: a row per scheme, then the vLLM arguments."""
     if not plan:
         return []
-    tables: list[tuple[str, list[str], Rows]] = []
-    scalars = {}
-    for key, value in plan.items():
-        if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-            columns = list(dict.fromkeys(column for item in value for column in item))
-            tables.append((f"Plan: {key}", columns, [[_cell(item.get(c)) for c in columns] for item in value]))
-        else:
-            scalars[key] = value
-    if scalars:
-        tables.insert(0, ("Plan", ["Field", "Value"], [[k, v] for k, v in flatten(scalars).items()]))
-    return tables
+    result = Plan.model_validate(plan)
+    return [
+        (f"Plan: {plan_title(result)}", PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]),
+        ("Recommended vLLM arguments", ["scheme", "arguments"], [[row.scheme, vllm_arguments(row)] for row in result.rows]),
+    ]
 
 
 def _cell(value: Any) -> str:

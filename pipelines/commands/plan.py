@@ -10,12 +10,12 @@ from pydantic import ValidationError
 
 from pipelines.errors import InputError, from_validation_error
 from pipelines.output import console, emit, table
+from pipelines.plan_view import PLAN_COLUMNS, gib, plan_row_cells, plan_title, vllm_arguments
 from pipelines.planner import (
     GiB,
     KV_CACHE_DTYPES,
     GpuSpec,
     Plan,
-    PlanRow,
     PlanSettings,
     gpu_spec,
     known_gpus,
@@ -112,46 +112,15 @@ def _settings(args: argparse.Namespace) -> PlanSettings:
         raise from_validation_error(error, "command line") from None
 
 
-def _gib(value: int) -> str:
-    return f"{value / GiB:.2f}"
-
-
-def _size(value: int) -> str:
-    """GiB, or MiB for the small sizes a demo model has."""
-    return f"{value / GiB:.2f} GiB" if value >= GiB / 10 else f"{value / 2**20:.1f} MiB"
-
-
 def render_plan(result: Plan) -> None:
-    gpu = result.gpu
-    bandwidth = f", {gpu.bandwidth_bytes_per_s / 1e9:g} GB/s" if gpu.bandwidth_bytes_per_s else ""
-    device = f"{gpu.name} ({_gib(gpu.memory_bytes)} GiB{bandwidth})" if gpu.name in known_gpus() else f"{gpu.name}{bandwidth}"
-    title = (
-        f"{result.model} on {device}: "
-        f"{result.max_model_len:,} tokens x {result.concurrency} sequences"
-    )
-    columns = ["scheme", "weights", "KV/token KiB", "KV total", "activations", "overhead", "total", "fits",
-               "max conc.", "max context", "recommended util / len / seqs", "decode tok/s"]
-    console.print(table(title, columns, [_row_cells(row) for row in result.rows]))
+    console.print(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
     for row in result.rows:
-        args = row.recommended.vllm_args if row.recommended else "does not fit at any context"
-        console.print(f"{row.scheme}: vllm serve ... {args}" if row.recommended else f"{row.scheme}: {args}")
-
-
-def _row_cells(row: PlanRow) -> list[str]:
-    advice = row.recommended
-    return [
-        row.scheme + (" (measured)" if row.weights_source == "measured" else ""),
-        _size(row.weights_bytes), f"{row.kv_cache_bytes_per_token / 1024:g}", _size(row.kv_cache_bytes),
-        _size(row.activation_bytes), _size(row.overhead_bytes), _size(row.total_bytes),
-        "yes" if row.fits else "NO", f"{row.max_concurrency:,}", f"{row.max_context:,}",
-        f"{advice.gpu_memory_utilization:.2f} / {advice.max_model_len:,} / {advice.max_num_seqs}" if advice else "-",
-        f"{row.decode_tokens_per_s:,.0f}" if row.decode_tokens_per_s is not None else "-",
-    ]
+        console.print(f"{row.scheme}: {vllm_arguments(row)}")
 
 
 def _render_gpus(gpus: list[GpuSpec]) -> None:
     rows = [
-        [g.name, _gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-"]
+        [g.name, gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-"]
         for g in gpus
     ]
     console.print(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s"], rows))

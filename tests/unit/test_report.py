@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 
 from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
 from pipelines.policy import Policy, SetPolicy
+from pipelines.planner import gpu_spec, plan
 from pipelines.report import plan_tables, render_console, render_markdown
 
 POLICY = Policy(
@@ -50,7 +53,7 @@ def test_markdown_has_header_sets_reasons_warnings_and_stage_times():
     # 25 of 200 lost: 100 -> 87.5, delta -12.5; the pipe in the set name is escaped.
     assert "| orders\\|v2 | exact_match | 200 | 100.0 | 87.5 | -12.5 [" in text
     assert "25 / 0 (12.5%)" in text
-    assert "0.0020 / 0.0020" in text
+    assert "0.002 / 0.002" in text
     assert "- orders|v2: drop 12.50 points > max_abs_drop 2.0" in text
     assert "## Warnings" in text and "[tickets]: 20 items < min_items 100" in text
     assert "| serve | 28.2 |" in text or "| serve | 28.3 |" in text
@@ -74,18 +77,24 @@ def test_markdown_promoted_report_says_no_reasons():
     assert "## Stage times" not in text
 
 
-def test_plan_renders_records_as_their_own_table():
-    plan = {"gpu": "L4-24GB", "budget": {"kv_cache_bytes": 1024}, "components": [{"name": "weights", "bytes": 10}, {"name": "kv", "bytes": 5, "note": "fp16"}]}
-    tables = plan_tables(plan)
-    assert tables[0] == ("Plan", ["Field", "Value"], [["gpu", "L4-24GB"], ["budget.kv_cache_bytes", "1024"]])
-    assert tables[1] == ("Plan: components", ["name", "bytes", "note"], [["weights", "10", ""], ["kv", "5", "fp16"]])
-    text = render_markdown(make_report(plan=plan))
-    assert "## Plan: components" in text and "| kv | 5 | fp16 |" in text
+def llama_2_7b_plan() -> dict:
+    config = Path(__file__).resolve().parent.parent / "data" / "configs" / "llama-2-7b" / "config.json"
+    return plan(config, [None], gpu_spec("L4-24GB"), 2048, 1).model_dump(mode="json")
+
+
+def test_the_plan_reads_as_quantize_plan_prints_it():
+    (title, columns, rows), (args_title, _, args_rows) = plan_tables(llama_2_7b_plan())
+    assert title.startswith("Plan: ") and "L4" in title and "2,048 tokens x 1 sequences" in title
+    assert columns[:2] == ["scheme", "weights"] and rows[0][0] == "16-bit"
+    assert rows[0][1] == "12.55 GiB" and rows[0][7] == "yes"
+    assert args_title == "Recommended vLLM arguments" and "--max-model-len 2048" in args_rows[0][1]
+    text = render_markdown(make_report(plan=llama_2_7b_plan()))
+    assert "## Plan: " in text and "| 16-bit | 12.55 GiB |" in text
 
 
 def test_console_renders_the_same_numbers_with_markup_escaped():
     console = Console(record=True, width=160, color_system=None)
-    render_console(make_report(plan={"gpu": "L4-24GB"}), console=console)
+    render_console(make_report(plan=llama_2_7b_plan()), console=console)
     text = console.export_text()
     assert "REJECTED" in text
     assert "[tickets]" in text  # not swallowed as a rich markup tag
