@@ -679,5 +679,10 @@ def check_fit(
     result = plan(
         config, [recipe], gpu, max_model_len, concurrency, artifact_dir, settings=settings, kv_cache_dtype=kv_cache_dtype,
     )
-    row = next(r for r in result.rows if r.weights_source == "measured") if artifact_dir else result.rows[0]
-    return FitCheck(fits=row.fits, required_bytes=row.total_bytes, available_bytes=row.available_bytes, gpu=gpu.name)
+    return fit_of(result)
+
+
+def fit_of(result: Plan) -> FitCheck:
+    """The fit the gate checks: the artifact's measured row when the plan has one, else its first row."""
+    row = next((r for r in result.rows if r.weights_source == "measured"), result.rows[0])
+    return FitCheck(fits=row.fits, required_bytes=row.total_bytes, available_bytes=row.available_bytes, gpu=result.gpu.name)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from pipelines import output
 from pipelines.gate import GateReport, GateResult, SetVerdict
-from pipelines.plan_view import PLAN_COLUMNS, plan_row_cells, plan_title, vllm_arguments
+from pipelines.plan_view import PLAN_COLUMNS, gib, plan_row_cells, plan_title, vllm_arguments
 from pipelines.planner import Plan
 from pipelines.policy import SetPolicy
 
@@ -110,8 +110,7 @@ def fit_rows(gate: GateResult) -> Rows:
     fit = gate.fit
     if fit is None:
         return []
-    gib = 1024**3
-    return [[fit.gpu, f"{fit.required_bytes / gib:.2f}", f"{fit.available_bytes / gib:.2f}", "yes" if fit.fits else "NO"]]
+    return [[fit.gpu, gib(fit.required_bytes), gib(fit.available_bytes), "yes" if fit.fits else "NO"]]
 
 
 def plan_tables(plan: dict[str, Any] | None) -> list[tuple[str, list[str], Rows]]:

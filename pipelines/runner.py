@@ -251,13 +251,14 @@ def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:
     requirement = job.settings.policy.fit_for(job.recipe_name)
     if requirement is None:
         return None, None
-    from pipelines.planner import check_fit, gpu_spec, plan
+    from pipelines.planner import fit_of, gpu_spec, plan
 
     gpu = gpu_spec(requirement.gpu, requirement.memory_gib)
-    config = job.artifact_dir / "config.json"
-    args = (gpu, requirement.max_model_len, requirement.concurrency)
-    fit = check_fit(config, None, *args, artifact_dir=job.artifact_dir)
-    return fit, plan(config, [], *args, artifact_dir=job.artifact_dir).model_dump(mode="json")
+    result = plan(
+        job.artifact_dir / "config.json", [], gpu, requirement.max_model_len, requirement.concurrency,
+        artifact_dir=job.artifact_dir,
+    )
+    return fit_of(result), result.model_dump(mode="json")
 
 
 def _inputs(job: GateJob, baseline: dict) -> dict:

@@ -99,52 +99,45 @@ class Workspace:
     def run_folders(self) -> set[Path]:
         return set(self.runs_dir.iterdir()) if self.runs_dir.is_dir() else set()
 
-    def run(self, argv: list[str], *, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None) -> CommandRun:
-        marker = uuid.uuid4().hex
-        before = self.run_folders()
-        started = time.monotonic()
-        result = subprocess.run(
-            argv, cwd=REPO_ROOT, env={**self.env, **(env or {}), MARKER: marker}, capture_output=True, text=True,
-            timeout=timeout_s, stdin=subprocess.DEVNULL,
+    def run(
+        self, argv: list[str], *, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None,
+        terminate_when: Callable[[str], bool] | None = None, grace_s: float = 3.0,
+    ) -> CommandRun:
+        """Run `argv` to its end (killed after `timeout_s`). With `terminate_when`, send SIGTERM (what a
+        scheduler sends) `grace_s` after the command's stderr so far satisfies it."""
+        marker, before, started = uuid.uuid4().hex, self.run_folders(), time.monotonic()
+        process = subprocess.Popen(
+            argv, cwd=REPO_ROOT, env={**self.env, **(env or {}), MARKER: marker}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )
+        watchdog = threading.Timer(timeout_s, process.kill)
+        watchdog.start()
+        try:
+            head = _terminate_when(process, terminate_when, grace_s) if terminate_when else ""
+            out, rest = process.communicate()
+        finally:
+            watchdog.cancel()
         run = CommandRun(
-            argv=argv, code=result.returncode, stdout=result.stdout, stderr=result.stderr,
+            argv=argv, code=process.returncode, stdout=out, stderr=head + rest,
             wall_s=round(time.monotonic() - started, 1), marker=marker, new_runs=sorted(self.run_folders() - before),
         )
         sys.stderr.write(f"[integration] {' '.join(argv[1:])}: exit {run.code} in {run.wall_s} s\n")
         return run
 
-    def quantize(self, *args: str) -> CommandRun:
-        return self.run([str(QUANTIZE), *args])
+    def quantize(self, *args: str, terminate_when: Callable[[str], bool] | None = None) -> CommandRun:
+        return self.run([str(QUANTIZE), *args], terminate_when=terminate_when)
 
-    def quantize_then_terminate(self, *args: str, when: Callable[[str], bool], grace_s: float = 3.0) -> CommandRun:
-        """Run `quantize args`, and send SIGTERM (what a scheduler sends) `grace_s` after its stderr so far
-        satisfies `when`. Returns what it printed and how it exited."""
-        marker, before, started = uuid.uuid4().hex, self.run_folders(), time.monotonic()
-        argv = [str(QUANTIZE), *args]
-        process = subprocess.Popen(
-            argv, cwd=REPO_ROOT, env={**self.env, MARKER: marker}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL, text=True,
-        )
-        watchdog = threading.Timer(CLI_TIMEOUT_S, process.kill)
-        watchdog.start()
-        stderr = ""
-        try:
-            for line in process.stderr:
-                stderr += line
-                if when(stderr):
-                    time.sleep(grace_s)
-                    process.send_signal(signal.SIGTERM)
-                    break
-            out, rest = process.communicate()
-        finally:
-            watchdog.cancel()
-        run = CommandRun(
-            argv=argv, code=process.returncode, stdout=out, stderr=stderr + rest,
-            wall_s=round(time.monotonic() - started, 1), marker=marker, new_runs=sorted(self.run_folders() - before),
-        )
-        sys.stderr.write(f"[integration] {' '.join(argv[1:])} (terminated): exit {run.code} in {run.wall_s} s\n")
-        return run
+
+def _terminate_when(process: subprocess.Popen, condition: Callable[[str], bool], grace_s: float) -> str:
+    """Read the process's stderr until `condition` holds on it, then SIGTERM it; returns what was read."""
+    stderr = ""
+    for line in process.stderr:
+        stderr += line
+        if condition(stderr):
+            time.sleep(grace_s)
+            process.send_signal(signal.SIGTERM)
+            break
+    return stderr
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def _second_candidate_is_being_scored(stderr: str) -> bool:
 @pytest.fixture(scope="module")
 def killed_job(workspace, job_file: Path):
     """The job terminated (SIGTERM) while the second candidate's vLLM server is up and lm-eval is scoring."""
-    return workspace.quantize_then_terminate("job", str(job_file), "--json", when=_second_candidate_is_being_scored)
+    return workspace.quantize("job", str(job_file), "--json", terminate_when=_second_candidate_is_being_scored)
 
 
 @pytest.fixture(scope="module")
