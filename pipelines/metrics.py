@@ -1,0 +1,73 @@
+"""What an eval set's primary metric is: its direction, how lm-eval aggregates it, and its report unit.
+
+The evaluator builds a MetricSpec from the task YAML's `metric_list` (or lm-eval's default for the
+output type) and the gate judges with it; neither guesses from the metric's name alone.
+
+Kinds:
+- binary      per-item 0/1 scores averaged (acc, acc_norm, exact_match): a paired-proportions interval;
+- continuous  per-item numbers averaged (`aggregation: mean`): a paired bootstrap with a width floor;
+- corpus      per-item values lm-eval aggregates over the whole set (f1, mcc, bleu, chrf, ter, the
+              perplexities, bits_per_byte): the aggregate of each model on paired bootstrap resamples.
+
+Scale: every score, delta and bound is reported in `unit`s, metric value x `scale`. Metrics that live
+in [0, 1] are reported in points (x100); metrics lm-eval already reports on 0-100 (bleu, chrf, ter)
+or unbounded (perplexity) keep their own unit (x1).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MetricKind = Literal["binary", "continuous", "corpus"]
+
+POINTS = "points"
+BINARY_METRICS = frozenset({"acc", "acc_norm", "exact_match"})
+# lm-eval aggregations that are not a mean of per-item numbers (lm_eval/api/metrics.py).
+CORPUS_AGGREGATIONS = frozenset(
+    {"f1", "mcc", "bleu", "chrf", "ter", "perplexity", "weighted_perplexity", "bits_per_byte", "brier_score"}
+)
+# Metrics whose values are not in [0, 1]: reported in their own unit rather than points.
+OWN_UNIT_METRICS = frozenset(
+    {"bleu", "chrf", "ter", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
+)
+# lm-eval's default metrics per output type (lm_eval/api/task.py), first one primary.
+DEFAULT_METRIC = {
+    "generate_until": ("exact_match", "mean", True),
+    "multiple_choice": ("acc", "mean", True),
+    "loglikelihood": ("acc", "mean", True),
+    "loglikelihood_rolling": ("word_perplexity", "weighted_perplexity", False),
+}
+
+
+class MetricSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    higher_is_better: bool = True
+    aggregation: str = Field(default="mean", description="'mean' or an lm-eval corpus aggregation name")
+    kind: MetricKind = "binary"
+
+    @property
+    def unit(self) -> str:
+        return self.name if self.name in OWN_UNIT_METRICS else POINTS
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.name in OWN_UNIT_METRICS else 100.0
+
+    @property
+    def bounded_unit_interval(self) -> bool:
+        """Per-item values (binary and continuous kinds) are known to lie in [0, 1]."""
+        return self.name not in OWN_UNIT_METRICS
+
+
+def metric_kind(name: str, aggregation: str) -> MetricKind:
+    if aggregation != "mean":
+        return "corpus"
+    return "binary" if name in BINARY_METRICS else "continuous"
+
+
+def make_spec(name: str, aggregation: str = "mean", higher_is_better: bool = True) -> MetricSpec:
+    return MetricSpec(name=name, aggregation=aggregation, higher_is_better=higher_is_better, kind=metric_kind(name, aggregation))
