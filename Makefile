@@ -6,7 +6,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-reject test test-unit test-integration clean-artifacts
+.PHONY: setup demo demo-reject test test-unit test-integration clean-artifacts bench-gate
 
 setup:
 	@scripts/setup_env.sh project
@@ -31,3 +31,7 @@ test-integration: setup
 
 clean-artifacts:
 	find artifacts -mindepth 1 ! -name README.md -exec rm -rf {} +
+
+## Operating characteristics of the gate policy (P(promote) by true drop and noise; not a test).
+bench-gate: setup
+	$(PY) -m pipelines.benchmarks.gate_oc --policy $(or $(POLICY),policies/default.yaml)

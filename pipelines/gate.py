@@ -7,6 +7,7 @@ metrics in [0, 1]; everything reported is in points (x100). The file format is i
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipelines import stats
 from pipelines.atomic import write_text_atomic
 from pipelines.errors import InputError, from_validation_error
+from pipelines.metrics import MetricSpec, corpus_aggregation, value_range
 from pipelines.policy import Policy, SetPolicy
 
-SCHEMA_VERSION = 1
-POINTS = 100.0
+SCHEMA_VERSION = 2
 # Float slack for threshold comparisons: a value exactly at a limit passes.
 _EPS = 1e-9
 _GIB = 1024**3
@@ -29,19 +30,25 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+ItemValue = float | list[Any]
+
+
 class PairedItem(_Model):
-    """One item scored by both models. `kl`: the item's mean per-token KL(baseline || candidate), nats."""
+    """One item scored by both models. `kl`: the item's mean per-token KL(baseline || candidate), nats.
+
+    Values are the metric's per-item values as lm-eval logs them: a number for averaged metrics, a
+    list (for example [gold, prediction] or [loglikelihood, words]) for corpus-level ones.
+    """
 
     item_id: str
-    baseline: float = Field(ge=0, le=1)
-    candidate: float = Field(ge=0, le=1)
+    baseline: ItemValue
+    candidate: ItemValue
     kl: float | None = Field(default=None, ge=0)
 
 
 class SetComparison(_Model):
     eval_set: str
-    metric: str
-    binary: bool = Field(description="pass/fail metric: every score is 0 or 1")
+    metric: MetricSpec
     items: list[PairedItem] = Field(min_length=1)
     kl_method: str | None = Field(default=None, description="how per-item KL was measured")
 
@@ -51,13 +58,25 @@ class SetComparison(_Model):
         if len(set(ids)) != len(ids):
             duplicate = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"item {duplicate!r} appears more than once in {self.eval_set!r}")
-        if self.binary:
-            odd = next((i for i in self.items if {i.baseline, i.candidate} - {0.0, 1.0}), None)
-            if odd is not None:
-                raise ValueError(f"binary metric but item {odd.item_id!r} scores {odd.baseline} / {odd.candidate}")
+        for item in self.items:
+            _check_value(self.metric, item)
         if self.kl_method is None and any(item.kl is not None for item in self.items):
             raise ValueError("items carry KL values but kl_method is not given")
         return self
+
+
+def _check_value(metric: MetricSpec, item: PairedItem) -> None:
+    values = (item.baseline, item.candidate)
+    if metric.kind == "corpus":
+        if not all(isinstance(value, list) for value in values):
+            raise ValueError(f"corpus metric {metric.name!r} but item {item.item_id!r} is not a list of per-item values")
+        return
+    if not all(isinstance(value, (int, float)) and math.isfinite(value) for value in values):
+        raise ValueError(f"metric {metric.name!r} needs a finite number per item; item {item.item_id!r} has {values}")
+    if metric.kind == "binary" and set(values) - {0.0, 1.0}:
+        raise ValueError(f"binary metric but item {item.item_id!r} scores {item.baseline} / {item.candidate}")
+    if metric.bounded_unit_interval and not all(0.0 <= value <= 1.0 for value in values):  # type: ignore[operator]
+        raise ValueError(f"metric {metric.name!r} lies in [0, 1] but item {item.item_id!r} scores {values}")
 
 
 class FitCheck(_Model):
@@ -77,22 +96,39 @@ class StatsSettings(_Model):
     power: float = stats.POWER
 
 
+IntervalMethod = Literal["tango-score", "bca-bootstrap-floored", "percentile-bootstrap-floored"]
+INTERVAL_METHODS: dict[str, IntervalMethod] = {
+    "binary": "tango-score", "continuous": "bca-bootstrap-floored", "corpus": "percentile-bootstrap-floored",
+}
+
+
 class SetVerdict(_Model):
-    """One eval set, judged. Scores, deltas, CI bounds and min_detectable_drop are in points."""
+    """One eval set, judged. Scores, deltas, CI bounds and min_detectable_drop are in `unit`s.
+
+    `delta` is candidate - baseline as measured; `worsening` is the same difference signed so that
+    positive is worse (-delta when higher is better, delta when lower is better): the rules read it.
+    """
 
     eval_set: str
     metric: str
+    higher_is_better: bool
+    aggregation: str
+    kind: Literal["binary", "continuous", "corpus"]
+    unit: str
     binary: bool
     n: int
     baseline_score: float
     candidate_score: float
     delta: float
+    worsening: float
     ci_low: float
     ci_high: float
+    interval_method: IntervalMethod
     mcnemar_p: float | None
     flips_right_to_wrong: int | None
     flips_wrong_to_right: int | None
     flip_rate: float | None = Field(description="fraction of items that went right->wrong")
+    flip_rate_lower_bound: float | None = Field(description="one-sided 95% Wilson lower bound of flip_rate")
     kl_mean: float | None
     kl_max: float | None
     kl_items: int
@@ -103,11 +139,16 @@ class SetVerdict(_Model):
     reasons: list[str]
     passed: bool
 
+    @property
+    def worst_bound(self) -> float:
+        """The CI bound on the bad side, as a worsening (positive = worse): what non-inferiority reads."""
+        return -self.ci_low if self.higher_is_better else self.ci_high
+
 
 class GateResult(_Model):
     """The decision. `reasons` (why rejected) and `warnings` collect those of every set plus the fit."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     recipe: str
     verdict: Literal["promoted", "rejected"]
     sets: list[SetVerdict]
@@ -125,7 +166,7 @@ class GateResult(_Model):
 class GateReport(_Model):
     """gate.json: the decision plus what it was made from (hashes), how long each stage took, the plan."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     created_at: str | None = None
     inputs: dict[str, Any] = Field(default_factory=dict, description="model, artifact, recipe, policy, eval_sets: paths and hashes")
     stages: dict[str, float] = Field(default_factory=dict, description="wall seconds per stage, in run order")
@@ -174,94 +215,142 @@ def _nats(value: float) -> str:
     return f"{value:.4f}" if value >= 1e-3 else f"{value:.2e}"
 
 
-def _points(fraction: float) -> float:
-    """Score units to points, rounded to 1e-6 so that 7 of 100 reads 7.0, not 7.000000000000001."""
-    return round(POINTS * float(fraction), 6)
+def _scaled(value: float, scale: float) -> float:
+    """Metric units to report units, rounded to 1e-6 so that 7 of 100 reads 7.0, not 7.000000000000001."""
+    return round(scale * float(value), 6)
 
 
 def _measure(comparison: SetComparison) -> dict[str, Any]:
-    base = np.array([item.baseline for item in comparison.items])
-    cand = np.array([item.candidate for item in comparison.items])
-    n = base.size
-    _, low, high = stats.paired_bootstrap_ci(base, cand)
+    spec = comparison.metric
+    n = len(comparison.items)
+    if spec.kind == "corpus":
+        measured = _measure_corpus(comparison)
+    else:
+        base = np.array([item.baseline for item in comparison.items], dtype=float)
+        cand = np.array([item.candidate for item in comparison.items], dtype=float)
+        measured = _measure_binary(base, cand) if spec.kind == "binary" else _measure_continuous(spec, base, cand)
+    scaled = {key: _scaled(measured[key], spec.scale) for key in ("baseline_score", "candidate_score", "ci_low", "ci_high", "min_detectable_drop")}
+    delta = _scaled(measured["candidate_score"] - measured["baseline_score"], spec.scale)
     kl = stats.kl_summary([item.kl for item in comparison.items])
-    measured: dict[str, Any] = {
+    return measured | scaled | {
         "eval_set": comparison.eval_set,
-        "metric": comparison.metric,
-        "binary": comparison.binary,
+        "metric": spec.name,
+        "higher_is_better": spec.higher_is_better,
+        "aggregation": spec.aggregation,
+        "kind": spec.kind,
+        "unit": spec.unit,
+        "binary": spec.kind == "binary",
         "n": n,
-        "baseline_score": _points(base.mean()),
-        "candidate_score": _points(cand.mean()),
-        "delta": _points(cand.mean() - base.mean()),
-        "ci_low": _points(low),
-        "ci_high": _points(high),
+        "delta": delta,
+        "worsening": -delta if spec.higher_is_better else delta,
+        "interval_method": INTERVAL_METHODS[spec.kind],
         "kl_mean": kl.mean if kl else None,
         "kl_max": kl.max if kl else None,
         "kl_items": kl.items if kl else 0,
         "kl_method": comparison.kl_method,
     }
-    if comparison.binary:
-        flipped = stats.flips(base, cand)
-        measured |= {
-            "mcnemar_p": stats.mcnemar_exact_p(flipped.right_to_wrong, flipped.wrong_to_right),
-            "flips_right_to_wrong": flipped.right_to_wrong,
-            "flips_wrong_to_right": flipped.wrong_to_right,
-            "flip_rate": flipped.right_to_wrong_rate,
-            "min_detectable_drop": _points(stats.min_detectable_drop_binary(n, flipped.discordance_rate)),
-        }
-    else:
-        sd = float(np.std(cand - base, ddof=1)) if n > 1 else 0.0
-        measured |= {
-            "mcnemar_p": None,
-            "flips_right_to_wrong": None,
-            "flips_wrong_to_right": None,
-            "flip_rate": None,
-            "min_detectable_drop": _points(stats.min_detectable_drop_continuous(n, sd)),
-        }
-    return measured
+
+
+_NO_FLIPS = {"mcnemar_p": None, "flips_right_to_wrong": None, "flips_wrong_to_right": None, "flip_rate": None, "flip_rate_lower_bound": None}
+
+
+def _measure_binary(base: np.ndarray, cand: np.ndarray) -> dict[str, Any]:
+    flipped = stats.flips(base, cand)
+    low, high = stats.tango_interval(flipped.right_to_wrong, flipped.wrong_to_right, flipped.n)
+    return {
+        "baseline_score": base.mean(),
+        "candidate_score": cand.mean(),
+        "ci_low": low,
+        "ci_high": high,
+        "mcnemar_p": stats.mcnemar_exact_p(flipped.right_to_wrong, flipped.wrong_to_right),
+        "flips_right_to_wrong": flipped.right_to_wrong,
+        "flips_wrong_to_right": flipped.wrong_to_right,
+        "flip_rate": flipped.right_to_wrong_rate,
+        "flip_rate_lower_bound": stats.wilson_lower_bound(flipped.right_to_wrong, flipped.n),
+        "min_detectable_drop": stats.min_detectable_drop_binary(flipped.n, flipped.discordance_rate),
+    }
+
+
+def _measure_continuous(spec: MetricSpec, base: np.ndarray, cand: np.ndarray) -> dict[str, Any]:
+    spread = value_range(spec, (float(np.ptp(np.concatenate([base, cand]))),))
+    _, low, high = stats.mean_difference_interval(base, cand, value_range=spread)
+    sd = float(np.std(cand - base, ddof=1)) if base.size > 1 else 0.0
+    return _NO_FLIPS | {
+        "baseline_score": base.mean(),
+        "candidate_score": cand.mean(),
+        "ci_low": low,
+        "ci_high": high,
+        "min_detectable_drop": stats.min_detectable_drop_continuous(base.size, sd),
+    }
+
+
+def _measure_corpus(comparison: SetComparison) -> dict[str, Any]:
+    spec = comparison.metric
+    aggregate = corpus_aggregation(spec.aggregation)
+    base_values = [item.baseline for item in comparison.items]
+    cand_values = [item.candidate for item in comparison.items]
+    full = (float(aggregate(base_values)), float(aggregate(cand_values)))
+    base_score, cand_score, low, high = stats.corpus_difference_interval(
+        aggregate, base_values, cand_values, value_range=value_range(spec, full)
+    )
+    return _NO_FLIPS | {
+        "baseline_score": base_score,
+        "candidate_score": cand_score,
+        "ci_low": low,
+        "ci_high": high,
+        "min_detectable_drop": stats.min_detectable_drop_from_interval((high - low) / 2.0),
+    }
 
 
 def _reasons(name: str, m: dict[str, Any], rules: SetPolicy) -> list[str]:
     """One line per failed rule, naming the set, the rule and both numbers."""
     reasons = []
-    drop = -m["delta"]
-    if rules.max_abs_drop is not None and drop > rules.max_abs_drop + _EPS:
-        reasons.append(f"{name}: drop {drop:.2f} points > max_abs_drop {rules.max_abs_drop}")
-    if rules.max_rel_drop is not None and m["baseline_score"] > 0:
-        relative = drop / m["baseline_score"]
+    unit, worse = m["unit"], m["worsening"]
+    if rules.max_abs_drop is not None and worse > rules.max_abs_drop + _EPS:
+        reasons.append(f"{name}: {_worse_word(m)} {worse:.2f} {unit} > max_abs_drop {rules.max_abs_drop}")
+    if rules.max_rel_drop is not None and m["baseline_score"] != 0:
+        relative = worse / abs(m["baseline_score"])
         if relative > rules.max_rel_drop + _EPS:
             reasons.append(
-                f"{name}: relative drop {relative:.3f} of baseline {m['baseline_score']:.2f} > max_rel_drop {rules.max_rel_drop}"
+                f"{name}: relative {_worse_word(m)} {relative:.3f} of baseline {m['baseline_score']:.2f} > max_rel_drop {rules.max_rel_drop}"
             )
-    if rules.non_inferiority and m["ci_low"] < -rules.ni_margin - _EPS:
+    bound = -m["ci_low"] if m["higher_is_better"] else m["ci_high"]
+    if rules.non_inferiority and bound > rules.ni_margin + _EPS:
+        side, shown = ("lower", m["ci_low"]) if m["higher_is_better"] else ("upper", m["ci_high"])
+        limit = -rules.ni_margin if m["higher_is_better"] else rules.ni_margin
+        relation = "<" if m["higher_is_better"] else ">"
         reasons.append(
-            f"{name}: 95% CI lower bound {m['ci_low']:.2f} points < -ni_margin {-rules.ni_margin} (non-inferiority not shown)"
+            f"{name}: 95% CI {side} bound {shown:+.2f} {unit} {relation} {limit:+g} (ni_margin {rules.ni_margin}; non-inferiority not shown)"
         )
-    if rules.max_flip_rate is not None and m["flip_rate"] is not None and m["flip_rate"] > rules.max_flip_rate + _EPS:
+    if rules.max_flip_rate is not None and m["flip_rate_lower_bound"] is not None and m["flip_rate_lower_bound"] > rules.max_flip_rate + _EPS:
         reasons.append(
-            f"{name}: flip rate {m['flip_rate']:.3f} ({m['flips_right_to_wrong']}/{m['n']} right->wrong) "
-            f"> max_flip_rate {rules.max_flip_rate}"
+            f"{name}: flip rate {m['flip_rate']:.3f} ({m['flips_right_to_wrong']}/{m['n']} right->wrong), "
+            f"95% lower bound {m['flip_rate_lower_bound']:.3f} > max_flip_rate {rules.max_flip_rate}"
         )
     if rules.max_kl is not None and m["kl_mean"] is not None and m["kl_mean"] > rules.max_kl + _EPS:
         reasons.append(f"{name}: mean KL {_nats(m['kl_mean'])} nats/token > max_kl {rules.max_kl}")
     return reasons
 
 
+def _worse_word(m: dict[str, Any]) -> str:
+    return "drop" if m["higher_is_better"] else "rise"
+
+
 def _warnings(name: str, m: dict[str, Any], rules: SetPolicy, *, passed: bool) -> list[str]:
     """What does not reject but qualifies the verdict: too few items, a weak or significant pass, unchecked rules."""
     warnings = []
-    n = m["n"]
+    n, unit = m["n"], m["unit"]
     if n < rules.min_items:
         warnings.append(f"{name}: {n} items < min_items {rules.min_items}")
     bar, bar_name = (rules.ni_margin, "ni_margin") if rules.non_inferiority else (rules.max_abs_drop, "max_abs_drop")
     if passed and bar is not None and m["min_detectable_drop"] > bar:
         warnings.append(
-            f"{name}: too small to decide: {n} items reliably detect only drops of {m['min_detectable_drop']:.1f} points "
+            f"{name}: too small to decide: {n} items reliably detect only changes of {m['min_detectable_drop']:.1f} {unit} "
             f"or more (alpha {stats.ALPHA}, power {stats.POWER}), above {bar_name} {bar}"
         )
-    if passed and m["mcnemar_p"] is not None and m["delta"] < 0 and m["mcnemar_p"] < stats.ALPHA:
+    if passed and m["mcnemar_p"] is not None and m["worsening"] > 0 and m["mcnemar_p"] < stats.ALPHA:
         warnings.append(
-            f"{name}: the drop of {-m['delta']:.2f} points is within the policy but statistically significant "
+            f"{name}: the drop of {m['worsening']:.2f} {unit} is within the policy but statistically significant "
             f"(McNemar p={m['mcnemar_p']:.3g})"
         )
     if rules.max_kl is not None and m["kl_items"] == 0:

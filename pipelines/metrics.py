@@ -16,7 +16,7 @@ or unbounded (perplexity) keep their own unit (x1).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,12 +26,14 @@ POINTS = "points"
 BINARY_METRICS = frozenset({"acc", "acc_norm", "exact_match"})
 # lm-eval aggregations that are not a mean of per-item numbers (lm_eval/api/metrics.py).
 CORPUS_AGGREGATIONS = frozenset(
-    {"f1", "mcc", "bleu", "chrf", "ter", "perplexity", "weighted_perplexity", "bits_per_byte", "brier_score"}
+    {"f1", "matthews_corrcoef", "bleu", "chrf", "chrf++", "ter", "perplexity", "weighted_perplexity", "bits_per_byte"}
 )
 # Metrics whose values are not in [0, 1]: reported in their own unit rather than points.
 OWN_UNIT_METRICS = frozenset(
-    {"bleu", "chrf", "ter", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
+    {"bleu", "chrf", "chrf++", "ter", "perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"}
 )
+# Of those, the ones on a 0-100 scale; the others (perplexities, bits) are unbounded.
+PERCENT_SCALE_METRICS = frozenset({"bleu", "chrf", "chrf++", "ter"})
 # lm-eval's default metrics per output type (lm_eval/api/task.py), first one primary.
 DEFAULT_METRIC = {
     "generate_until": ("exact_match", "mean", True),
@@ -61,6 +63,22 @@ class MetricSpec(BaseModel):
     def bounded_unit_interval(self) -> bool:
         """Per-item values (binary and continuous kinds) are known to lie in [0, 1]."""
         return self.name not in OWN_UNIT_METRICS
+
+
+def value_range(spec: MetricSpec, scores: tuple[float, ...]) -> float:
+    """How far one item can move the set's score, in metric units: the width floor's scale."""
+    if spec.bounded_unit_interval:
+        return 1.0
+    if spec.name in PERCENT_SCALE_METRICS:
+        return 100.0
+    return max((abs(score) for score in scores), default=1.0) or 1.0
+
+
+def corpus_aggregation(name: str) -> Callable[[list], float]:
+    """lm-eval's own aggregation function (imported lazily: lm-eval is slow to import)."""
+    from lm_eval.api.registry import get_aggregation
+
+    return get_aggregation(name)
 
 
 def metric_kind(name: str, aggregation: str) -> MetricKind:

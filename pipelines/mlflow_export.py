@@ -25,7 +25,8 @@ DEFAULT_TRACKING_URI = f"sqlite:///{(ARTIFACTS_DIR / 'mlflow.db').as_posix()}"
 _MAX_VALUE = 5000
 # Per-set numbers of pipelines.gate.SetVerdict that become tags `gate.<eval set>.<field>`.
 SET_TAG_FIELDS = (
-    "passed", "n", "metric", "baseline_score", "candidate_score", "delta", "ci_low", "ci_high",
+    "passed", "n", "metric", "higher_is_better", "unit", "baseline_score", "candidate_score", "delta", "worsening",
+    "ci_low", "ci_high", "interval_method",
     "mcnemar_p", "flips_right_to_wrong", "flips_wrong_to_right", "flip_rate", "kl_mean", "kl_max",
 )
 

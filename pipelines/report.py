@@ -19,11 +19,16 @@ from pipelines.policy import SetPolicy
 Rows = list[list[str]]
 
 SET_COLUMNS = [
-    "Eval set", "Metric", "n", "Baseline", "Candidate", "Delta [95% CI]", "McNemar p",
+    "Eval set", "Metric", "n", "Baseline", "Candidate", "Delta [95% CI]", "Interval", "McNemar p",
     "Flips R->W / W->R", "KL mean / max", "Min. detectable drop", "Verdict",
 ]
 # The terminal table leaves out what the warnings already say, to stay readable at ~100 columns.
-_CONSOLE_SKIP = ("Metric", "Min. detectable drop")
+_CONSOLE_SKIP = ("Metric", "Interval", "Min. detectable drop")
+INTERVAL_NOTES = {
+    "tango-score": "Tango's asymptotic score interval for a difference of paired proportions",
+    "bca-bootstrap-floored": "paired BCa bootstrap of the mean difference, widened to at least range x z^2/(n+z^2) each side",
+    "percentile-bootstrap-floored": "paired percentile bootstrap of the difference of corpus-level scores, widened likewise",
+}
 RULE_COLUMNS = ["Eval set", *SetPolicy.model_fields]
 _HEADER_INPUTS = ("model", "artifact", "recipe", "policy")
 
@@ -49,16 +54,30 @@ def _kl(verdict: SetVerdict) -> str:
     return f"{verdict.kl_mean:.3g} / {verdict.kl_max:.3g}"
 
 
+def _metric(verdict: SetVerdict) -> str:
+    direction = "higher is better" if verdict.higher_is_better else "lower is better"
+    return f"{verdict.metric} ({verdict.unit}, {direction})"
+
+
+def _unit_suffix(verdict: SetVerdict) -> str:
+    return "" if verdict.unit == "points" else f" {verdict.unit}"
+
+
 def set_rows(gate: GateResult) -> Rows:
-    """One row per eval set; points with one decimal."""
+    """One row per eval set; scores in the set's unit with one decimal."""
     return [
         [
-            v.eval_set, v.metric, str(v.n), _number(v.baseline_score), _number(v.candidate_score),
-            f"{v.delta:+.1f} [{v.ci_low:+.1f}, {v.ci_high:+.1f}]", _p_value(v.mcnemar_p), _flips(v), _kl(v),
-            _number(v.min_detectable_drop), "pass" if v.passed else "FAIL",
+            v.eval_set, _metric(v), str(v.n), _number(v.baseline_score), _number(v.candidate_score),
+            f"{v.delta:+.1f} [{v.ci_low:+.1f}, {v.ci_high:+.1f}]{_unit_suffix(v)}", v.interval_method,
+            _p_value(v.mcnemar_p), _flips(v), _kl(v), _number(v.min_detectable_drop), "pass" if v.passed else "FAIL",
         ]
         for v in gate.sets
     ]
+
+
+def interval_notes(gate: GateResult) -> list[str]:
+    methods = dict.fromkeys(v.interval_method for v in gate.sets)
+    return [f"`{method}`: {INTERVAL_NOTES[method]}" for method in methods]
 
 
 def rule_rows(gate: GateResult) -> Rows:
@@ -146,9 +165,10 @@ def render_markdown(report: GateReport) -> str:
     gate = report.gate
     parts = [f"# Quantization gate: {gate.verdict.upper()}", _md_table(["", ""], header_rows(report))]
     parts += ["## Eval sets", _md_table(SET_COLUMNS, set_rows(gate)),
-              f"Scores in points (metric x 100). Delta = candidate - baseline with its {gate.settings.confidence:.0%} "
-              f"paired bootstrap CI ({gate.settings.bootstrap_resamples} resamples, seed {gate.settings.seed}); "
-              f"min. detectable drop at alpha {gate.settings.alpha}, power {gate.settings.power}."]
+              f"Scores in points (metric x 100) for metrics in [0, 1], in their own unit otherwise. Delta = candidate - "
+              f"baseline with its {gate.settings.confidence:.0%} confidence interval; min. detectable drop: the smallest "
+              f"worsening the set detects at alpha {gate.settings.alpha}, power {gate.settings.power}. Intervals:",
+              _md_list(interval_notes(gate))]
     parts += ["## Reasons", _md_list(gate.reasons) if gate.reasons else "None: every rule passed."]
     if gate.warnings:
         parts += ["## Warnings", _md_list(gate.warnings)]

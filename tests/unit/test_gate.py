@@ -16,9 +16,11 @@ from pipelines.gate import (
     load_report,
     save_report,
 )
+from pipelines.metrics import make_spec
 from pipelines.policy import Policy, RuleOverrides, SetPolicy
 
 GIB = 1024**3
+EXACT_MATCH = make_spec("exact_match")
 RULES = SetPolicy(
     max_abs_drop=2.0, max_rel_drop=0.05, non_inferiority=True, ni_margin=5.0, max_flip_rate=0.05, max_kl=0.1, min_items=100
 )
@@ -42,9 +44,7 @@ def pass_fail_set(
         [(1.0, 0.0)] * right_to_wrong + [(0.0, 1.0)] * wrong_to_right + [(1.0, 1.0)] * both_right + [(0.0, 0.0)] * both_wrong
     )
     items = [PairedItem(item_id=f"{name}-{i}", baseline=b, candidate=c, kl=kl) for i, (b, c) in enumerate(cells)]
-    return SetComparison(
-        eval_set=name, metric="exact_match", binary=True, items=items, kl_method="test" if kl is not None else None
-    )
+    return SetComparison(eval_set=name, metric=EXACT_MATCH, items=items, kl_method="test" if kl is not None else None)
 
 
 def test_identical_baseline_and_candidate_is_promoted_with_zero_delta_and_no_flips():
@@ -52,7 +52,10 @@ def test_identical_baseline_and_candidate_is_promoted_with_zero_delta_and_no_fli
     verdict = result.sets[0]
     assert result.verdict == "promoted" and result.exit_code == 0
     assert (verdict.baseline_score, verdict.candidate_score) == (80.0, 80.0)
-    assert (verdict.delta, verdict.ci_low, verdict.ci_high) == (0.0, 0.0, 0.0)
+    # Tango's interval with no discordant pair: z^2 / (n + z^2) on each side, never zero width.
+    half_width = 100 * 1.959964**2 / (250 + 1.959964**2)
+    assert verdict.delta == 0.0 and verdict.interval_method == "tango-score"
+    assert verdict.ci_low == pytest.approx(-half_width, abs=1e-4) and verdict.ci_high == pytest.approx(half_width, abs=1e-4)
     assert (verdict.flips_right_to_wrong, verdict.flips_wrong_to_right, verdict.flip_rate) == (0, 0, 0.0)
     assert verdict.mcnemar_p == 1.0
     assert verdict.passed and result.reasons == [] and result.warnings == []
@@ -69,13 +72,22 @@ def test_small_drop_that_is_not_significant_passes():
 
 
 def test_flat_score_with_many_flips_is_rejected_by_flip_rate_alone():
-    # 18 lost and 18 gained of 300: the average does not move, but 6% of answers went wrong.
-    result = decide([pass_fail_set("tickets", right_to_wrong=18, wrong_to_right=18, both_right=230, both_wrong=34)], policy(), "w8a8")
+    # 24 lost and 24 gained of 600: the average does not move, but 4% of answers went wrong; the
+    # one-sided 95% Wilson lower bound of that rate (hand-computed: 0.028774) exceeds 0.025.
+    flat = pass_fail_set("tickets", right_to_wrong=24, wrong_to_right=24, both_right=450, both_wrong=102)
+    result = decide([flat], policy(max_flip_rate=0.025), "w8a8")
     verdict = result.sets[0]
-    assert verdict.delta == 0.0
+    assert verdict.delta == 0.0 and verdict.flip_rate_lower_bound == pytest.approx(0.028774, abs=2e-6)
     assert verdict.ci_low > -5.0  # non-inferiority holds; only the flip rule fails
     assert result.verdict == "rejected" and result.exit_code == 1
-    assert result.reasons == ["tickets: flip rate 0.060 (18/300 right->wrong) > max_flip_rate 0.05"]
+    assert result.reasons == ["tickets: flip rate 0.040 (24/600 right->wrong), 95% lower bound 0.029 > max_flip_rate 0.025"]
+
+
+def test_flip_rule_reads_the_lower_bound_not_the_point_estimate():
+    # 6% of 100 went right->wrong, but with 100 items the rate could be 3%: not shown to exceed 5%.
+    result = decide([pass_fail_set("tickets", right_to_wrong=6, wrong_to_right=6, both_right=80, both_wrong=8)], policy(), "w8a8")
+    assert result.sets[0].flip_rate == 0.06 and result.sets[0].flip_rate_lower_bound < 0.05
+    assert not any("flip rate" in reason for reason in result.reasons)
 
 
 def test_large_drop_is_rejected_naming_set_rule_and_numbers():
@@ -95,8 +107,17 @@ def test_drop_of_exactly_the_limit_passes():
     assert result.verdict == "promoted", result.reasons
 
 
-def test_set_too_small_to_decide_warns_with_smallest_detectable_drop():
+def test_zero_flips_on_a_small_set_do_not_show_non_inferiority():
+    # 20 identical items: the interval is +/-16.1 points, so a 5-point margin is not shown.
     result = decide([pass_fail_set("tiny", both_right=18, both_wrong=2)], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.delta == 0.0 and verdict.ci_low == pytest.approx(-16.1125, abs=1e-3)
+    assert result.verdict == "rejected"
+    assert result.reasons == ["tiny: 95% CI lower bound -16.11 points < -5 (ni_margin 5.0; non-inferiority not shown)"]
+
+
+def test_set_too_small_to_decide_warns_with_smallest_detectable_drop():
+    result = decide([pass_fail_set("tiny", both_right=18, both_wrong=2)], policy(non_inferiority=False, max_abs_drop=5.0), "w8a8")
     verdict = result.sets[0]
     expected = 100 * stats.min_detectable_drop_binary(20, 0.0)
     assert verdict.min_detectable_drop == pytest.approx(expected, abs=1e-6)
@@ -117,7 +138,7 @@ def test_noisy_set_fails_non_inferiority_despite_small_point_estimate():
     result = decide([comparison], policy(max_flip_rate=None, min_items=10), "w8a8")
     verdict = result.sets[0]
     assert -2.0 < verdict.delta < 0 and verdict.ci_low < -5.0
-    assert len(result.reasons) == 1 and "< -ni_margin -5.0 (non-inferiority not shown)" in result.reasons[0]
+    assert len(result.reasons) == 1 and "< -5 (ni_margin 5.0; non-inferiority not shown)" in result.reasons[0]
     assert decide([comparison], policy(max_flip_rate=None, min_items=10, non_inferiority=False), "w8a8").verdict == "promoted"
 
 
@@ -184,31 +205,83 @@ def test_override_for_a_set_that_was_not_scored_is_a_warning():
 
 def test_continuous_metric_has_no_flips_or_mcnemar():
     items = [PairedItem(item_id=str(i), baseline=0.8, candidate=0.8 - 0.001 * (i % 3)) for i in range(200)]
-    comparison = SetComparison(eval_set="summaries", metric="f1", binary=False, items=items)
+    comparison = SetComparison(eval_set="summaries", metric=make_spec("rouge1"), items=items)
     verdict = decide([comparison], policy(max_kl=None), "w8a8").sets[0]
     assert verdict.mcnemar_p is None and verdict.flips_right_to_wrong is None and verdict.flip_rate is None
     assert verdict.delta == pytest.approx(-0.1 * (0 + 1 + 2) / 3, abs=0.01)
+    assert verdict.interval_method == "bca-bootstrap-floored" and verdict.kind == "continuous"
     assert verdict.passed
-    assert "summaries: metric 'f1' is not pass/fail; max_flip_rate not checked" in verdict.warnings
+    assert "summaries: metric 'rouge1' is not pass/fail; max_flip_rate not checked" in verdict.warnings
+
+
+def test_continuous_metric_with_no_change_keeps_a_width_floor():
+    items = [PairedItem(item_id=str(i), baseline=0.5, candidate=0.5) for i in range(20)]
+    verdict = decide([SetComparison(eval_set="same", metric=make_spec("rouge1"), items=items)], policy(max_kl=None), "w8a8").sets[0]
+    assert (verdict.ci_low, verdict.ci_high) == (pytest.approx(-16.1125, abs=1e-3), pytest.approx(16.1125, abs=1e-3))
+    assert not verdict.passed
+
+
+def test_lower_is_better_metric_that_got_worse_is_rejected():
+    # A per-item error rate (lower is better) that rose by 10 points on 300 items.
+    spec = make_spec("error_rate", "mean", higher_is_better=False)
+    items = [PairedItem(item_id=str(i), baseline=0.2, candidate=0.3) for i in range(300)]
+    result = decide([SetComparison(eval_set="errors", metric=spec, items=items)], policy(max_kl=None), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.delta == pytest.approx(10.0) and verdict.worsening == pytest.approx(10.0)
+    assert result.verdict == "rejected"
+    assert "errors: rise 10.00 points > max_abs_drop 2.0" in result.reasons
+    assert any("95% CI upper bound" in reason and "> +5" in reason for reason in result.reasons)
+    # The same change on a higher-is-better metric is an improvement.
+    better = decide([SetComparison(eval_set="errors", metric=make_spec("rouge1"), items=items)], policy(max_kl=None), "w8a8")
+    assert better.verdict == "promoted" and better.sets[0].worsening == pytest.approx(-10.0)
+
+
+def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
+    # f1 over (gold, prediction) pairs: baseline perfect, candidate misses 30 of 100 positives.
+    pairs = [(1, 1)] * 100 + [(0, 0)] * 100
+    candidate = [(1, 0)] * 30 + [(1, 1)] * 70 + [(0, 0)] * 100
+    items = [PairedItem(item_id=str(i), baseline=list(b), candidate=list(c)) for i, (b, c) in enumerate(zip(pairs, candidate))]
+    spec = make_spec("f1", "f1")
+    result = decide([SetComparison(eval_set="intents", metric=spec, items=items)], policy(max_kl=None), "w8a8")
+    verdict = result.sets[0]
+    assert verdict.baseline_score == 100.0 and verdict.candidate_score == pytest.approx(100 * 140 / 170, abs=1e-4)
+    assert verdict.interval_method == "percentile-bootstrap-floored" and verdict.ci_high < 0
+    assert result.verdict == "rejected"
+
+
+def test_perplexity_keeps_its_unit_and_direction():
+    spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
+    items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-20.5, 10]) for i in range(200)]
+    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=items)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
+    assert verdict.unit == "word_perplexity" and not verdict.higher_is_better
+    assert verdict.baseline_score == pytest.approx(7.389056, abs=1e-5) and verdict.candidate_score == pytest.approx(7.767901, abs=1e-5)
+    assert verdict.worsening == pytest.approx(0.378845, abs=1e-5) and verdict.passed
 
 
 @pytest.mark.parametrize(
-    ("items", "binary", "kl_method", "message"),
+    ("items", "metric", "message"),
     [
-        ([PairedItem(item_id="a", baseline=0.5, candidate=1.0)], True, None, "binary metric"),
-        ([PairedItem(item_id="a", baseline=1, candidate=1)] * 2, True, None, "more than once"),
-        ([PairedItem(item_id="a", baseline=1, candidate=1, kl=0.1)], True, None, "kl_method"),
-        ([], True, None, "at least 1"),
+        ([PairedItem(item_id="a", baseline=0.5, candidate=1.0)], "acc", "binary metric"),
+        ([PairedItem(item_id="a", baseline=1, candidate=1)] * 2, "acc", "more than once"),
+        ([PairedItem(item_id="a", baseline=1, candidate=1, kl=0.1)], "acc", "kl_method"),
+        ([], "acc", "at least 1"),
+        ([PairedItem(item_id="a", baseline=85.0, candidate=1.0)], "rouge1", r"lies in \[0, 1\]"),
+        ([PairedItem(item_id="a", baseline=[1, 1], candidate=[1, 0])], "acc", "finite number"),
     ],
 )
-def test_inconsistent_comparisons_are_refused(items, binary, kl_method, message):
+def test_inconsistent_comparisons_are_refused(items, metric, message):
     with pytest.raises(ValidationError, match=message):
-        SetComparison(eval_set="x", metric="acc", binary=binary, items=items, kl_method=kl_method)
+        SetComparison(eval_set="x", metric=make_spec(metric), items=items)
 
 
-def test_scores_must_be_fractions():
-    with pytest.raises(ValidationError):
-        PairedItem(item_id="a", baseline=85.0, candidate=1.0)
+def test_item_values_must_be_finite():
+    with pytest.raises(ValidationError, match="finite number"):
+        PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)
+
+
+def test_corpus_items_must_be_lists():
+    with pytest.raises(ValidationError, match="not a list"):
+        SetComparison(eval_set="x", metric=make_spec("f1", "f1"), items=[PairedItem(item_id="a", baseline=1.0, candidate=1.0)])
 
 
 def test_no_sets_or_duplicate_sets_are_input_errors():

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.metrics import make_spec
 from pipelines.policy import Policy, SetPolicy
 from pipelines.planner import gpu_spec, plan
 from pipelines.report import plan_tables, render_console, render_markdown
@@ -21,7 +22,7 @@ POLICY = Policy(
 def comparison(name: str, lost: int, kept: int) -> SetComparison:
     cells = [(1.0, 0.0)] * lost + [(1.0, 1.0)] * kept
     items = [PairedItem(item_id=f"{name}{i}", baseline=b, candidate=c, kl=0.002) for i, (b, c) in enumerate(cells)]
-    return SetComparison(eval_set=name, metric="exact_match", binary=True, items=items, kl_method="top-20 logprobs")
+    return SetComparison(eval_set=name, metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
 
 
 def make_report(*, plan=None) -> GateReport:
@@ -51,7 +52,8 @@ def test_markdown_has_header_sets_reasons_warnings_and_stage_times():
     assert "| Model | models/demo-llama (aaaaaaaaaaaa) |" in text
     assert "| Recipe | recipes/w8a8.yaml (cccccccccccc) |" in text
     # 25 of 200 lost: 100 -> 87.5, delta -12.5; the pipe in the set name is escaped.
-    assert "| orders\\|v2 | exact_match | 200 | 100.0 | 87.5 | -12.5 [" in text
+    assert "| orders\\|v2 | exact_match (points, higher is better) | 200 | 100.0 | 87.5 | -12.5 [" in text
+    assert "tango-score" in text and "Tango's asymptotic score interval" in text
     assert "25 / 0 (12.5%)" in text
     assert "0.002 / 0.002" in text
     assert "- orders|v2: drop 12.50 points > max_abs_drop 2.0" in text

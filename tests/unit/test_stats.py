@@ -46,57 +46,94 @@ def test_flips_refuses_continuous_scores():
         stats.flips([0.5, 1.0], [1.0, 1.0])
 
 
-def test_identical_scores_give_zero_delta_and_degenerate_interval():
-    base, cand = pass_fail(0, 0, 180, 20)
-    assert stats.paired_bootstrap_ci(base, cand) == (0.0, 0.0, 0.0)
+def test_tango_interval_matches_published_values():
+    # Fagerland, Lydersen and Laake (2014), Cavo et al. (2012) data: n12 = 6, n21 = 16, N = 161;
+    # estimate -0.0621, Tango 95% CI -0.1240 to -0.0054.
+    low, high = stats.tango_interval(losses=16, gains=6, n=161)
+    assert (round(low, 4), round(high, 4)) == (-0.1240, -0.0054)
 
 
-def test_bootstrap_interval_matches_normal_theory_on_constructed_case():
-    # 30 right->wrong, 15 wrong->right of 300: delta = -0.05; the per-item difference has variance
-    # psi - delta^2 = 0.15 - 0.0025, so the 95% interval is about -0.05 +/- 1.96 * sqrt(0.1475 / 300).
-    base, cand = pass_fail(30, 15, 230, 25)
-    delta, low, high = stats.paired_bootstrap_ci(base, cand)
-    half_width = 1.96 * math.sqrt((0.15 - 0.05**2) / 300)
-    assert delta == pytest.approx(-0.05)
-    assert low < -0.05 < high
-    assert low == pytest.approx(-0.05 - half_width, abs=0.004)
-    assert high == pytest.approx(-0.05 + half_width, abs=0.004)
+@pytest.mark.parametrize("n", [1, 5, 20, 60, 250, 1000])
+def test_tango_interval_without_discordant_pairs_has_its_closed_form_width(n):
+    # With b = c = 0 the score test inverts to |delta| = z^2 / (n + z^2): never a zero-width interval.
+    z2 = 1.959964**2
+    low, high = stats.tango_interval(0, 0, n)
+    assert low == pytest.approx(-z2 / (n + z2), abs=1e-6) and high == pytest.approx(z2 / (n + z2), abs=1e-6)
 
 
-def test_bootstrap_is_reproducible_with_a_seed_and_varies_without():
-    base, cand = pass_fail(20, 10, 200, 20)
-    assert stats.paired_bootstrap_ci(base, cand, seed=3) == stats.paired_bootstrap_ci(base, cand, seed=3)
-    assert stats.paired_bootstrap_ci(base, cand, seed=3) != stats.paired_bootstrap_ci(base, cand, seed=4)
+@pytest.mark.parametrize(("losses", "gains", "n"), [(3, 0, 20), (12, 4, 250), (40, 20, 160), (0, 7, 50)])
+def test_tango_bounds_are_where_the_score_statistic_equals_z(losses, gains, n):
+    low, high = stats.tango_interval(losses, gains, n)
+    assert low < (gains - losses) / n < high
+    assert abs(stats._tango_score(low, losses, gains, n)) == pytest.approx(1.959964, abs=1e-4)
+    assert abs(stats._tango_score(high, losses, gains, n)) == pytest.approx(1.959964, abs=1e-4)
 
 
-def test_bootstrap_interval_covers_true_delta_about_95_percent_of_the_time():
-    # Draw 200 sets of 250 items from a population whose true delta is -0.02.
-    rng = np.random.default_rng(11)
-    p_lose, p_gain, true_delta = 0.05, 0.03, -0.02
-    covered = 0
-    for trial in range(200):
-        cells = rng.multinomial(250, [p_lose, p_gain, 0.8, 1 - p_lose - p_gain - 0.8])
-        base, cand = pass_fail(*cells)
-        _, low, high = stats.paired_bootstrap_ci(base, cand, resamples=2000, seed=trial)
-        covered += low <= true_delta <= high
-    assert 0.89 <= covered / 200 <= 0.99
+def test_tango_interval_reaches_the_edge_when_everything_flipped():
+    assert stats.tango_interval(20, 0, 20)[0] == -1.0
+    assert stats.tango_interval(0, 20, 20)[1] == 1.0
+    with pytest.raises(ValueError):
+        stats.tango_interval(15, 10, 20)
 
 
-def test_bootstrap_works_in_blocks_for_large_sets():
+@pytest.mark.parametrize(("n", "drop", "discordance"), [(20, 0.0, 0.05), (50, 0.02, 0.06), (100, 0.02, 0.04), (250, 0.02, 0.04)])
+def test_tango_interval_covers_the_true_delta_about_95_percent_of_the_time(n, drop, discordance):
+    # The bootstrap it replaces covered 0.64 at n = 50 and 0.86 at n = 100 for a true 2-point drop.
+    rng = np.random.default_rng(7)
+    lose, gain = (discordance + drop) / 2, (discordance - drop) / 2
+    cells = rng.multinomial(n, [lose, gain, 1 - lose - gain], size=2000)
+    covered = np.mean([low <= -drop <= high for low, high in (stats.tango_interval(int(b), int(c), n) for b, c, _ in cells)])
+    assert covered >= 0.92
+
+
+def test_wilson_lower_bound_matches_hand_computation():
+    # p = 0.04, n = 600, z = 1.6449 (one-sided 95%): centre 0.042064, half-width 0.013291.
+    assert stats.wilson_lower_bound(24, 600) == pytest.approx(0.028774, abs=2e-6)
+    assert stats.wilson_lower_bound(0, 50) == 0.0
+
+
+def test_mean_difference_interval_is_never_narrower_than_its_floor():
+    base = np.full(20, 0.5)
+    delta, low, high = stats.mean_difference_interval(base, base, value_range=1.0)
+    assert delta == 0.0 and high == -low == pytest.approx(stats.width_floor(20, 1.0))
+    assert stats.width_floor(250, 1.0) == pytest.approx(1.959964**2 / (250 + 1.959964**2), rel=1e-6)
+
+
+def test_mean_difference_interval_matches_normal_theory_on_a_large_set():
     rng = np.random.default_rng(0)
-    base = rng.random(5000)
-    cand = base + rng.normal(-0.01, 0.05, 5000).clip(-base, 1 - base)
-    delta, low, high = stats.paired_bootstrap_ci(base, cand, resamples=2000)
-    standard_error = np.std(cand - base, ddof=1) / np.sqrt(5000)
+    base = rng.random(2000)
+    cand = (base + rng.normal(-0.01, 0.05, 2000)).clip(0, 1)
+    delta, low, high = stats.mean_difference_interval(base, cand, value_range=1.0, resamples=4000)
+    standard_error = np.std(cand - base, ddof=1) / np.sqrt(2000)
     assert low < delta < high
     assert high - low == pytest.approx(2 * 1.96 * standard_error, rel=0.1)
 
 
+def test_mean_difference_interval_is_reproducible_with_a_seed():
+    base, cand = pass_fail(20, 10, 200, 20)
+    first = stats.mean_difference_interval(base, cand, value_range=1.0, seed=3)
+    assert first == stats.mean_difference_interval(base, cand, value_range=1.0, seed=3)
+
+
+def test_corpus_interval_resamples_pairs_and_aggregates_each_model():
+    # Aggregate = share of "hits" in the pooled list: a corpus-level statistic, not a per-item mean.
+    def share(values: list) -> float:
+        return sum(v[0] for v in values) / sum(v[1] for v in values)
+
+    base = [[1, 2]] * 100
+    cand = [[1, 2]] * 80 + [[0, 2]] * 20
+    base_score, cand_score, low, high = stats.corpus_difference_interval(share, base, cand, value_range=1.0, resamples=500)
+    assert (base_score, cand_score) == (0.5, 0.4)
+    assert low < -0.1 < high < 0
+
+
 def test_paired_inputs_must_match():
     with pytest.raises(ValueError, match="equal length"):
-        stats.paired_bootstrap_ci([1.0, 0.0], [1.0])
+        stats.mean_difference_interval([1.0, 0.0], [1.0], value_range=1.0)
     with pytest.raises(ValueError, match="non-empty"):
-        stats.paired_bootstrap_ci([], [])
+        stats.mean_difference_interval([], [], value_range=1.0)
+    with pytest.raises(ValueError, match="equal length"):
+        stats.corpus_difference_interval(len, [[1]], [], value_range=1.0)
 
 
 def test_kl_summary_mean_max_and_missing_values():
