@@ -3,9 +3,10 @@
     python -m pipelines.benchmarks.gate_oc [--policy FILE] [--recipe NAME] [--reps 4000]   (make bench-gate)
 
 A candidate is described by the true drop D (points of a pass/fail metric) and the discordance rate psi
-(the fraction of items on which it disagrees with the baseline): per item, right->wrong with
-probability (psi + D)/2 and wrong->right with (psi - D)/2, the baseline right with probability
-`--baseline-score`. Each simulated set is judged by `pipelines.gate.judge_set` with the policy's rules
+(the fraction of items on which it disagrees with the baseline): right->wrong with probability
+(psi + D)/2 and wrong->right with (psi - D)/2 per item. The baseline's own score is held at
+`--baseline-score` (round(score x n) items right: the gate conditions on the baseline it has), so
+losses are drawn among the baseline's right items and gains among its wrong ones. Each simulated set is judged by `pipelines.gate.judge_set` with the policy's rules
 for that set (memoised on the 2x2 table, which is all the binary rules read), so the figures are the
 gate's own, not a model of it. KL is not simulated (its rule is checked as "not measured").
 
@@ -52,12 +53,26 @@ def _promotes(rules: SetPolicy, both_right: int, lose: int, gain: int, both_wron
     return judge_set(SetComparison(eval_set="simulated", metric=_METRIC, items=items), rules).passed
 
 
+def simulate_tables(n: int, drop: float, discordance: float, *, baseline_score: float, reps: int, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Unique 2x2 tables (both right, lost, gained, both wrong) of `reps` simulated sets, with their counts."""
+    cells = cell_probabilities(drop, discordance, baseline_score)
+    right = round(baseline_score * n)
+    if cells is None or (cells[1] > 0 and right == 0) or (cells[2] > 0 and right == n):
+        return None
+    rng = np.random.default_rng(seed)
+    lost = rng.binomial(right, cells[1] / baseline_score if baseline_score else 0.0, size=reps)
+    gained = rng.binomial(n - right, cells[2] / (1 - baseline_score) if baseline_score < 1 else 0.0, size=reps)
+    tables = np.stack([right - lost, lost, gained, n - right - gained], axis=1)
+    unique, counts = np.unique(tables, axis=0, return_counts=True)
+    return unique, counts
+
+
 def promote_rate(rules: SetPolicy, n: int, drop: float, discordance: float, *, baseline_score: float, reps: int, seed: int = 0) -> float | None:
     """Fraction of `reps` simulated sets of n items that pass `rules`; None for an impossible candidate."""
-    cells = cell_probabilities(drop, discordance, baseline_score)
-    if cells is None:
+    simulated = simulate_tables(n, drop, discordance, baseline_score=baseline_score, reps=reps, seed=seed)
+    if simulated is None:
         return None
-    tables, counts = np.unique(np.random.default_rng(seed).multinomial(n, cells, size=reps), axis=0, return_counts=True)
+    tables, counts = simulated
     passed = sum(int(count) for table, count in zip(tables, counts) if _promotes(rules, *map(int, table)))
     return passed / reps
 
