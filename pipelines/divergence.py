@@ -1,27 +1,49 @@
 """Output divergence between baseline and candidate: mean per-token KL on the eval prompts.
 
-Method ("top-k coarse-grained KL", k = TOP_K): the baseline server greedily continues each prompt and
-returns its top-k log-probabilities at every generated position; the candidate server is then asked,
-with echo, for its top-k log-probabilities along exactly the same token ids. Both distributions are
-coarse-grained to the baseline's top-k tokens plus one "rest" bucket and KL(baseline || candidate) is
-computed on that partition. By the data-processing inequality this is a lower bound of the full-vocabulary
-KL; a candidate probability missing from the candidate's own top-k is bounded by its k-th probability.
+Method ("top-k coarse-grained KL", k = TOP_K): the baseline server greedily continues each prompt
+(MAX_NEW_TOKENS tokens at most) and returns its top-k log-probabilities at every generated position;
+the candidate server is then asked, with echo, for its top-k log-probabilities along exactly the same
+token ids. At each position, both distributions are coarse-grained to the baseline's k most likely
+tokens plus one "rest" bucket and KL(baseline || candidate) is computed on that partition.
+
+What is averaged: per-token KL at each position of the path, then the mean over the positions of one
+item (item_kl); the gate then averages items equally. An item without a measured position has no KL
+(None), never 0. On multiple-choice sets the path is the same greedy continuation of the prompt, not
+the choice strings: its first position is the next-token distribution the choices' first tokens are
+scored from; later positions follow the baseline's own continuation.
+
+Lower bound of the full-vocabulary KL. vLLM lists the k most likely tokens plus, when the requested
+(echoed) token is not among them, that token (k + 1 entries). A token j of the baseline's top-k that
+the candidate does not list has q_j <= c, the k-th largest of the candidate's top-k, and coarse_kl
+uses c. Why that stays a lower bound: pair each such j with a distinct token m of the candidate's
+top-k outside the baseline's top-k (there are at least as many), so q_m >= c and p_m <= p_j. Using c
+moves d = c - q_j of candidate mass from the rest bucket to j, as if taken from m. Splitting m out of
+the rest bucket can only raise the value (data processing), and p_j log(c / q_j) >= p_m log(q_m / (q_m - d))
+(x / (x - d) decreases in x), so the value is at most the KL on the partition {baseline's top-k, each
+m, the rest}, itself at most the full KL. Hence c is the k-th entry, not the smaller extra one, and
+the baseline's partition is its k largest entries only (tests/unit/test_divergence.py: 20,000 random cases).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import BaseModel
 
 from pipelines.errors import ServeError
-from pipelines.serving import RunningServer
+
+if TYPE_CHECKING:  # serving imports TOP_K from here
+    from pipelines.serving import RunningServer
 
 TOP_K = 20
 MAX_NEW_TOKENS = 8
-KL_METHOD = f"top-{TOP_K} coarse-grained KL(baseline||candidate) per generated token, greedy baseline path, {MAX_NEW_TOKENS} tokens max (lower bound of full KL)"
+KL_METHOD = (
+    f"top-{TOP_K} coarse-grained KL(baseline||candidate) per generated token, greedy baseline path, "
+    f"{MAX_NEW_TOKENS} tokens max, mean over positions per item (lower bound of full KL)"
+)
 _CONCURRENCY = 8
 
 
@@ -103,10 +125,18 @@ def candidate_topk(server: RunningServer, references: list[Reference]) -> list[l
     return asyncio.run(run())
 
 
-def coarse_kl(baseline: dict[str, float], candidate: dict[str, float]) -> float:
-    """KL on the partition {baseline's top-k tokens} + {rest}; see the module docstring."""
-    floor = min(candidate.values())
-    p = {token: math.exp(lp) for token, lp in baseline.items()}
+def _top(logprobs: dict[str, float], k: int) -> dict[str, float]:
+    """The k largest entries: vLLM's extra (k+1-th) entry for the requested token is not part of the top-k."""
+    return dict(sorted(logprobs.items(), key=lambda entry: entry[1], reverse=True)[:k])
+
+
+def coarse_kl(baseline: dict[str, float], candidate: dict[str, float], k: int = TOP_K) -> float:
+    """KL on the partition {baseline's top-k tokens} + {rest}, a lower bound of the full KL (module docstring).
+
+    Both arguments map tokens to log-probabilities as vLLM lists them (k or k + 1 entries).
+    """
+    p = {token: math.exp(lp) for token, lp in _top(baseline, k).items()}
+    floor = min(_top(candidate, k).values())  # the k-th largest: bounds every unlisted token
     q = {token: math.exp(candidate.get(token, floor)) for token in p}
     p_rest = max(0.0, 1.0 - sum(p.values()))
     q_rest = max(1e-12, 1.0 - sum(q.values()))
@@ -116,7 +146,7 @@ def coarse_kl(baseline: dict[str, float], candidate: dict[str, float]) -> float:
     return max(0.0, kl)
 
 
-def item_kl(reference: Reference, candidate: list[dict[str, float]]) -> float:
-    """Mean per-token KL along one baseline path (0 for an empty path)."""
+def item_kl(reference: Reference, candidate: list[dict[str, float]]) -> float | None:
+    """Mean over the path's positions of the per-token coarse KL; None when no position was measured."""
     pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate) if b and c]
-    return sum(coarse_kl(b, c) for b, c in pairs) / len(pairs) if pairs else 0.0
+    return sum(coarse_kl(b, c) for b, c in pairs) / len(pairs) if pairs else None

@@ -6,7 +6,10 @@
                                    {"text": ...} per line in data.jsonl
 
 Adding a set is dropping in a folder: nothing here names the shipped sets. Every problem found is an
-InputError naming the file and the line or field.
+InputError naming the file and the line or field, the most fundamental first.
+
+The task YAML is parsed once, here: an EvalSet carries the config, the task name and the primary metric
+(the first entry of `metric_list`, with its direction and aggregation) that scoring and the gate use.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
@@ -27,10 +31,23 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hashing import sha256_file, sha256_json
+from pipelines.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
 from pipelines.paths import EVAL_SETS_DIR
 
-OUTPUT_TYPES = ("generate_until", "multiple_choice")
-REQUIRED_KEYS = ("task", "dataset_path", "dataset_kwargs", "test_split", "output_type", "doc_to_text", "doc_to_target")
+OUTPUT_TYPES = ("generate_until", "multiple_choice", "loglikelihood", "loglikelihood_rolling")
+ROLLING = "loglikelihood_rolling"
+# Checked in this order, before the output type's own keys: the most fundamental problem is reported first.
+SET_KEYS = ("task", "dataset_path", "dataset_kwargs", "test_split", "output_type")
+# The per-item metrics lm-eval's ConfigurableTask.process_results (lm_eval/api/task.py) logs for each output
+# type; a task with its own `process_results` logs whatever that function returns. `likelihood` is left
+# out: lm-eval logs it as (gold, loglikelihoods) yet averages it, which fails.
+PRODUCED_METRICS = {
+    "generate_until": frozenset({"exact_match", "bleu", "chrf", "chrf++", "ter"}),
+    "multiple_choice": frozenset({"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match", "f1", "mcc", "brier_score"}),
+    "loglikelihood": frozenset({"perplexity", "acc"}),
+    ROLLING: frozenset({"word_perplexity", "byte_perplexity", "bits_per_byte"}),
+}
+NO_FILTER = "none"  # the filter name lm-eval gives a task without filter_list
 SET_FILE = "set.yaml"
 DATA_FILE = "data.jsonl"
 
@@ -48,9 +65,18 @@ class EvalSet(_Frozen):
     folder: Path
     task_yaml: Path
     data: Path
+    config: dict[str, Any]  # the task YAML as parsed (`!function` values kept as FunctionRef)
+    task_name: str  # lm-eval's task name: always the folder's name
     output_type: str
+    metric: MetricSpec  # the primary metric: the first of metric_list (lm-eval's default without one)
     num_items: int
     sha256: str  # of the task YAML and the data file together: the identity cached scores are keyed by
+
+    @property
+    def filter_name(self) -> str:
+        """The filter whose results are judged: the first of filter_list (lm-eval logs one per filter)."""
+        filters = self.config.get("filter_list")
+        return str(filters[0]["name"]) if filters else NO_FILTER
 
 
 class CalibrationSet(_Frozen):
@@ -96,7 +122,7 @@ def _display(path: Path) -> str:
 
 def _load_yaml(path: Path) -> Any:
     try:
-        return yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - a SafeLoader with one extra tag
+        return yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader with one extra tag
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else None
@@ -176,20 +202,133 @@ def _template_fields(value: Any, *, bare_is_field: bool) -> set[str]:
     return {value} if bare_is_field and _IDENTIFIER.match(value) else set()
 
 
-def _check_keys(config: dict, yaml_path: Path) -> None:
+def _check_config(config: dict, yaml_path: Path) -> None:
     where = _display(yaml_path)
     unknown = sorted(set(config) - task_config_keys())
     if unknown:
         raise InputError("unknown key (not an lm-eval TaskConfig field)", file=where, field=unknown[0])
-    for key in REQUIRED_KEYS:
-        if config.get(key) in (None, ""):
-            raise InputError("required key missing", file=where, field=key)
+    for key in SET_KEYS:
+        _require(config, key, where)
     if config["output_type"] not in OUTPUT_TYPES:
         raise InputError(f"output_type must be one of {', '.join(OUTPUT_TYPES)} (got {config['output_type']!r})", file=where, field="output_type")
-    if config["output_type"] == "multiple_choice" and not config.get("doc_to_choice"):
-        raise InputError("a multiple_choice task needs doc_to_choice", file=where, field="doc_to_choice")
+    _check_prompt_keys(config, where)
     if config["task"] != yaml_path.stem:
         raise InputError(f"the task name must be the folder's name {yaml_path.stem!r} (got {config['task']!r})", file=where, field="task")
+    _check_filters(config.get("filter_list"), where)
+
+
+def _require(config: dict, key: str, where: str) -> None:
+    if config.get(key) in (None, ""):
+        raise InputError("required key missing", file=where, field=key)
+
+
+def _check_prompt_keys(config: dict, where: str) -> None:
+    """A rolling set scores doc_to_target alone, yet lm-eval renders doc_to_text for every task: it may be ""."""
+    rolling = config["output_type"] == ROLLING
+    if config.get("doc_to_text") is None:
+        hint = ' (a loglikelihood_rolling set writes doc_to_text: "")' if rolling else ""
+        raise InputError(f"required key missing{hint}", file=where, field="doc_to_text")
+    if config["doc_to_text"] == "" and not rolling:
+        raise InputError(f"is empty: only a {ROLLING} set, which scores doc_to_target alone, may leave it empty", file=where, field="doc_to_text")
+    _require(config, "doc_to_target", where)
+    if config["output_type"] == "multiple_choice" and not config.get("doc_to_choice"):
+        raise InputError("a multiple_choice task needs doc_to_choice", file=where, field="doc_to_choice")
+
+
+def _check_filters(filters: Any, where: str) -> None:
+    if filters is None:
+        return
+    if not isinstance(filters, list) or not filters:
+        raise InputError("a list of {name, filter} entries (the first one is judged)", file=where, field="filter_list")
+    names: set[str] = set()
+    for index, entry in enumerate(filters):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name or name in names:
+            raise InputError("every filter needs a name of its own: lm-eval keys results by it", file=where, field=f"filter_list[{index}].name")
+        names.add(name)
+
+
+# ---------------------------------------------------------------- the primary metric
+
+FIRST_METRIC = "metric_list[0]"
+JUDGED_AGGREGATIONS = CORPUS_AGGREGATIONS | {"mean"}
+
+
+def _metric_spec(config: dict, where: str) -> MetricSpec:
+    """The first metric_list entry, with lm-eval's defaults for what it leaves out; refused if the gate cannot judge it."""
+    entries = config.get("metric_list")
+    if entries is None:
+        return make_spec(*DEFAULT_METRIC[config["output_type"]])
+    entry = _first_metric(entries, where)
+    name = _metric_name(entry["metric"])
+    _check_produced(name, entry["metric"], config, where)
+    default_aggregation, default_direction = lm_eval_metric_defaults(name)
+    aggregation = entry.get("aggregation", default_aggregation)
+    higher_is_better = entry.get("higher_is_better", default_direction)
+    _check_aggregation(name, aggregation, default_aggregation, where)
+    if not isinstance(higher_is_better, bool):
+        got = f"lm-eval has no default for {name!r}" if higher_is_better is None else f"got {higher_is_better!r}"
+        raise InputError(f"must be true or false ({got})", file=where, field=f"{FIRST_METRIC}.higher_is_better")
+    return make_spec(name, aggregation, higher_is_better)
+
+
+def _first_metric(entries: Any, where: str) -> dict:
+    if not isinstance(entries, list) or not entries:
+        raise InputError("a list of {metric: ...} entries, the first one judged", file=where, field="metric_list")
+    entry = entries[0]
+    if not isinstance(entry, dict) or not isinstance(entry.get("metric"), str) or not entry["metric"]:
+        raise InputError("needs a metric name", file=where, field=f"{FIRST_METRIC}.metric")
+    return entry
+
+
+def _metric_name(metric: str) -> str:
+    """lm-eval names a `!function` metric by the function's __name__ (lm_eval/api/task.py)."""
+    return metric.rsplit(".", 1)[-1] if isinstance(metric, FunctionRef) else metric
+
+
+def _check_produced(name: str, metric: str, config: dict, where: str) -> None:
+    output_type = config["output_type"]
+    if isinstance(config.get("process_results"), FunctionRef):
+        return  # the task's own function decides what is logged
+    if isinstance(metric, FunctionRef) and output_type == "generate_until":
+        return  # called on each (reference, prediction) pair
+    produced = PRODUCED_METRICS[output_type]
+    if name not in produced:
+        raise InputError(
+            f"lm-eval logs no per-item {name!r} for {output_type} (it logs {', '.join(sorted(produced))}; "
+            "a task's own process_results may log others)",
+            file=where, field=f"{FIRST_METRIC}.metric",
+        )
+
+
+def _check_aggregation(name: str, aggregation: Any, default: str | None, where: str) -> None:
+    field = f"{FIRST_METRIC}.aggregation"
+    if aggregation is None:
+        raise InputError(f"lm-eval has no default aggregation for {name!r}: give one", file=where, field=field)
+    if isinstance(aggregation, FunctionRef) or not isinstance(aggregation, str) or aggregation not in JUDGED_AGGREGATIONS:
+        raise InputError(
+            f"the gate cannot judge aggregation {aggregation!r}: use mean or one of {', '.join(sorted(CORPUS_AGGREGATIONS))}",
+            file=where, field=field,
+        )
+    # A registered metric is logged per item as a number (mean) or as a list (corpus): the other kind fails in lm-eval.
+    if default is not None and (aggregation == "mean") != (default == "mean"):
+        raise InputError(f"{aggregation!r} cannot aggregate {name!r}; lm-eval's own aggregation for it is {default!r}", file=where, field=field)
+
+
+def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
+    """The aggregation name and direction lm-eval registers for a metric (lm_eval/api/metrics.py); None if unregistered."""
+    import lm_eval.api.metrics  # noqa: F401 - registers lm-eval's metrics and aggregations
+    from lm_eval.api.registry import (
+        AGGREGATION_REGISTRY,
+        HIGHER_IS_BETTER_REGISTRY,
+        METRIC_AGGREGATION_REGISTRY,
+    )
+
+    aggregation_names = {function: key for key, function in AGGREGATION_REGISTRY.items()}
+    return aggregation_names.get(METRIC_AGGREGATION_REGISTRY.get(name, None)), HIGHER_IS_BETTER_REGISTRY.get(name, None)
+
+
+# ---------------------------------------------------------------- data items
 
 
 def _check_items(config: dict, data: Path) -> int:
@@ -231,8 +370,9 @@ def validate_eval_set(folder: Path) -> EvalSet:
     if not yaml_path.is_file():
         raise InputError(f"no task YAML {yaml_path.name} (or {SET_FILE} with `kind: calibration`)", file=_display(folder))
     config = load_task_config(yaml_path)
-    _check_keys(config, yaml_path)
+    _check_config(config, yaml_path)
     data = _data_file(config, folder, yaml_path)
+    metric = _metric_spec(config, _display(yaml_path))
     if not data.is_file():
         raise InputError(f"data file {_display(data)} not found", file=_display(yaml_path), field="dataset_kwargs.data_files")
     return EvalSet(
@@ -240,7 +380,10 @@ def validate_eval_set(folder: Path) -> EvalSet:
         folder=folder,
         task_yaml=yaml_path,
         data=data,
+        config=config,
+        task_name=config["task"],
         output_type=config["output_type"],
+        metric=metric,
         num_items=_check_items(config, data),
         sha256=_set_hash(yaml_path, data),
     )
@@ -289,8 +432,8 @@ def materialize_task(eval_set: EvalSet, dest_dir: Path) -> Path:
 
     Python files beside the YAML (for `!function` helpers) are copied along.
     """
-    config = load_task_config(eval_set.task_yaml)
-    config["dataset_kwargs"] = {**config["dataset_kwargs"], "data_files": {config["test_split"]: str(eval_set.data.resolve())}}
+    data_files = {eval_set.config["test_split"]: str(eval_set.data.resolve())}
+    config = {**eval_set.config, "dataset_kwargs": {**eval_set.config["dataset_kwargs"], "data_files": data_files}}
     dest_dir.mkdir(parents=True, exist_ok=True)
     for helper in eval_set.folder.glob("*.py"):
         shutil.copy2(helper, dest_dir / helper.name)

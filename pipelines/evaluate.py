@@ -2,42 +2,58 @@
 
 lm-eval runs as its own command line (`python -m lm_eval run --model local-completions ...`) from the
 project environment, so the scores are exactly what a user gets from lm-eval by hand against the same
-server; the per-sample JSONL it writes (--log_samples) is parsed so baseline and candidate items pair up
-by lm-eval's doc_hash.
+server. What is read back, per eval set (the task's name and primary metric come from its EvalSet):
+
+- the set's score: `results_<date_id>.json`, key "<metric>,<first filter>" of the task's results;
+- per item, the metric's value as lm-eval logged it: `samples_<task>_<date_id>.jsonl` of that same run
+  (the exact task name: `payment` never reads `payment_reference`'s file), the records of the first
+  filter only (lm-eval writes one record per item and filter). A mean-aggregated metric logs a number,
+  a corpus metric a list ([gold, prediction], [loglikelihood, words or bytes]) that its aggregation reads.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from pipelines.errors import EvalError
-from pipelines.evalsets import EvalSet, load_task_config, materialize_task
+from pipelines.evalsets import ROLLING, EvalSet, iter_jsonl, materialize_task
+from pipelines.metrics import POINTS, MetricSpec
 from pipelines.output import progress
 from pipelines.serving import RunningServer
 
-PRIMARY_METRIC = {"generate_until": "exact_match", "multiple_choice": "acc", "loglikelihood": "acc"}
-BINARY_METRICS = {"exact_match", "acc", "acc_norm"}
+# lm-eval names a run's files by datetime.now().isoformat() with ":" made "-"
+# (lm_eval/loggers/evaluation_tracker.py: save_results_aggregated, save_results_samples).
+DATE_ID = r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(?:\.\d+)?"
+RESULTS_FILE = re.compile(rf"results_({DATE_ID})\.json")
 
 
 class ItemScore(BaseModel):
-    item_id: str
+    """One item as lm-eval logged it: its position in the set, its doc_hash and the metric's value."""
+
     doc_id: int
-    score: float
+    doc_hash: str
+    value: float | list
+
+    @property
+    def item_id(self) -> str:
+        """Unique within a set even when two items are identical (same doc_hash)."""
+        return f"{self.doc_id}:{self.doc_hash}"
 
 
 class SetScore(BaseModel):
     eval_set: str
     eval_set_sha256: str
-    metric: str
-    binary: bool
-    score: float
+    metric: MetricSpec
+    score: float  # lm-eval's aggregate, in the metric's own scale
     n: int
     items: list[ItemScore]
     wall_s: float
@@ -48,14 +64,16 @@ class Prompt(BaseModel):
     text: str
 
 
-def task_name(eval_set: EvalSet) -> str:
-    return str(load_task_config(eval_set.task_yaml)["task"])
+@dataclass(frozen=True)
+class LmEvalRun:
+    """One lm-eval run's output: its results file, parsed, and where its per-sample files are."""
 
+    results: dict
+    folder: Path
+    date_id: str
 
-def primary_metric(eval_set: EvalSet) -> str:
-    """The first metric the task YAML lists (lm-eval's own default for its output type otherwise)."""
-    metrics = load_task_config(eval_set.task_yaml).get("metric_list") or []
-    return str(metrics[0]["metric"]) if metrics else PRIMARY_METRIC.get(eval_set.output_type, "acc")
+    def samples_file(self, task_name: str) -> Path:
+        return self.folder / f"samples_{task_name}_{self.date_id}.jsonl"
 
 
 def lm_eval_command(
@@ -93,13 +111,14 @@ def materialize_tasks(eval_sets: Iterable[EvalSet], include_dir: Path) -> Path:
 
 
 def load_prompts(eval_set: EvalSet, include_dir: Path) -> list[Prompt]:
-    """The prompts exactly as lm-eval renders them (its own task loader, so templates agree)."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    """The text lm-eval sends per item, rendered by its own task loader so templates agree."""
+    from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(include_dir), include_defaults=False)
-    task = get_task_dict([task_name(eval_set)], manager)[task_name(eval_set)]
-    docs = task.eval_docs
-    return [Prompt(doc_id=index, text=str(task.doc_to_text(doc))) for index, doc in enumerate(docs)]
+    task = manager.load(eval_set.task_name)["tasks"][eval_set.task_name]
+    # A rolling set sends doc_to_target alone (lm_eval/api/task.py, construct_requests).
+    render = task.doc_to_target if eval_set.output_type == ROLLING else task.doc_to_text
+    return [Prompt(doc_id=index, text=str(render(doc))) for index, doc in enumerate(task.eval_docs)]
 
 
 def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir: Path, max_model_len: int, reserve: int) -> None:
@@ -123,16 +142,20 @@ def score_eval_sets(
     """Run lm-eval once for all sets against `server`; return per-set scores with per-item results."""
     output_dir = work_dir / "lm_eval"
     log_path = work_dir / "lm_eval.log"
-    command = lm_eval_command(server, tokenizer_dir, [task_name(s) for s in eval_sets], include_dir, output_dir)
+    command = lm_eval_command(server, tokenizer_dir, [s.task_name for s in eval_sets], include_dir, output_dir)
     progress(f"scoring {', '.join(s.name for s in eval_sets)} with lm-eval against {server.served_name} (log: {log_path})")
     started = time.monotonic()
     _run_watching_server(command, server, log_path)
     elapsed = time.monotonic() - started
-    results = _read_results(output_dir, log_path)
-    scores = {s.name: _set_score(s, results, output_dir, elapsed / len(eval_sets)) for s in eval_sets}
+    run = read_lm_eval_run(output_dir, log_path)
+    scores = {s.name: read_set_score(s, run, elapsed / len(eval_sets)) for s in eval_sets}
     for score in scores.values():
-        progress(f"  {score.eval_set}: {score.metric} = {100 * score.score:.1f}% over {score.n} items")
+        progress(f"  {score.eval_set}: {score.metric.name} = {_shown(score)} over {score.n} items")
     return scores
+
+
+def _shown(score: SetScore) -> str:
+    return f"{100 * score.score:.1f}%" if score.metric.unit == POINTS else f"{score.score:.4g}"
 
 
 def _run_watching_server(command: list[str], server: RunningServer, log_path: Path) -> None:
@@ -156,32 +179,46 @@ def _run_watching_server(command: list[str], server: RunningServer, log_path: Pa
         raise EvalError(f"lm-eval failed (exit code {process.returncode}): {log_tail(log_path, 3)}", file=log_path)
 
 
-def _read_results(output_dir: Path, log_path: Path) -> dict:
-    found = sorted(output_dir.rglob("results_*.json"))
+def read_lm_eval_run(output_dir: Path, log_path: Path | None = None) -> LmEvalRun:
+    """The newest lm-eval run under output_dir (lm-eval adds a folder per model name)."""
+    found = [(match.group(1), path) for path in output_dir.rglob("results_*.json") if (match := RESULTS_FILE.fullmatch(path.name))]
     if not found:
-        raise EvalError("lm-eval wrote no results file", file=log_path)
-    return json.loads(found[-1].read_text())
+        raise EvalError("lm-eval wrote no results file", file=log_path or output_dir)
+    date_id, path = max(found)
+    return LmEvalRun(results=json.loads(path.read_text()), folder=path.parent, date_id=date_id)
 
 
-def _set_score(eval_set: EvalSet, results: dict, output_dir: Path, wall_s: float) -> SetScore:
-    metric = primary_metric(eval_set)
-    task_results = results["results"].get(task_name(eval_set), {})
-    key = next((k for k in task_results if k.split(",")[0] == metric), None)
-    if key is None:
-        raise EvalError(f"lm-eval reported no '{metric}' for task {task_name(eval_set)}", file=eval_set.task_yaml)
-    items = _read_items(eval_set, metric, output_dir)
+def read_set_score(eval_set: EvalSet, run: LmEvalRun, wall_s: float) -> SetScore:
+    """The set's primary metric under its first filter: lm-eval's aggregate and every item's value."""
+    key = f"{eval_set.metric.name},{eval_set.filter_name}"  # lm-eval's "metric,filter" results key
+    task_results = run.results.get("results", {}).get(eval_set.task_name, {})
+    if key not in task_results:
+        raise EvalError(f"lm-eval reported no {key!r} for task {eval_set.task_name}", file=run.folder / f"results_{run.date_id}.json")
+    items = read_items(eval_set, run.samples_file(eval_set.task_name))
     return SetScore(
-        eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=metric,
-        binary=metric in BINARY_METRICS, score=float(task_results[key]), n=len(items), items=items, wall_s=wall_s,
+        eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=eval_set.metric,
+        score=float(task_results[key]), n=len(items), items=items, wall_s=wall_s,
     )
 
 
-def _read_items(eval_set: EvalSet, metric: str, output_dir: Path) -> list[ItemScore]:
-    files = sorted(output_dir.rglob(f"samples_{task_name(eval_set)}_*.jsonl"))
-    if not files:
-        raise EvalError(f"lm-eval wrote no per-sample file for task {task_name(eval_set)}", file=output_dir)
-    items = []
-    for line in files[-1].read_text().splitlines():
-        record = json.loads(line)
-        items.append(ItemScore(item_id=record["doc_hash"], doc_id=int(record["doc_id"]), score=float(record[metric])))
+def read_items(eval_set: EvalSet, samples_file: Path) -> list[ItemScore]:
+    """The first filter's record of every item, in set order."""
+    if not samples_file.is_file():
+        raise EvalError(f"lm-eval wrote no per-sample file for task {eval_set.task_name}", file=samples_file)
+    items = [
+        _item(record, eval_set.metric.name, samples_file, number)
+        for number, record in iter_jsonl(samples_file)
+        if record.get("filter") == eval_set.filter_name
+    ]
     return sorted(items, key=lambda item: item.doc_id)
+
+
+def _item(record: dict, metric: str, samples_file: Path, number: int) -> ItemScore:
+    if metric not in record:
+        raise EvalError(f"the sample record has no value of {metric!r}", file=samples_file, field=f"line {number}")
+    try:
+        return ItemScore(doc_id=record.get("doc_id"), doc_hash=record.get("doc_hash"), value=record[metric])
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(map(str, problem["loc"]))
+        raise EvalError(f"{where}: {problem['msg']} (got {problem['input']!r})", file=samples_file, field=f"line {number}") from None

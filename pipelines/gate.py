@@ -65,13 +65,18 @@ class SetComparison(_Model):
         return self
 
 
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _check_value(metric: MetricSpec, item: PairedItem) -> None:
     values = (item.baseline, item.candidate)
     if metric.kind == "corpus":
-        if not all(isinstance(value, list) for value in values):
-            raise ValueError(f"corpus metric {metric.name!r} but item {item.item_id!r} is not a list of per-item values")
+        # lm-eval logs [gold, pred] or [loglikelihood, count] pairs, but a bare loglikelihood for `perplexity`.
+        if not all(isinstance(value, list) or _finite(value) for value in values):
+            raise ValueError(f"corpus metric {metric.name!r} but item {item.item_id!r} is neither a list nor a number")
         return
-    if not all(isinstance(value, (int, float)) and math.isfinite(value) for value in values):
+    if not all(_finite(value) for value in values):
         raise ValueError(f"metric {metric.name!r} needs a finite number per item; item {item.item_id!r} has {values}")
     if metric.kind == "binary" and set(values) - {0.0, 1.0}:
         raise ValueError(f"binary metric but item {item.item_id!r} scores {item.baseline} / {item.candidate}")

@@ -16,7 +16,7 @@ import traceback
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,13 +26,14 @@ from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk,
 from pipelines.errors import InputError
 from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
 from pipelines.evalsets import EvalSet, discover_eval_sets
-from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.gate import FitCheck, GateReport, decide
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.output import progress
+from pipelines.pairing import pair_set
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import DEFAULT_POLICY, Policy, load_policy
 from pipelines.report import render_markdown
-from pipelines.serving import ServeSettings, vllm_server
+from pipelines.serving import RunningServer, ServeSettings, vllm_server
 
 RUNS_DIR = ARTIFACTS_DIR / "runs"
 ANSWER_RESERVE_TOKENS = 32
@@ -180,9 +181,12 @@ def _gate_in(staging: Path, job: GateJob) -> GateReport:
     for eval_set in job.settings.eval_sets:
         check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
     baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
-    candidate_scores, candidate_kl = _score_candidate(staging, job, include_dir, baseline, stages)
+    candidate = _candidate_entries(staging, job, include_dir, baseline, stages)
     with timed(stages, "gate_s"):
-        comparisons = [_compare(baseline[s.name], candidate_scores[s.name], candidate_kl[s.name]) for s in job.settings.eval_sets]
+        comparisons = [
+            pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
+            for s in job.settings.eval_sets
+        ]
         fit, plan = _fit_and_plan(job)
         gate = decide(comparisons, job.settings.policy, job.recipe_name, fit)
     report = GateReport(
@@ -200,51 +204,48 @@ def _gate_in(staging: Path, job: GateJob) -> GateReport:
 def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> dict[str, baseline_cache.BaselineEntry]:
     model_hash = folder_hash(job.baseline_dir)
     keys = {s.name: baseline_cache.cache_key(model_hash, s, job.settings.serve) for s in job.settings.eval_sets}
-    entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir) for name, key in keys.items()}
+
+    def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.BaselineEntry:
+        references = baseline_references(server, [(p.doc_id, p.text) for p in prompts[eval_set.name]])
+        return baseline_cache.BaselineEntry(key=keys[eval_set.name], model_hash=model_hash, score=score, references=references)
+
+    return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages)
+
+
+def _candidate_entries(staging, job: GateJob, include_dir, baseline, stages) -> dict[str, baseline_cache.CandidateEntry]:
+    artifact_hash = folder_hash(job.artifact_dir)
+    keys = {
+        s.name: baseline_cache.candidate_key(artifact_hash, s, job.settings.serve, baseline[s.name]) for s in job.settings.eval_sets
+    }
+
+    def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.CandidateEntry:
+        references = baseline[eval_set.name].references
+        kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references))}
+        return baseline_cache.CandidateEntry(key=keys[eval_set.name], model_hash=artifact_hash, score=score, kl_by_doc=kl_by_doc)
+
+    return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir, stages)
+
+
+def _cached_or_served(
+    role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
+    make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
+    stages: dict[str, float],
+) -> dict[str, baseline_cache.Entry]:
+    """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached."""
+    entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir, entry_type) for name, key in keys.items()}
     missing = [s for s in job.settings.eval_sets if entries[s.name] is None]
     if not missing:
-        progress(f"baseline: all {len(entries)} eval set(s) cached; no baseline server needed")
+        progress(f"{role}: all {len(entries)} eval set(s) cached; no {role} server needed")
         return entries
-    progress(f"baseline: scoring {', '.join(s.name for s in missing)} on the 16-bit model")
-    with vllm_server(job.baseline_dir, log_path=staging / "baseline-server.log", settings=job.settings.serve, served_name="baseline") as server:
-        stages["baseline_serve_start_s"] = round(server.startup_s, 2)
-        with timed(stages, "baseline_scoring_s"):
-            scores = score_eval_sets(server, job.baseline_dir, missing, include_dir, staging / "baseline")
+    progress(f"{role}: scoring {', '.join(s.name for s in missing)} on {model_dir}")
+    with vllm_server(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
+        stages[f"{role}_serve_start_s"] = round(server.startup_s, 2)
+        with timed(stages, f"{role}_scoring_s"):
+            scores = score_eval_sets(server, model_dir, missing, include_dir, staging / role)
             for eval_set in missing:
-                references = baseline_references(server, [(p.doc_id, p.text) for p in prompts[eval_set.name]])
-                entry = baseline_cache.BaselineEntry(
-                    key=keys[eval_set.name], model_hash=model_hash, score=scores[eval_set.name], references=references,
-                )
-                baseline_cache.store(entry, job.settings.cache_dir)
-                entries[eval_set.name] = entry
+                entries[eval_set.name] = make_entry(server, eval_set, scores[eval_set.name])
+                baseline_cache.store(entries[eval_set.name], job.settings.cache_dir)
     return entries
-
-
-def _score_candidate(staging, job: GateJob, include_dir, baseline, stages):
-    with vllm_server(job.artifact_dir, log_path=staging / "candidate-server.log", settings=job.settings.serve, served_name="candidate") as server:
-        stages["candidate_serve_start_s"] = round(server.startup_s, 2)
-        with timed(stages, "candidate_scoring_s"):
-            scores = score_eval_sets(server, job.artifact_dir, job.settings.eval_sets, include_dir, staging / "candidate")
-            kl = {}
-            for eval_set in job.settings.eval_sets:
-                references = baseline[eval_set.name].references
-                tops = candidate_topk(server, references)
-                kl[eval_set.name] = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, tops)}
-    return scores, kl
-
-
-def _compare(baseline: baseline_cache.BaselineEntry, candidate: SetScore, kl_by_doc: dict[int, float]) -> SetComparison:
-    base_items = {item.doc_id: item for item in baseline.score.items}
-    items = []
-    for cand in candidate.items:
-        base = base_items.get(cand.doc_id)
-        if base is None or base.item_id != cand.item_id:
-            raise InputError(
-                f"item {cand.doc_id} differs between baseline and candidate runs (doc_hash mismatch)",
-                field=f"eval set {candidate.eval_set}",
-            )
-        items.append(PairedItem(item_id=cand.item_id, baseline=base.score, candidate=cand.score, kl=kl_by_doc.get(cand.doc_id)))
-    return SetComparison(eval_set=candidate.eval_set, metric=candidate.metric, binary=candidate.binary, items=items, kl_method=KL_METHOD)
 
 
 def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:

@@ -21,6 +21,7 @@ from typing import Iterator
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipelines.divergence import TOP_K
 from pipelines.errors import InputError, ServeError
 from pipelines.output import progress
 from pipelines.paths import SERVE_PYTHON
@@ -153,7 +154,7 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
         "--gpu-memory-utilization", str(settings.memory_fraction),
         "--max-num-seqs", str(settings.max_num_seqs),
         "--seed", str(settings.seed),
-        "--max-logprobs", "20",
+        "--max-logprobs", str(TOP_K),
         "--disable-log-stats",
     ]
     if settings.enforce_eager:

@@ -1,8 +1,9 @@
 import math
 
+import numpy as np
 import pytest
 
-from pipelines.divergence import Reference, coarse_kl, item_kl
+from pipelines.divergence import TOP_K, Reference, coarse_kl, item_kl
 
 
 def _log(probabilities: dict[str, float]) -> dict[str, float]:
@@ -28,9 +29,55 @@ def test_token_missing_from_candidate_top_k_uses_its_kth_probability():
     assert coarse_kl(baseline, candidate) == pytest.approx(expected)
 
 
-def test_item_kl_averages_positions_and_handles_empty_paths():
+def test_vllm_extra_entries_are_not_part_of_the_top_k():
+    # k = 2; each list carries vLLM's extra entry for the requested token "d".
+    baseline = _log({"a": 0.6, "b": 0.3, "d": 0.05})  # partition {a, b} + rest (.1): "d" is in the rest
+    candidate = _log({"c": 0.5, "b": 0.2, "d": 0.02})  # "a" unlisted: bounded by the 2nd entry, .2, not .02
+    expected = 0.6 * math.log(0.6 / 0.2) + 0.3 * math.log(0.3 / 0.2) + 0.1 * math.log(0.1 / 0.6)
+    assert coarse_kl(baseline, candidate, k=2) == pytest.approx(expected)
+
+
+def _vllm_listing(distribution: np.ndarray, k: int, requested: int) -> dict[str, float]:
+    """What vLLM returns: the k most likely tokens, plus the requested token when it is not among them."""
+    listed = [int(t) for t in np.argsort(-distribution, kind="stable")[:k]]
+    if requested not in listed:
+        listed.append(requested)
+    return {f"token_id:{t}": math.log(distribution[t]) for t in listed}
+
+
+def _random_pair(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """A baseline distribution and a candidate: independent, a log-space perturbation, or a mixture."""
+    p = rng.dirichlet(np.full(vocab, rng.choice([0.05, 0.2, 1.0, 5.0])))
+    kind = rng.integers(3)
+    if kind == 0:
+        q = rng.dirichlet(np.full(vocab, rng.choice([0.05, 0.2, 1.0, 5.0])))
+    elif kind == 1:
+        q = p * np.exp(rng.normal(0.0, rng.choice([0.05, 0.5, 2.0]), vocab))
+    else:
+        q = 0.5 * p + 0.5 * rng.dirichlet(np.ones(vocab))
+    p, q = np.maximum(p, 1e-30), np.maximum(q, 1e-30)
+    return p / p.sum(), q / q.sum()
+
+
+def test_coarse_kl_never_exceeds_the_full_kl_in_20000_random_cases():
+    rng = np.random.default_rng(0)
+    vocab, violations = 200, []
+    for case in range(20_000):
+        p, q = _random_pair(rng, vocab)
+        k = int(rng.choice([1, 2, 5, TOP_K]))
+        # The requested token: the baseline's greedy choice or any token (vLLM's k+1-th entry on either side).
+        requested = int(np.argmax(p)) if rng.random() < 0.5 else int(rng.integers(vocab))
+        coarse = coarse_kl(_vllm_listing(p, k, requested), _vllm_listing(q, k, requested), k=k)
+        full = float(np.sum(p * np.log(p / q)))
+        if coarse > full + 1e-9:
+            violations.append((case, coarse, full))
+    assert violations == []
+
+
+def test_item_kl_averages_positions_and_an_empty_path_is_not_measured():
     p, q = _log({"a": 0.5, "b": 0.3}), _log({"a": 0.3, "b": 0.5})
     reference = Reference(doc_id=0, prompt_ids=[1], generated_ids=[2, 3], baseline_topk=[p, p])
     assert item_kl(reference, [p, q]) == pytest.approx(coarse_kl(p, q) / 2)
     empty = Reference(doc_id=1, prompt_ids=[1], generated_ids=[], baseline_topk=[])
-    assert item_kl(empty, []) == 0.0
+    assert item_kl(empty, []) is None
+    assert item_kl(reference, [{}, {}]) is None

@@ -12,6 +12,7 @@ import yaml
 from pipelines import evalsets
 from pipelines.cli import main
 from pipelines.errors import InputError
+from pipelines.metrics import make_spec
 from pipelines.paths import EVAL_SETS_DIR
 
 GOOD_YAML = {
@@ -28,10 +29,12 @@ GOOD_YAML = {
 GOOD_ITEMS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
 
 
-def write_set(root: Path, name: str = "refunds", config: dict | None = None, lines: list[str] | None = None) -> Path:
+def write_set(
+    root: Path, name: str = "refunds", config: dict | None = None, lines: list[str] | None = None, drop: tuple[str, ...] = (),
+) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
-    config = {**GOOD_YAML, "task": name, **(config or {})}
+    config = {key: value for key, value in {**GOOD_YAML, "task": name, **(config or {})}.items() if key not in drop}
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     if lines is None:
         lines = [json.dumps(item) for item in GOOD_ITEMS]
@@ -41,9 +44,144 @@ def write_set(root: Path, name: str = "refunds", config: dict | None = None, lin
 
 def test_a_good_set_validates(tmp_path: Path) -> None:
     found = evalsets.validate_eval_set(write_set(tmp_path))
-    assert (found.name, found.output_type, found.num_items) == ("refunds", "generate_until", 5)
+    assert (found.name, found.task_name, found.output_type, found.num_items) == ("refunds", "refunds", "generate_until", 5)
     assert found.data == tmp_path / "refunds" / "data.jsonl"
+    assert found.config == {**GOOD_YAML, "task": "refunds"}
+    assert found.metric == make_spec("exact_match", "mean", True) and found.metric.kind == "binary"
+    assert found.filter_name == "none"
     assert len(found.sha256) == 64
+
+
+def invalid(tmp_path: Path, config: dict | None = None, lines: list[str] | None = None) -> InputError:
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_set(tmp_path, config=config, lines=lines))
+    assert caught.value.file.endswith("refunds.yaml")
+    return caught.value
+
+
+MC_CONFIG = {"output_type": "multiple_choice", "doc_to_choice": ["yes", "no"], "doc_to_target": "label"}
+MC_ITEMS = [json.dumps({"question": f"q{i}", "label": i % 2}) for i in range(4)]
+ROLLING_CONFIG = {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{question}}"}
+
+
+def test_a_lower_is_better_metric_is_read_from_the_yaml(tmp_path: Path) -> None:
+    metric = [{"metric": "ter", "aggregation": "ter", "higher_is_better": False}]
+    found = evalsets.validate_eval_set(write_set(tmp_path, config={"metric_list": metric}))
+    assert found.metric == make_spec("ter", "ter", False)
+    assert (found.metric.kind, found.metric.higher_is_better) == ("corpus", False)
+
+
+def test_what_the_metric_entry_leaves_out_comes_from_lm_eval(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path, config={"metric_list": [{"metric": "ter"}, {"metric": "exact_match"}]}))
+    assert found.metric == make_spec("ter", "ter", False)  # lm_eval/api/metrics.py registers ter so
+
+
+def test_a_set_without_metric_list_gets_lm_eval_s_default(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path, drop=("metric_list",)))
+    assert found.metric == make_spec("exact_match", "mean", True)
+
+
+@pytest.mark.parametrize(
+    ("metric", "spec"),
+    [
+        ({"metric": "f1", "aggregation": "f1", "higher_is_better": True}, make_spec("f1", "f1", True)),
+        ({"metric": "mcc"}, make_spec("mcc", "matthews_corrcoef", True)),
+        ({"metric": "acc_norm"}, make_spec("acc_norm", "mean", True)),
+    ],
+)
+def test_multiple_choice_metrics_with_their_aggregation(tmp_path: Path, metric: dict, spec) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path, config={**MC_CONFIG, "metric_list": [metric]}, lines=MC_ITEMS))
+    assert found.metric == spec
+    assert found.metric.kind == ("corpus" if spec.name in ("f1", "mcc") else "binary")
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "words"),
+    [
+        ({"metric": "exact_match", "aggregation": "median"}, "metric_list[0].aggregation", "cannot judge aggregation 'median'"),
+        ({"metric": "exact_match", "aggregation": "bleu"}, "metric_list[0].aggregation", "cannot aggregate 'exact_match'"),
+        ({"metric": "bleu", "aggregation": "mean"}, "metric_list[0].aggregation", "lm-eval's own aggregation for it is 'bleu'"),
+        ({"metric": "exact_match", "higher_is_better": "yes"}, "metric_list[0].higher_is_better", "true or false (got 'yes')"),
+        ({"metric": "acc"}, "metric_list[0].metric", "no per-item 'acc' for generate_until"),
+        ({"metric": "word_perplexity"}, "metric_list[0].metric", "no per-item 'word_perplexity'"),
+        ({"aggregation": "mean"}, "metric_list[0].metric", "needs a metric name"),
+    ],
+)
+def test_a_metric_the_gate_cannot_judge_is_refused(tmp_path: Path, entry: dict, field: str, words: str) -> None:
+    error = invalid(tmp_path, config={"metric_list": [entry]})
+    assert error.field == field
+    assert words in error.message
+    assert error.one_line().startswith(f"{error.file}: {field}: ")
+
+
+def with_process_results(folder: Path, metric_entry: str) -> Path:
+    """Swap the set's metric_list for a `!function` process_results and one metric entry (YAML text)."""
+    config = yaml.safe_load((folder / "refunds.yaml").read_text())
+    del config["metric_list"]
+    text = yaml.safe_dump(config, sort_keys=False) + "process_results: !function helpers.score\nmetric_list:\n" + metric_entry
+    (folder / "refunds.yaml").write_text(text)
+    return folder
+
+
+def test_a_custom_process_results_may_log_any_metric(tmp_path: Path) -> None:
+    folder = with_process_results(write_set(tmp_path), "- metric: refund_ok\n  aggregation: mean\n  higher_is_better: true\n")
+    found = evalsets.validate_eval_set(folder)
+    assert found.metric == make_spec("refund_ok", "mean", True) and found.metric.kind == "continuous"
+    assert isinstance(found.config["process_results"], evalsets.FunctionRef)
+
+
+def test_a_custom_metric_must_say_how_it_is_aggregated_and_which_way_is_better(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(with_process_results(write_set(tmp_path / "a"), "- metric: refund_ok\n"))
+    assert caught.value.field == "metric_list[0].aggregation" and "no default aggregation for 'refund_ok'" in caught.value.message
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(with_process_results(write_set(tmp_path / "b"), "- metric: refund_ok\n  aggregation: mean\n"))
+    assert caught.value.field == "metric_list[0].higher_is_better" and "no default for 'refund_ok'" in caught.value.message
+
+
+def test_a_rolling_set_is_accepted_with_an_empty_doc_to_text(tmp_path: Path) -> None:
+    config = {**ROLLING_CONFIG, "metric_list": [{"metric": "bits_per_byte"}]}
+    found = evalsets.validate_eval_set(write_set(tmp_path, config=config, drop=("generation_kwargs",)))
+    assert found.output_type == "loglikelihood_rolling" and found.config["doc_to_text"] == ""
+    assert found.metric == make_spec("bits_per_byte", "bits_per_byte", False)
+    assert (found.metric.kind, found.metric.higher_is_better) == ("corpus", False)
+
+
+def test_a_rolling_set_without_metric_list_is_judged_by_word_perplexity(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path, config=ROLLING_CONFIG, drop=("metric_list", "generation_kwargs")))
+    assert found.metric == make_spec("word_perplexity", "weighted_perplexity", False)
+
+
+def test_doc_to_text_empty_is_only_for_rolling_sets(tmp_path: Path) -> None:
+    error = invalid(tmp_path, config={"doc_to_text": ""})
+    assert error.field == "doc_to_text" and "only a loglikelihood_rolling set" in error.message
+
+
+def test_a_rolling_set_still_needs_the_doc_to_text_key(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_set(tmp_path, config=ROLLING_CONFIG, drop=("doc_to_text", "metric_list")))
+    assert caught.value.field == "doc_to_text" and 'doc_to_text: ""' in caught.value.message
+
+
+def test_an_unknown_output_type_is_reported_before_a_missing_doc_to_text(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_set(tmp_path, config={"output_type": "ranking"}, drop=("doc_to_text",)))
+    assert caught.value.field == "output_type" and "'ranking'" in caught.value.message
+
+
+TWO_FILTERS = [
+    {"name": "strip", "filter": [{"function": "remove_whitespace"}, {"function": "take_first"}]},
+    {"name": "raw", "filter": [{"function": "take_first"}]},
+]
+
+
+def test_the_first_filter_is_the_judged_one(tmp_path: Path) -> None:
+    assert evalsets.validate_eval_set(write_set(tmp_path, config={"filter_list": TWO_FILTERS})).filter_name == "strip"
+
+
+def test_a_filter_without_a_name_of_its_own_is_refused(tmp_path: Path) -> None:
+    error = invalid(tmp_path, config={"filter_list": [TWO_FILTERS[0], {**TWO_FILTERS[1], "name": "strip"}]})
+    assert error.field == "filter_list[1].name"
 
 
 def test_the_hash_follows_the_data(tmp_path: Path) -> None:
@@ -240,3 +378,8 @@ def test_cli_list_and_validate_succeed_on_good_sets(tmp_path: Path, capsys: pyte
     assert "refunds" in capsys.readouterr().out
     assert main(["eval-sets", "list", "--root", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["items"] == len(GOOD_ITEMS)
+
+
+def test_identical_lines_are_two_items(tmp_path: Path) -> None:
+    line = json.dumps(GOOD_ITEMS[0])
+    assert evalsets.validate_eval_set(write_set(tmp_path, lines=[line, line])).num_items == 2

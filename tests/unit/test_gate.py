@@ -279,9 +279,12 @@ def test_item_values_must_be_finite():
         PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)
 
 
-def test_corpus_items_must_be_lists():
-    with pytest.raises(ValidationError, match="not a list"):
-        SetComparison(eval_set="x", metric=make_spec("f1", "f1"), items=[PairedItem(item_id="a", baseline=1.0, candidate=1.0)])
+def test_corpus_items_are_lists_or_numbers():
+    # lm-eval logs [gold, pred] pairs for f1, a bare loglikelihood for `perplexity`; nothing else.
+    spec = make_spec("f1", "f1")
+    assert SetComparison(eval_set="x", metric=spec, items=[PairedItem(item_id="a", baseline=-1.5, candidate=[1, 0])])
+    with pytest.raises(ValidationError):
+        SetComparison(eval_set="x", metric=spec, items=[PairedItem(item_id="a", baseline="text", candidate=[1])])
 
 
 def test_no_sets_or_duplicate_sets_are_input_errors():

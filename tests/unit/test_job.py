@@ -10,20 +10,12 @@ import pytest
 from pipelines import job as job_module
 from pipelines import runner
 from pipelines.errors import InputError, ServeError
-from pipelines.evalsets import EvalSet
 from pipelines.job import JobSummary, plan_candidates, load_job, run_job
 from pipelines.runner import RunOutcome
 
+from fakes import make_eval_set
+
 RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
-
-
-def make_eval_set(root: Path, name: str) -> EvalSet:
-    folder = root / name
-    folder.mkdir(parents=True)
-    (folder / f"{name}.yaml").write_text(f"task: {name}\n")
-    (folder / "data.jsonl").write_text('{"q": "1"}\n')
-    return EvalSet(name=name, folder=folder, task_yaml=folder / f"{name}.yaml", data=folder / "data.jsonl",
-                   output_type="generate_until", num_items=1, sha256=f"sha-{name}")
 
 
 class FakeRunner:

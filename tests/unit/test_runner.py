@@ -1,4 +1,4 @@
-"""The runner's bookkeeping without vLLM or lm-eval: baseline cache, run folders, failures, registry.
+"""The runner's bookkeeping without vLLM or lm-eval: baseline and candidate cache, run folders, failures, registry.
 
 The servers, lm-eval and the KL requests are replaced by fakes that record what was started; everything
 else (task materialization, pairing, the gate, gate.json, report.md, the SQLite registry) is real.
@@ -15,35 +15,19 @@ from types import SimpleNamespace
 import pytest
 
 from pipelines import baseline as baseline_cache
-from pipelines import runner
+from pipelines import evaluate, runner
 from pipelines.divergence import Reference
 from pipelines.errors import EvalError, InputError, ServeError
 from pipelines.evaluate import ItemScore, Prompt, SetScore
 from pipelines.evalsets import EvalSet
-from pipelines.hashing import file_hashes, sha256_json
+from pipelines.hashing import file_hashes
 from pipelines.policy import DEFAULT_POLICY, load_policy
 from pipelines.registry import MANIFEST_FILES_KEY, Registry
 from pipelines.serving import ServeSettings
 
-N_ITEMS = 120
+from fakes import N_ITEMS, make_eval_set
+
 TOKEN = "token_id:7"
-
-
-def make_eval_set(root: Path, name: str = "tickets", answers: str = "abc") -> EvalSet:
-    """An eval set folder as pipelines.evalsets describes it (only the runner's needs are real)."""
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    task_yaml = folder / f"{name}.yaml"
-    task_yaml.write_text(
-        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data.jsonl\n"
-        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
-    )
-    data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps({"q": f"q{i}", "a": answers}) + "\n" for i in range(N_ITEMS)))
-    return EvalSet(
-        name=name, folder=folder, task_yaml=task_yaml, data=data, output_type="generate_until",
-        num_items=N_ITEMS, sha256=sha256_json({"yaml": task_yaml.read_text(), "data": data.read_text()}),
-    )
 
 
 LLAMA_CONFIG = {
@@ -71,6 +55,7 @@ class FakeStack:
 
     def __init__(self) -> None:
         self.starts: list[str] = []
+        self.scored: list[tuple[str, list[str]]] = []
         self.lost = 0
         self.renamed: set[int] = set()
         self.fail_candidate: BaseException | None = None
@@ -85,20 +70,21 @@ class FakeStack:
         assert all((include_dir / s.task_yaml.name).is_file() for s in eval_sets), "tasks not materialized"
         if server.served_name == "candidate" and self.fail_candidate is not None:
             raise self.fail_candidate
+        self.scored.append((server.served_name, [s.name for s in eval_sets]))
         return {s.name: self._set_score(s, server.served_name) for s in eval_sets}
 
     def _set_score(self, eval_set: EvalSet, served_name: str) -> SetScore:
         candidate = served_name == "candidate"
         items = [
             ItemScore(
-                item_id=f"{eval_set.name}-{i}" + ("-other" if candidate and i in self.renamed else ""),
-                doc_id=i, score=0.0 if candidate and i < self.lost else 1.0,
+                doc_id=i, doc_hash=f"{eval_set.name}-{i}" + ("-other" if candidate and i in self.renamed else ""),
+                value=0.0 if candidate and i < self.lost else 1.0,
             )
             for i in range(N_ITEMS)
         ]
         return SetScore(
-            eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric="exact_match", binary=True,
-            score=sum(item.score for item in items) / N_ITEMS, n=N_ITEMS, items=items, wall_s=0.1,
+            eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=eval_set.metric,
+            score=sum(item.value for item in items) / N_ITEMS, n=N_ITEMS, items=items, wall_s=0.1,
         )
 
     @staticmethod
@@ -179,42 +165,72 @@ def test_a_rejected_run_is_registered_as_rejected_with_its_gate_evidence(stack, 
     assert "max_abs_drop" in version.reason
 
 
-def test_a_warm_rerun_starts_no_baseline_server(stack, workspace):
+def test_an_identical_rerun_starts_no_server_at_all(stack, workspace, capsys):
     first = gate(workspace)
     second = gate(workspace)
-    assert stack.starts == ["baseline", "candidate", "candidate"]
-    assert "baseline_serve_start_s" in first.stages and "baseline_serve_start_s" not in second.stages
-    assert not (second.run_dir / "baseline-server.log").exists()
+    assert stack.starts == ["baseline", "candidate"]
+    assert {"baseline_serve_start_s", "candidate_serve_start_s"} <= first.stages.keys()
+    assert not {"baseline_serve_start_s", "candidate_serve_start_s", "candidate_scoring_s"} & second.stages.keys()
+    assert not (second.run_dir / "baseline-server.log").exists() and not (second.run_dir / "candidate-server.log").exists()
+    assert "candidate: all 1 eval set(s) cached; no candidate server needed" in capsys.readouterr().err
+    assert json.loads(second.gate_json.read_text())["gate"] == json.loads(first.gate_json.read_text())["gate"]
     assert first.run_dir != second.run_dir
     # Same artifact, different evidence (timestamps): two registry versions, both promoted.
     assert [v.status for v in Registry(workspace.registry).list()] == ["promoted", "promoted"]
 
 
+def test_a_new_artifact_on_a_warm_baseline_serves_only_the_candidate(stack, workspace):
+    gate(workspace)
+    workspace.artifact = make_model(workspace.root / "candidates" / "w4a16-4567", manifest=True)
+    outcome = gate(workspace)
+    assert stack.starts == ["baseline", "candidate", "candidate"]
+    assert "baseline_serve_start_s" not in outcome.stages and "candidate_serve_start_s" in outcome.stages
+
+
+def test_only_the_sets_missing_from_the_cache_are_scored(stack, workspace):
+    gate(workspace)
+    both = settings(workspace).model_copy(update={"eval_sets": [workspace.eval_set, make_eval_set(workspace.root / "eval_sets", "orders")]})
+    gate(workspace, both)
+    assert stack.scored == [("baseline", ["tickets"]), ("candidate", ["tickets"]), ("baseline", ["orders"]), ("candidate", ["orders"])]
+
+
+def _change_input(change: str, ws: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> runner.GateSettings:
+    """Change one input of the cache key; returns the settings of the next run."""
+    if change == "eval set data":
+        return settings(ws, eval_set=make_eval_set(ws.root / "eval_sets_v2", answers="xyz"))
+    if change == "eval set helper":
+        (ws.eval_set.folder / "utils.py").write_text("def process(doc):\n    return {**doc, 'q': doc['q'].strip()}\n")
+    elif change == "max_model_len":
+        return settings(ws, serve=ServeSettings(max_model_len=1024))
+    elif change == "dtype":
+        return settings(ws, serve=ServeSettings(dtype="float32"))
+    elif change == "baseline model":
+        (ws.baseline / "model.safetensors").write_bytes(b"retrained weights")
+    elif change == "lm-eval arguments":
+        command = evaluate.lm_eval_command
+        monkeypatch.setattr(baseline_cache, "lm_eval_command", lambda *args: command(*args, num_concurrent=1))
+    elif change == "datasets version":
+        monkeypatch.setattr(baseline_cache, "project_versions", lambda: {"datasets": "0.0-other"})
+    elif change == "scoring version":
+        monkeypatch.setattr(baseline_cache, "SCORING_VERSION", baseline_cache.SCORING_VERSION + 1)
+    return settings(ws)
+
+
 @pytest.mark.parametrize(
     "change",
-    ["eval set data", "max_model_len", "dtype", "baseline model"],
+    ["eval set data", "eval set helper", "max_model_len", "dtype", "baseline model", "lm-eval arguments", "datasets version", "scoring version"],
 )
-def test_a_changed_input_rescores_the_baseline(stack, workspace, change):
+def test_a_changed_input_rescores_baseline_and_candidate(stack, workspace, monkeypatch, change):
     gate(workspace)
-    base_settings = settings(workspace)
-    if change == "eval set data":
-        changed = settings(workspace, eval_set=make_eval_set(workspace.root / "eval_sets_v2", answers="xyz"))
-    elif change == "max_model_len":
-        changed = settings(workspace, serve=ServeSettings(max_model_len=1024))
-    elif change == "dtype":
-        changed = settings(workspace, serve=ServeSettings(dtype="float32"))
-    else:
-        (workspace.baseline / "model.safetensors").write_bytes(b"retrained weights")
-        changed = base_settings
-    outcome = gate(workspace, changed)
+    outcome = gate(workspace, _change_input(change, workspace, monkeypatch))
     assert stack.starts == ["baseline", "candidate", "baseline", "candidate"]
     assert "baseline_serve_start_s" in outcome.stages
 
 
-def test_timeouts_are_not_part_of_the_baseline_cache_key(stack, workspace):
+def test_timeouts_are_not_part_of_the_cache_key(stack, workspace):
     gate(workspace)
     gate(workspace, settings(workspace, serve=ServeSettings(startup_timeout_s=999, request_timeout_s=9)))
-    assert stack.starts == ["baseline", "candidate", "candidate"]
+    assert stack.starts == ["baseline", "candidate"]
 
 
 def test_a_corrupt_cache_entry_is_recomputed_not_trusted(stack, workspace):
@@ -270,10 +286,10 @@ def test_a_too_long_item_fails_before_any_server_starts(stack, workspace, monkey
 
 def test_a_doc_hash_mismatch_between_baseline_and_candidate_is_a_clear_error(stack, workspace):
     stack.renamed = {5}
-    with pytest.raises(InputError) as raised:
+    with pytest.raises(EvalError) as raised:
         gate(workspace)
     message = raised.value.one_line()
-    assert "eval set tickets" in message and "item 5" in message and "doc_hash mismatch" in message
+    assert "eval set tickets" in message and "doc 5" in message and "(doc_hash)" in message
     assert run_folders(workspace)[0].endswith("-error")
     assert Registry(workspace.registry).list() == []
 

@@ -1,0 +1,244 @@
+"""Reading lm-eval's output back: the set's score and each item's value, from files written as lm-eval 0.4.13 does.
+
+The fabricated files follow lm-eval's code: results_<date_id>.json and samples_<task>_<date_id>.jsonl in a
+folder per model (lm_eval/loggers/evaluation_tracker.py), one sample record per item and filter with
+the metric values unsuffixed and the filter named in "filter" (lm_eval/evaluator.py), results keyed
+"<metric>,<filter>" (lm_eval/evaluator_utils.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import evalsets
+from pipelines.errors import EvalError
+from pipelines.evalsets import EvalSet
+from pipelines.evaluate import (
+    LmEvalRun,
+    load_prompts,
+    materialize_tasks,
+    read_lm_eval_run,
+    read_set_score,
+)
+from pipelines.metrics import make_spec
+from pipelines.pairing import pair_set
+
+DATE_ID = "2026-12-01T01-57-25.202473"
+GENERATIVE = {
+    "output_type": "generate_until",
+    "doc_to_text": "Reference {{reference}}\nCanonical:",
+    "doc_to_target": "answer",
+    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 24},
+    "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+}
+TWO_FILTERS = [
+    {"name": "strip", "filter": [{"function": "remove_whitespace"}, {"function": "take_first"}]},
+    {"name": "raw", "filter": [{"function": "take_first"}]},
+]
+
+
+def make_set(root: Path, name: str, items: list[dict], **config) -> EvalSet:
+    """A validated set: the generative defaults above, `config` overriding them (None drops a key)."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "data.jsonl"}}, "test_split": "test"}
+    merged = {key: value for key, value in {**task, **GENERATIVE, **config}.items() if value is not None}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
+    (folder / "data.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    return evalsets.validate_eval_set(folder)
+
+
+def doc_hash(doc: dict) -> str:
+    """lm-eval's doc_hash (lm_eval/evaluator.py: hash_string of the doc dumped with indent=2)."""
+    return hashlib.sha256(json.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def sample(doc_id: int, doc: dict, values: dict, filter_name: str = "none") -> dict:
+    """One record as EvaluationTracker.save_results_samples writes it."""
+    target = str(doc.get("answer", ""))
+    return {
+        "doc_id": doc_id,
+        "doc": doc,
+        "target": target,
+        "arguments": {"gen_args_0": {"arg_0": f"Reference {doc.get('reference')}\nCanonical:", "arg_1": {"until": ["\n"]}}},
+        "resps": [[target]],
+        "filtered_resps": [target],
+        "filter": filter_name,
+        "metrics": list(values),
+        "doc_hash": doc_hash(doc),
+        "prompt_hash": hashlib.sha256(b"prompt").hexdigest(),
+        "target_hash": hashlib.sha256(target.encode()).hexdigest(),
+        **values,
+    }
+
+
+def write_run(
+    output_dir: Path, results: dict[str, dict], samples: dict[str, list[dict]], date_id: str = DATE_ID, model: str = "candidate",
+) -> Path:
+    """results_<date_id>.json and samples_<task>_<date_id>.jsonl under output_dir/<model>/, as lm-eval lays them out."""
+    folder = output_dir / model
+    folder.mkdir(parents=True, exist_ok=True)
+    body = {
+        "results": {
+            task: {"name": task, "alias": task, "sample_len": len({r.get("doc_id") for r in samples.get(task, [])}), **metrics}
+            for task, metrics in results.items()
+        },
+        "group_subtasks": {task: [] for task in results},
+        "configs": {task: {"task": task} for task in results},
+        "versions": {task: 1.0 for task in results},
+        "n-shot": {task: 0 for task in results},
+        "higher_is_better": {task: {key.split(",")[0]: True for key in metrics} for task, metrics in results.items()},
+        "date": 1764554245.0,
+        "lm_eval_version": "0.4.13",
+    }
+    (folder / f"results_{date_id}.json").write_text(json.dumps(body, indent=2))
+    for task, records in samples.items():
+        (folder / f"samples_{task}_{date_id}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
+
+
+def references(count: int, offset: int = 0) -> list[dict]:
+    return [{"reference": f"{offset + i:016d}", "answer": f"ref-{offset + i}"} for i in range(count)]
+
+
+def test_payment_and_payment_reference_each_read_their_own_samples(tmp_path: Path) -> None:
+    payment = make_set(tmp_path / "sets", "payment", references(3))
+    reference = make_set(tmp_path / "sets", "payment_reference", references(5, offset=100))
+    write_run(
+        tmp_path / "out",
+        {"payment": {"exact_match,none": 1.0}, "payment_reference": {"exact_match,none": 0.4}},
+        {
+            "payment": [sample(i, doc, {"exact_match": 1.0}) for i, doc in enumerate(references(3))],
+            "payment_reference": [sample(i, doc, {"exact_match": float(i < 2)}) for i, doc in enumerate(references(5, offset=100))],
+        },
+    )
+    run = read_lm_eval_run(tmp_path / "out")
+    first, second = read_set_score(payment, run, 1.0), read_set_score(reference, run, 1.0)
+    assert (first.n, first.score, [item.value for item in first.items]) == (3, 1.0, [1.0, 1.0, 1.0])
+    assert (second.n, second.score, [item.value for item in second.items]) == (5, 0.4, [1.0, 1.0, 0.0, 0.0, 0.0])
+    assert [item.doc_hash for item in first.items] == [doc_hash(doc) for doc in references(3)]
+
+
+def test_a_set_never_reads_a_longer_named_task_s_samples(tmp_path: Path) -> None:
+    payment = make_set(tmp_path / "sets", "payment", references(3))
+    write_run(
+        tmp_path / "out",
+        {"payment": {"exact_match,none": 1.0}},
+        {"payment_reference": [sample(i, doc, {"exact_match": 0.0}) for i, doc in enumerate(references(3))]},
+    )
+    with pytest.raises(EvalError, match="no per-sample file for task payment") as caught:
+        read_set_score(payment, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert caught.value.file.endswith(f"samples_payment_{DATE_ID}.jsonl")
+
+
+def test_a_two_filter_task_is_judged_on_its_first_filter(tmp_path: Path) -> None:
+    docs = references(4)
+    eval_set = make_set(tmp_path / "sets", "payment", docs, filter_list=TWO_FILTERS)
+    strip = [sample(i, doc, {"exact_match": 1.0}, "strip") for i, doc in enumerate(docs)]
+    raw = [sample(i, doc, {"exact_match": 0.0}, "raw") for i, doc in enumerate(docs)]
+    write_run(tmp_path / "out", {"payment": {"exact_match,strip": 1.0, "exact_match,raw": 0.0}}, {"payment": raw + strip})
+    score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert (score.score, score.n) == (1.0, 4)
+    assert [item.value for item in score.items] == [1.0] * 4
+
+
+def test_a_missing_results_key_names_metric_and_filter(tmp_path: Path) -> None:
+    eval_set = make_set(tmp_path / "sets", "payment", references(2), filter_list=TWO_FILTERS)
+    write_run(tmp_path / "out", {"payment": {"exact_match,raw": 0.0}}, {"payment": []})
+    with pytest.raises(EvalError, match="no 'exact_match,strip' for task payment"):
+        read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+
+
+def test_a_rolling_set_keeps_each_item_s_loglikelihood_and_count(tmp_path: Path) -> None:
+    docs = [{"text": "hello world foo"}, {"text": "bar baz"}]
+    eval_set = make_set(
+        tmp_path / "sets", "notes", docs, output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+        metric_list=[{"metric": "word_perplexity"}], generation_kwargs=None,
+    )
+    records = [
+        sample(0, docs[0], {"word_perplexity": [-0.058, 3], "byte_perplexity": [-0.058, 15], "bits_per_byte": [-0.058, 15]}),
+        sample(1, docs[1], {"word_perplexity": [-0.676, 2], "byte_perplexity": [-0.676, 7], "bits_per_byte": [-0.676, 7]}),
+    ]
+    write_run(tmp_path / "out", {"notes": {"word_perplexity,none": 1.158, "bits_per_byte,none": 0.048}}, {"notes": records})
+    score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert score.metric == make_spec("word_perplexity", "weighted_perplexity", False)
+    assert (score.score, [item.value for item in score.items]) == (1.158, [[-0.058, 3], [-0.676, 2]])
+
+
+def test_corpus_items_keep_lm_eval_s_gold_prediction_pairs(tmp_path: Path) -> None:
+    docs = [{"reference": str(i), "label": i % 2} for i in range(4)]
+    eval_set = make_set(
+        tmp_path / "sets", "fraud", docs, output_type="multiple_choice", doc_to_choice=["no", "yes"], doc_to_target="label",
+        metric_list=[{"metric": "f1"}, {"metric": "acc"}], generation_kwargs=None,
+    )
+    records = [sample(i, doc, {"f1": [doc["label"], 1], "acc": float(doc["label"] == 1)}) for i, doc in enumerate(docs)]
+    write_run(tmp_path / "out", {"fraud": {"f1,none": 0.667, "acc,none": 0.5}}, {"fraud": records})
+    score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert score.metric.kind == "corpus" and score.score == 0.667
+    assert [item.value for item in score.items] == [[0, 1], [1, 1], [0, 1], [1, 1]]
+
+
+def test_the_newest_run_and_its_own_samples_are_read(tmp_path: Path) -> None:
+    eval_set = make_set(tmp_path / "sets", "payment", references(2))
+    old = "2026-12-01T01-57-25"  # lm-eval's isoformat() drops the fraction when it is zero
+    write_run(tmp_path / "out", {"payment": {"exact_match,none": 0.0}}, {"payment": [sample(0, references(1)[0], {"exact_match": 0.0})]}, old)
+    newest = "2026-12-01T09-00-00.000001"
+    records = [sample(i, doc, {"exact_match": 1.0}) for i, doc in enumerate(references(2))]
+    write_run(tmp_path / "out", {"payment": {"exact_match,none": 1.0}}, {"payment": records}, newest)
+    (tmp_path / "out" / "candidate" / "results_notes.json").write_text("{}")  # not lm-eval's name: ignored
+    run = read_lm_eval_run(tmp_path / "out")
+    assert run == LmEvalRun(results=run.results, folder=tmp_path / "out" / "candidate", date_id=newest)
+    assert read_set_score(eval_set, run, 1.0).n == 2
+
+
+def test_no_results_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(EvalError, match="no results file"):
+        read_lm_eval_run(tmp_path / "out", tmp_path / "lm_eval.log")
+
+
+@pytest.mark.parametrize(
+    ("record", "words"),
+    [
+        ({"exact_match": 1.0, "filter": "none", "doc_hash": "h"}, "doc_id: Input should be a valid integer"),
+        ({"doc_id": 0, "doc_hash": "h", "filter": "none"}, "no value of 'exact_match'"),
+        ({"doc_id": 0, "doc_hash": "h", "filter": "none", "exact_match": "[0.1 0.9]"}, "got '[0.1 0.9]'"),
+    ],
+)
+def test_an_unreadable_sample_record_names_the_file_and_line(tmp_path: Path, record: dict, words: str) -> None:
+    eval_set = make_set(tmp_path / "sets", "payment", references(2))
+    good = sample(0, references(1)[0], {"exact_match": 1.0})
+    write_run(tmp_path / "out", {"payment": {"exact_match,none": 1.0}}, {"payment": [good, record]})
+    with pytest.raises(EvalError) as caught:
+        read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert caught.value.field == "line 2" and words in caught.value.message
+
+
+def test_identical_docs_pair_by_position(tmp_path: Path) -> None:
+    docs = references(3)
+    docs.append(dict(docs[1]))  # two identical JSONL lines: the same doc_hash
+    eval_set = make_set(tmp_path / "sets", "payment", docs)
+    runs = {}
+    for model, values in (("baseline", [1.0, 1.0, 0.0, 0.0]), ("candidate", [1.0, 0.0, 0.0, 1.0])):
+        records = [sample(i, doc, {"exact_match": value}) for i, (doc, value) in enumerate(zip(docs, values))]
+        write_run(tmp_path / model, {"payment": {"exact_match,none": sum(values) / 4}}, {"payment": records}, model=model)
+        runs[model] = read_set_score(eval_set, read_lm_eval_run(tmp_path / model), 1.0)
+    comparison = pair_set(eval_set, runs["baseline"], runs["candidate"], {}, None)
+    assert doc_hash(docs[1]) == doc_hash(docs[3])
+    assert [item.item_id for item in comparison.items] == [f"{i}:{doc_hash(doc)}" for i, doc in enumerate(docs)]
+    assert [(item.baseline, item.candidate) for item in comparison.items] == [(1.0, 1.0), (1.0, 0.0), (0.0, 0.0), (0.0, 1.0)]
+
+
+def test_a_rolling_set_s_prompt_is_the_text_it_scores(tmp_path: Path) -> None:
+    docs = [{"text": f"note {i}: refund approved"} for i in range(3)]
+    eval_set = make_set(
+        tmp_path / "sets", "notes", docs, output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+        metric_list=None, generation_kwargs=None,
+    )
+    prompts = load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"))
+    assert [(p.doc_id, p.text) for p in prompts] == [(i, doc["text"]) for i, doc in enumerate(docs)]
