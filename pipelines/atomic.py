@@ -1,7 +1,17 @@
-"""Write-then-rename, so that no reader ever sees a half-written file or folder."""
+"""Write-then-rename, so that no reader ever sees a half-written file or folder.
+
+Files and folders get the permissions a plain `open()` / `mkdir()` would give them (0666 / 0777 less
+the umask), not the private 0600 / 0700 of tempfile's mkstemp / mkdtemp: an artifact, a gate.json or a
+report is meant to be read by whoever the umask lets read it.
+
+A write that fails for a reason of the disk (full: ENOSPC, read-only: EROFS, permissions, quota) ends
+as a StorageError naming the errno and the path that failed, after the temporary file or folder is
+removed; a failure of that clean-up never hides the first error.
+"""
 
 from __future__ import annotations
 
+import errno as errno_module
 import json
 import os
 import shutil
@@ -10,33 +20,91 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipelines.errors import QuantGateError
+
+
+class StorageError(QuantGateError):
+    """The disk refused a write (full, read-only, permissions): exit code 2, naming errno and path."""
+
+
+def storage_error(error: OSError, path: str | Path | None = None) -> QuantGateError:
+    """`error` as one line naming its errno and the path (its own filename if it has one, else `path`)."""
+    if isinstance(error, QuantGateError):
+        return error
+    code = errno_module.errorcode.get(error.errno, "") if error.errno is not None else ""
+    label = f"[Errno {error.errno} {code}] " if error.errno is not None else ""
+    reason = error.strerror or str(error) or type(error).__name__
+    target = error.filename if error.filename is not None else path
+    extra = f" (-> {error.filename2})" if getattr(error, "filename2", None) else ""
+    return StorageError(f"{label}{reason}{extra}", file=target)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (Linux: /proc/self/status), else set-and-restore."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    return 0o666 & ~current_umask()
+
+
+def folder_mode() -> int:
+    return 0o777 & ~current_umask()
+
 
 @contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `final`, on any error it is removed."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    """Yield a temporary sibling folder; on success it replaces `final`, on any error it is removed.
+
+    The folder gets 0777 less the umask. A disk error (here or in the caller's writes into the folder)
+    ends as a StorageError naming the original errno and path.
+    """
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as error:
+        raise storage_error(error, final.parent) from error
+    try:
+        staging.chmod(folder_mode())
         yield staging
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise storage_error(error, staging) from error
         raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    """Write `text` to a temporary sibling, fsync, rename over `path`; mode 0666 less the umask."""
+    tmp: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
         with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), file_mode())
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as error:
+        if tmp is not None:
+            try:
+                Path(tmp).unlink(missing_ok=True)
+            except OSError:
+                pass  # the first error is the one to report
+        if isinstance(error, OSError):
+            raise storage_error(error, path) from error
         raise
 
 

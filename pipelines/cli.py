@@ -1,6 +1,16 @@
-"""`quantize`: argument parsing and exit codes only; the work is in the library.
+"""`quantize`: argument parsing and the exit contract; the work is in the library.
 
-Exit codes: 0 success / promoted, 1 rejected by the gate, 2 error (bad input, server failure, ...).
+The exit contract (docs/exit-codes.md), enforced here and nowhere else:
+
+    0  success / promoted
+    1  rejected by the gate: only a handler's own return value; no error ever exits 1
+    2  any error: a usage error, bad input, a server or scoring failure, an interruption, or an
+       unexpected exception (a bug), whose traceback goes to a log file instead of the terminal
+
+An error prints exactly one line on stderr, `quantize: error: FILE: FIELD: message` (or `quantize:
+internal error: ...` naming the traceback's log file); with `--json` the same error is also a JSON
+object on stdout: {"error", "exit_code", "file", "field", "kind"}.
+
 `quantize --recipe NAME` (no sub-command) runs the whole job: quantize, serve, score, gate, promote.
 """
 
@@ -8,20 +18,84 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import math
+import os
 import signal
 import sys
-from typing import Sequence
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
 from pipelines.errors import QuantGateError
+from pipelines.output import printable
 
-COMMAND_MODULES = ("run", "gate", "recipe", "eval_sets", "plan", "job", "registry")
+COMMAND_MODULES = ("run", "gate", "recipe", "eval_sets", "plan", "job", "registry", "models")
 DEFAULT_COMMAND = "run"
+
+EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
+LOGS_FOLDER = "logs"  # under the artifacts root: tracebacks of internal errors
+
+
+class UsageError(Exception):
+    """A command line argparse refuses: exit 2 with one line, like every other error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are raised, not printed with the usage block and exited on (sub-parsers inherit it)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+# --- argument types shared by the commands: bounded, finite, one-line errors ----------------------------
+
+
+def int_arg(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a decimal integer in [low, high] (no float, no overflow past the bound)."""
+
+    def parse(text: str) -> int:
+        digits = text[1:] if text[:1] in ("+", "-") else text
+        if not digits.isascii() or not digits.isdigit() or len(digits) > 30:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high} (got {text!r})")
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high} (got {value})")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_arg(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, high] with low_open); NaN and inf refused."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number (got {text!r})") from None
+        above_low = value > low if low_open else value >= low
+        if not math.isfinite(value) or not above_low or value > high:
+            bound = f"more than {low:g}" if low_open else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number, {bound} and at most {high:g} (got {text!r})")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+# --- the parser -------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="quantize",
         description="Quantize an LLM, serve it on vLLM, gate it on business test sets, promote it.",
+        epilog="Exit codes: 0 promoted / success, 1 rejected by the gate, 2 error (docs/exit-codes.md).",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -50,21 +124,107 @@ def _raise_keyboard_interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+# --- reporting an error -----------------------------------------------------------------------------------
+
+
+def _one_line(text: object) -> str:
+    """One line, control characters shown as \\xNN (a name in an error cannot drive the terminal)."""
+    return printable(" ".join(str(text).split()))
+
+
+def _report(line: str, as_json: bool, document: dict[str, Any]) -> int:
+    """The error's one line on stderr and, with --json, its JSON object on stdout; always exit 2."""
+    print(_one_line(line), file=sys.stderr)
+    if as_json:
+        try:
+            sys.stdout.write(json.dumps({**document, "exit_code": EXIT_ERROR}, default=str) + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # stdout closed: the exit code and the stderr line still tell
+    return EXIT_ERROR
+
+
+def _report_error(error: QuantGateError, as_json: bool) -> int:
+    document = {"error": _one_line(error.message), "file": error.file, "field": error.field, "kind": _kind(error)}
+    details = getattr(error, "details", None)
+    if isinstance(details, dict):
+        document.update({key: value for key, value in details.items() if key not in document})
+    return _report(f"quantize: error: {error.one_line()}", as_json, document)
+
+
+def _kind(error: QuantGateError) -> str:
+    name = type(error).__name__
+    return {"InputError": "input", "ServeError": "serve", "EvalError": "eval"}.get(name, "error")
+
+
+def _internal_error(error: BaseException, argv: list[str], as_json: bool) -> int:
+    """A bug, or an input nobody checked: exit 2 with one line; the traceback goes to a log file."""
+    where = _write_traceback(error, argv)
+    summary = f"{type(error).__name__}: {_one_line(error)}"
+    saved = f"traceback in {where}" if isinstance(where, Path) else f"traceback not saved: {where}"
+    document = {"error": summary, "file": None, "field": None, "kind": "internal", "traceback": str(where) if isinstance(where, Path) else None}
+    return _report(f"quantize: internal error: {summary} ({saved})", as_json, document)
+
+
+def log_dirs() -> list[Path]:
+    """Where tracebacks of internal errors go: the artifacts root's logs/, else the temporary folder."""
+    from pipelines import paths
+
+    return [Path(paths.ARTIFACTS_DIR) / LOGS_FOLDER, Path(tempfile.gettempdir()) / "quantgate-logs"]
+
+
+def _write_traceback(error: BaseException, argv: list[str]) -> Path | str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    text = (
+        f"quantize internal error at {stamp}\nargv: {argv!r}\npython: {sys.version.split()[0]}\ncwd: {os.getcwd()}\n\n"
+        + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    )
+    problems = []
+    for folder in log_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"internal-error-{stamp}-{os.getpid()}.log"
+            path.write_text(text, encoding="utf-8", errors="backslashreplace")
+            return path
+        except OSError as problem:
+            problems.append(f"{folder}: {problem.strerror or problem}")
+    return "; ".join(problems)
+
+
+# --- main -------------------------------------------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_with_default_command(list(sys.argv[1:] if argv is None else argv), parser))
+    arguments = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    as_json = "--json" in arguments
+    try:
+        parser = build_parser()
+        args = parser.parse_args(_with_default_command(arguments, parser))
+    except UsageError as error:
+        return _report(f"quantize: error: {error}", as_json, {"error": _one_line(error), "file": None, "field": None, "kind": "usage"})
+    except SystemExit as done:  # --help: argparse printed it
+        return done.code if isinstance(done.code, int) and done.code in (EXIT_OK, EXIT_ERROR) else EXIT_ERROR
+    except Exception as error:  # noqa: BLE001 - a command module failing to load is a bug, still exit 2
+        return _internal_error(error, arguments, as_json)
+    as_json = bool(getattr(args, "json", as_json))
     if not getattr(args, "handler", None):
-        parser.print_help()
-        return 2
+        return _report("quantize: error: no command given (see `quantize --help`)", as_json,
+                       {"error": "no command given", "file": None, "field": None, "kind": "usage"})
     _raise_keyboard_interrupt_on_sigterm()
     try:
-        return int(args.handler(args))
+        code = args.handler(args)
     except QuantGateError as error:
-        print(f"quantize: error: {error.one_line()}", file=sys.stderr)
-        return error.exit_code
+        return _report_error(error, as_json)
     except KeyboardInterrupt:
-        print("quantize: interrupted; servers stopped and partial outputs removed", file=sys.stderr)
-        return 2
+        line = "quantize: interrupted; servers stopped and partial outputs removed"
+        return _report(line, as_json, {"error": "interrupted", "file": None, "field": None, "kind": "interrupted"})
+    except BaseException as error:  # noqa: BLE001 - the contract: nothing escapes as a traceback or as exit 1
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            return EXIT_OK
+        return _internal_error(error, arguments, as_json)
+    if isinstance(code, bool) or not isinstance(code, int) or code not in (EXIT_OK, EXIT_REJECTED, EXIT_ERROR):
+        return _internal_error(TypeError(f"handler {args.handler.__name__} returned {code!r}, not 0, 1 or 2"), arguments, as_json)
+    return code
 
 
 if __name__ == "__main__":

@@ -91,12 +91,15 @@ def layout_from_config(config: dict[str, Any], source: Path | str = "config.json
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pipelines.planner import check_config_bounds
+
+    check_config_bounds(config, str(source))  # a meta model still loops over its layers: bound them first
     model_type = config.get("model_type")
     try:
         hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
-    except (ValueError, KeyError, TypeError) as error:
+    except Exception as error:  # transformers raises its own validation errors for bad field values
         raise InputError(f"cannot build this architecture: {error}", file=source, field="model_type") from None
     lm_head = model.get_output_embeddings()
     names = {module: name for name, module in model.named_modules()}

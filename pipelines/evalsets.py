@@ -14,6 +14,7 @@ The task YAML is parsed once, here: an EvalSet carries the config, the task name
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import random
@@ -26,13 +27,16 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.meta
-import yaml
+import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hashing import sha256_file, sha256_json
 from pipelines.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
 from pipelines.paths import EVAL_SETS_DIR
+from pipelines.yamlio import FunctionRef, dump_yaml, load_yaml_file
+
+__all__ = ["FunctionRef"]  # re-exported: the `!function` value type lives in pipelines.yamlio
 
 OUTPUT_TYPES = ("generate_until", "multiple_choice", "loglikelihood", "loglikelihood_rolling")
 ROLLING = "loglikelihood_rolling"
@@ -51,9 +55,45 @@ NO_FILTER = "none"  # the filter name lm-eval gives a task without filter_list
 SET_FILE = "set.yaml"
 DATA_FILE = "data.jsonl"
 
-# The same Jinja settings lm-eval renders doc_to_text / doc_to_target / doc_to_choice with.
-_JINJA = jinja2.Environment(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+# The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
+TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What one rendered template may grow to: a template is refused before `"x" * 10**10` allocates gigabytes.
+MAX_RENDERED_CHARS = 1_000_000
+MAX_EXPONENT = 1024
+
+
+def _regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
+    """lm-eval's one custom filter (lm_eval/utils.py), so that templates using it validate."""
+    return re.sub(pattern, repl, string, count=count)
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """lm-eval's Jinja settings (StrictUndefined, trailing newline kept, `regex_replace`), sandboxed.
+
+    An eval set's templates are rendered here for every item at validation, before lm-eval (which renders
+    them without a sandbox) ever sees them: attribute access to `_`-names (`__globals__`, `__class__`),
+    calls of unsafe methods and changes to lists and dicts raise SecurityError; `range` is capped by the
+    sandbox, and `*` and `**` are capped here so that a template cannot allocate or compute without bound.
+    """
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self) -> None:
+        super().__init__(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        self.filters["regex_replace"] = _regex_replace
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise jinja2.sandbox.SecurityError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        if operator == "*":
+            for sequence, times in ((left, right), (right, left)):
+                if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_RENDERED_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a sequence repeated {times} times is too long")
+        return super().call_binop(context, operator, left, right)
+
+
+_JINJA = _Sandbox()
 
 
 class _Frozen(BaseModel):
@@ -94,46 +134,27 @@ class SetFile(_Frozen):
     description: str = ""
 
 
-# ---------------------------------------------------------------- YAML with lm-eval's !function tag
-
-
-class FunctionRef(str):
-    """An lm-eval `!function module.name` value: kept as written, never run here."""
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-_Loader.add_constructor("!function", lambda loader, node: FunctionRef(loader.construct_scalar(node)))
-_Dumper.add_representer(FunctionRef, lambda dumper, value: dumper.represent_scalar("!function", str(value)))
+# ---------------------------------------------------------------- YAML (pipelines.yamlio: `!function` kept as data)
 
 
 def _display(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):
         return str(path)
 
 
 def _load_yaml(path: Path) -> Any:
-    try:
-        return yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader with one extra tag
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else None
-        raise InputError(f"malformed YAML: {getattr(error, 'problem', None) or error}", file=_display(path), field=where) from None
+    """The product's one YAML loader: bounded size and depth, no aliases, UTF-8, `!function` as FunctionRef."""
+    return load_yaml_file(path, what="eval-set YAML", name=_display(path))
 
 
 def _dump_yaml(value: Any) -> str:
-    return yaml.dump(value, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1000)
+    return dump_yaml(value)
 
 
 def render_template(template: str, doc: dict) -> str:
+    """A doc_to_* template rendered against one item, as lm-eval does, inside the sandbox."""
     return _JINJA.from_string(template).render(**doc)
 
 
@@ -148,20 +169,36 @@ def task_config_keys() -> frozenset[str]:
 # ---------------------------------------------------------------- data files
 
 
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a line that is not a JSON object is an InputError."""
+    """(line number, object) for every non-blank line; a line that is not a JSON object is an InputError.
+
+    Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused, as is
+    nesting too deep for the JSON parser."""
     if not path.is_file():
         raise InputError("data file not found", file=_display(path))
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"line {number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(f"not UTF-8 text (byte 0x{raw[error.start:error.start + 1].hex()} at column {error.start + 1})", file=_display(path), field=where) from None
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
+                value = json.loads(line, parse_constant=_no_constant)
             except json.JSONDecodeError as error:
-                raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=_display(path), field=f"line {number}") from None
+                raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=_display(path), field=where) from None
+            except ValueError as error:
+                raise InputError(f"invalid JSON: {error}", file=_display(path), field=where) from None
+            except RecursionError:
+                raise InputError("invalid JSON: nested too deep", file=_display(path), field=where) from None
             if not isinstance(value, dict):
-                raise InputError(f"expected a JSON object, got {type(value).__name__}", file=_display(path), field=f"line {number}")
+                raise InputError(f"expected a JSON object, got {type(value).__name__}", file=_display(path), field=where)
             yield number, value
 
 
@@ -183,23 +220,99 @@ def _data_file(config: dict, folder: Path, yaml_path: Path) -> Path:
     if not isinstance(data_files, dict) or not data_files:
         raise InputError("needs `data_files: {test: data.jsonl}` (a path relative to the set's folder)", file=where, field="dataset_kwargs.data_files")
     split = config["test_split"]
-    if split not in data_files:
+    if not isinstance(split, str) or split not in data_files:
         raise InputError(f"test_split {split!r} is not a key of data_files ({', '.join(map(str, data_files))})", file=where, field="test_split")
-    relative = data_files[split]
-    if not isinstance(relative, str):
-        raise InputError("one data file per set: give a single path", file=where, field=f"dataset_kwargs.data_files.{split}")
-    return folder / relative
+    others = sorted(str(key) for key in kwargs if key != "data_files")
+    if others:
+        raise InputError("only data_files may be given: the data is the set's own JSONL file", file=where, field=f"dataset_kwargs.{others[0]}")
+    for key, relative in data_files.items():
+        if not isinstance(relative, str):
+            raise InputError("one data file per set: give a single path", file=where, field=f"dataset_kwargs.data_files.{key}")
+        _inside(folder, relative, where, f"dataset_kwargs.data_files.{key}")
+    return folder / data_files[split]
 
 
-def _template_fields(value: Any, *, bare_is_field: bool) -> set[str]:
+def _inside(folder: Path, relative: str, where: str, field: str) -> Path:
+    """A data path must name a file inside the set's folder: relative, no `..`, no symlink leading out."""
+    candidate = Path(relative)
+    if not relative or "\0" in relative or candidate.is_absolute() or relative.startswith("~"):
+        raise InputError(f"must be a path relative to the set's folder (got {relative!r})", file=where, field=field)
+    if ".." in candidate.parts:
+        raise InputError(f"must stay inside the set's folder: no '..' (got {relative!r})", file=where, field=field)
+    if "://" in relative or any(char in relative for char in "*?[]{}"):
+        raise InputError(f"must be one plain file name: no URL, no glob pattern (got {relative!r})", file=where, field=field)
+    try:
+        resolved, root = (folder / candidate).resolve(), folder.resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop
+        raise InputError(f"cannot resolve {relative!r} ({error})", file=where, field=field) from None
+    if not resolved.is_relative_to(root):
+        raise InputError(f"{relative!r} leads outside the set's folder (a symlink to {resolved})", file=where, field=field)
+    return resolved
+
+
+def _template_fields(value: Any, *, bare_is_field: bool, where: str = "", key: str = "") -> set[str]:
     """Item fields a doc_to_* value reads: Jinja variables, or a bare name lm-eval looks up in the item."""
     if isinstance(value, FunctionRef) or not isinstance(value, (str, list)):
         return set()
     if isinstance(value, list):
-        return set().union(*(_template_fields(v, bare_is_field=False) for v in value)) if value else set()
-    if "{{" in value or "{%" in value:
-        return set(jinja2.meta.find_undeclared_variables(_JINJA.parse(value)))
+        return set().union(*(_template_fields(v, bare_is_field=False, where=where, key=key) for v in value)) if value else set()
+    if "{{" in value or "{%" in value or "{#" in value:
+        return set(jinja2.meta.find_undeclared_variables(_parse_template(value, where, key)))
     return {value} if bare_is_field and _IDENTIFIER.match(value) else set()
+
+
+def _parse_template(template: str, where: str, key: str):
+    try:
+        return _JINJA.parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise InputError(f"Jinja syntax error: {error.message} (line {error.lineno} of the template)", file=where, field=key) from None
+    except (RecursionError, MemoryError):
+        raise InputError("Jinja template nested too deep", file=where, field=key) from None
+
+
+def _compile_templates(config: dict, where: str) -> dict[str, jinja2.Template]:
+    """Every templated key that is a plain string, compiled in the sandbox; a syntax error names the key."""
+    compiled = {}
+    for key in TEMPLATE_KEYS:
+        value = config.get(key)
+        if isinstance(value, str) and not isinstance(value, FunctionRef):
+            _parse_template(value, where, key)
+            try:
+                compiled[key] = _JINJA.from_string(value)
+            except jinja2.TemplateError as error:
+                raise InputError(f"Jinja template refused: {error}", file=where, field=key) from None
+    return compiled
+
+
+def _render_item(compiled: dict[str, jinja2.Template], config: dict, item: dict, where: str, data: Path, number: int) -> None:
+    """Render every template against one item as lm-eval will (a bare field name is a lookup), in the sandbox."""
+    for key, template in compiled.items():
+        if config[key] in item:
+            continue  # lm-eval reads the field, it renders nothing
+        try:
+            text = template.render(**item)
+        except jinja2.sandbox.SecurityError as error:
+            problem = f"refused by the template sandbox: {error}"
+        except jinja2.UndefinedError as error:
+            problem = f"undefined in the template: {error.message}"
+        except Exception as error:  # noqa: BLE001 - whatever a template raises is the template's fault
+            problem = f"the template fails: {type(error).__name__}: {error}"
+        else:
+            if len(text) > MAX_RENDERED_CHARS:
+                problem = f"renders {len(text)} characters (more than {MAX_RENDERED_CHARS})"
+            elif key == "doc_to_choice" and not _is_choice_list(text):
+                problem = f"must render a Python list literal of choices (got {text[:80]!r})"
+            else:
+                continue
+        raise InputError(f"{problem} (rendering {_display(data)} line {number})", file=where, field=key)
+
+
+def _is_choice_list(text: str) -> bool:
+    """lm-eval reads a rendered doc_to_choice with ast.literal_eval and expects a list."""
+    try:
+        return isinstance(ast.literal_eval(text.strip()), (list, tuple))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
 
 
 def _check_config(config: dict, yaml_path: Path) -> None:
@@ -331,12 +444,14 @@ def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
 # ---------------------------------------------------------------- data items
 
 
-def _check_items(config: dict, data: Path) -> int:
+def _check_items(config: dict, data: Path, yaml_path: Path) -> int:
+    where = _display(yaml_path)
     needs: dict[str, set[str]] = {
-        "doc_to_text": _template_fields(config["doc_to_text"], bare_is_field=False),
-        "doc_to_target": _template_fields(config["doc_to_target"], bare_is_field=True),
-        "doc_to_choice": _template_fields(config.get("doc_to_choice"), bare_is_field=True),
+        "doc_to_text": _template_fields(config["doc_to_text"], bare_is_field=False, where=where, key="doc_to_text"),
+        "doc_to_target": _template_fields(config["doc_to_target"], bare_is_field=True, where=where, key="doc_to_target"),
+        "doc_to_choice": _template_fields(config.get("doc_to_choice"), bare_is_field=True, where=where, key="doc_to_choice"),
     }
+    compiled = _compile_templates(config, where)
     static_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
     target_field = config["doc_to_target"] if config["doc_to_target"] in needs["doc_to_target"] else None
     count = 0
@@ -346,6 +461,7 @@ def _check_items(config: dict, data: Path) -> int:
             missing = sorted(fields - set(item))
             if missing:
                 raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=_display(data), field=f"line {number}")
+        _render_item(compiled, config, item, where, data, number)
         label = item.get(target_field) if target_field else None
         if static_choices and isinstance(label, int) and not 0 <= label < len(static_choices):
             raise InputError(f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=_display(data), field=f"line {number}")
@@ -384,7 +500,7 @@ def validate_eval_set(folder: Path) -> EvalSet:
         task_name=config["task"],
         output_type=config["output_type"],
         metric=metric,
-        num_items=_check_items(config, data),
+        num_items=_check_items(config, data, yaml_path),
         sha256=_set_hash(yaml_path, data),
     )
 
@@ -437,7 +553,7 @@ def materialize_task(eval_set: EvalSet, dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     for helper in eval_set.folder.glob("*.py"):
         shutil.copy2(helper, dest_dir / helper.name)
-    (dest_dir / eval_set.task_yaml.name).write_text(_dump_yaml(config))
+    (dest_dir / eval_set.task_yaml.name).write_text(_dump_yaml(config), encoding="utf-8")
     return dest_dir
 
 

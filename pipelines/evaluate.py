@@ -14,7 +14,9 @@ server. What is read back, per eval set (the task's name and primary metric come
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ from pipelines.errors import EvalError
 from pipelines.evalsets import ROLLING, EvalSet, iter_jsonl, materialize_task
 from pipelines.metrics import POINTS, MetricSpec
 from pipelines.output import progress
+from pipelines.reclaim import die_with_parent
 from pipelines.serving import RunningServer
 
 # lm-eval names a run's files by datetime.now().isoformat() with ":" made "-"
@@ -103,6 +106,22 @@ def lm_eval_command(
     ]
 
 
+def lm_eval_environment(server: RunningServer) -> dict[str, str]:
+    """lm-eval's environment: the server's API key goes here, not on the command line (`ps` shows that).
+    local-completions reads OPENAI_API_KEY and sends it as `Authorization: Bearer` (lm_eval/models/
+    openai_completions.py: LocalCompletionsAPI.api_key, api_models.py: TemplateAPI.header).
+
+    DISABLE_MULTIPROC=1: lm-eval's bootstrap of a non-mean metric's stderr then runs in-process, with the
+    same seeds and the same values (lm_eval/api/metrics.py: bootstrap_stderr), instead of in a Pool of
+    forked workers that the parent-death signal would not reach; lm-eval then starts no lasting process."""
+    env = dict(os.environ)
+    env.pop("OPENAI_API_KEY", None)  # never a user's real OpenAI key towards a local server
+    env["DISABLE_MULTIPROC"] = "1"
+    if server.api_key:
+        env["OPENAI_API_KEY"] = server.api_key
+    return env
+
+
 def materialize_tasks(eval_sets: Iterable[EvalSet], include_dir: Path) -> Path:
     include_dir.mkdir(parents=True, exist_ok=True)
     for eval_set in eval_sets:
@@ -161,7 +180,11 @@ def _shown(score: SetScore) -> str:
 def _run_watching_server(command: list[str], server: RunningServer, log_path: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Dies with `quantize` however it ends (SIGKILL included); it starts no lasting process (lm_eval_environment).
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=lm_eval_environment(server),
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
         try:
             while process.poll() is None:
                 if server.process.poll() is not None:

@@ -1,34 +1,46 @@
 """The offline registry job: many (model, recipe) candidates, each through the runner, one summary.
 
 A job file lists candidates; everything in it is validated before any work starts, with every problem
-listed at once. Each candidate's inputs (model content, recipe text, eval sets, policy, target) make a
-key; a ledger under artifacts/jobs/ records the verdict per key after each candidate completes, so a rerun
-skips what was already decided and resumes from the first candidate that was not (an interrupted
-candidate left no ledger entry; its artifact and the baseline scores are reused from their caches).
+listed at once: the file's fields, each model folder (config.json, safetensors headers), and each recipe
+compiled against each model by the same checks `quantize` runs (pipelines.compiler.compile_recipe), so
+a recipe that cannot apply to its model fails the job at plan time, naming the job file, the candidate
+and the reason, before any candidate runs.
+
+Each candidate's inputs (model content, recipe text, eval sets, policy, target) make a key; a ledger
+under artifacts/jobs/ records the verdict per key after each candidate completes, so a rerun skips what
+was already decided and resumes from the first candidate that was not (an interrupted candidate left
+no ledger entry; its artifact and the baseline scores are reused from their caches). A promoted entry
+is skipped only after its artifact is verified against what the ledger recorded (manifest.json's own
+sha256, and the files' stat fingerprint, re-hashing any file whose stat changed); a failed check makes
+the candidate an error naming the file (recorded, so the next run redoes it). A ledger that cannot be
+read is an error naming it.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.atomic import write_json_atomic
 from pipelines.errors import InputError, QuantGateError
 from pipelines.hashing import folder_hash, sha256_file, sha256_json
+from pipelines.manifest import parse_json_strict, read_bounded, verify_artifact
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR
-from pipelines.policy import FitRequirement
-from pipelines.recipe import load_recipe
+from pipelines.policy import MAX_CONTEXT, FitRequirement
+from pipelines.recipe import Recipe, load_recipe
 from pipelines.runner import GateSettings, load_gate_policy, quantize_and_gate, select_eval_sets
+from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import ServeSettings
 from pipelines.yamlio import load_yaml_model
 
 JOBS_DIR = ARTIFACTS_DIR / "jobs"
+MAX_LEDGER_BYTES = 64 * 1024 * 1024
 
 
 class _Strict(BaseModel):
@@ -49,7 +61,7 @@ class CandidateSpec(CandidateOptions):
 class JobFile(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     registry: Path = ARTIFACTS_DIR / "registry.db"
-    max_model_len: int = Field(default=ServeSettings().max_model_len, gt=0)
+    max_model_len: int = Field(default=ServeSettings().max_model_len, gt=0, le=MAX_CONTEXT)
     defaults: CandidateOptions = CandidateOptions()
     candidates: list[CandidateSpec] = Field(min_length=1)
 
@@ -75,6 +87,11 @@ class CandidateResult(BaseModel):
     wall_s: float = 0.0
     skipped: bool = False
     key: str
+    # The artifact the verdict is about, and manifest.json's own sha256: what a cached skip verifies.
+    artifact_dir: str | None = None
+    manifest_sha256: str | None = None
+    # stat of the artifact's files when it was last verified (kept in the ledger, not printed).
+    fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
 
 
 class JobSummary(BaseModel):
@@ -96,10 +113,22 @@ def _resolve(base: Path, path: Path | None) -> Path | None:
 
 
 def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
-    """Resolve and validate every candidate; raise one error listing every problem found."""
+    """Resolve and validate every candidate; raise one error listing every problem found.
+
+    Beyond the file's own fields: each model folder is checked as `quantize` checks it (config.json,
+    safetensors headers), its name must be a safe path component (artifacts land under
+    candidates/<model name>/), and each recipe is compiled against the model's layout, so a recipe that
+    cannot apply to it (a group size that does not divide a layer, a scheme vLLM cannot serve, ...) is
+    refused here, before any candidate runs.
+    """
     base = job_path.parent
     problems: list[str] = []
     candidates: list[Candidate] = []
+    layouts: dict[Path, Any] = {}  # one layout per model folder, however many candidates share it
+    try:
+        safe_component(job.name, "name", file=job_path)  # the ledger is jobs/<name>.json
+    except QuantGateError as error:
+        problems.append(f"name: {error.message}")
     for index, spec in enumerate(job.candidates):
         where = f"candidates.{index}"
         found = len(problems)  # every check runs, so one pass over the file reports everything
@@ -109,14 +138,26 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
         except QuantGateError as error:
             problems.append(f"{where}: {error.one_line()}")
         model = _resolve(base, spec.model)
+        layout = None
         if not (model / "config.json").is_file():
             problems.append(f"{where}.model: not a model folder (no config.json): {model}")
+        else:
+            try:
+                layout = layouts[model] if model in layouts else layouts.setdefault(model, _model_layout(model, f"{where}.model"))
+            except QuantGateError as error:
+                problems.append(f"{where}.model: {error.one_line()}")
         recipes = {}
         for recipe in spec.recipes:
             try:
-                recipes[recipe] = load_recipe(recipe)[2]
+                recipe_obj, recipe_path, text = load_recipe(recipe)
             except QuantGateError as error:
                 problems.append(f"{where}.recipes: {error.one_line()}")
+                continue
+            recipes[recipe] = text
+            if layout is not None:
+                problem = _cannot_apply(recipe_obj, recipe_path, layout)
+                if problem:
+                    problems.append(f"{where} ({model.name} x {recipe}): recipe cannot apply to this model: {problem}")
         if len(problems) == found:
             candidates += [
                 Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, text, settings))
@@ -125,6 +166,27 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
     if problems:
         raise InputError(f"{len(problems)} problem(s): " + " | ".join(problems), file=job_path)
     return candidates
+
+
+def _model_layout(model: Path, field: str) -> Any:
+    """What `quantize` checks of a model before loading it, and its layout for the compiler."""
+    from pipelines.compiler import layout_from_model_dir  # torch + transformers: only when a job is planned
+    from pipelines.manifest import check_model_dir
+
+    safe_component(model.name, field, file=model)
+    check_model_dir(model)
+    return layout_from_model_dir(model)
+
+
+def _cannot_apply(recipe: Recipe, recipe_path: Path, layout: Any) -> str | None:
+    """compile_recipe's refusal (the one `quantize` would give after minutes of set-up), or None."""
+    from pipelines.compiler import compile_recipe
+
+    try:
+        compile_recipe(recipe, layout, recipe_path)
+    except QuantGateError as error:
+        return error.one_line()
+    return None
 
 
 def _settings(job: JobFile, spec: CandidateSpec, base: Path) -> GateSettings:
@@ -157,9 +219,30 @@ class Ledger:
     def __init__(self, path: Path):
         self.path = path
         self.entries: dict[str, CandidateResult] = {}
-        if path.is_file():
-            raw = json.loads(path.read_text())
-            self.entries = {key: CandidateResult.model_validate(value) for key, value in raw.get("decided", {}).items()}
+        if path.exists():
+            self.entries = self._read()
+
+    def _read(self) -> dict[str, CandidateResult]:
+        """The ledger's entries; anything malformed is an InputError naming the file (and what to do)."""
+        advice = "; fix or delete it (a deleted ledger re-runs every candidate, reusing cached artifacts and scores)"
+        raw = read_bounded(self.path, MAX_LEDGER_BYTES, "job ledger")
+        try:
+            data = parse_json_strict(raw, self.path)
+        except InputError as error:
+            raise InputError(f"corrupt job ledger: {error.message}{advice}", file=self.path) from None
+        decided = data.get("decided") if isinstance(data, dict) else None
+        if not isinstance(decided, dict):
+            raise InputError(f"corrupt job ledger: needs an object with a 'decided' object{advice}", file=self.path)
+        entries = {}
+        for key, value in decided.items():
+            try:
+                entries[key] = CandidateResult.model_validate(value)
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise InputError(f"corrupt job ledger: decided.{key[:12]}...{'.' + where if where else ''}: {first['msg']}{advice}",
+                                 file=self.path) from None
+        return entries
 
     def decided(self, key: str) -> CandidateResult | None:
         entry = self.entries.get(key)
@@ -170,23 +253,38 @@ class Ledger:
         write_json_atomic(
             self.path,
             {"updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "decided": {key: entry.model_dump(mode="json") for key, entry in self.entries.items()}},
+             "decided": {key: {**entry.model_dump(mode="json"), "fingerprint": entry.fingerprint}
+                         for key, entry in self.entries.items()}},
         )
 
 
-def run_job(job_path: Path, *, jobs_dir: Path = JOBS_DIR) -> JobSummary:
+def default_jobs_dir() -> Path:
+    """`$QUANTGATE_ARTIFACTS/jobs` as the environment says now (not only when this module was imported)."""
+    return Path(os.environ.get("QUANTGATE_ARTIFACTS") or ARTIFACTS_DIR) / "jobs"
+
+
+def run_job(job_path: Path, *, jobs_dir: Path | None = None) -> JobSummary:
+    jobs_dir = default_jobs_dir() if jobs_dir is None else jobs_dir
     job = load_job(job_path)
     candidates = plan_candidates(job, job_path)
-    ledger = Ledger(jobs_dir / f"{job.name}.json")
+    ledger = Ledger(ensure_inside(jobs_dir, jobs_dir / f"{safe_component(job.name, 'name', file=job_path)}.json", "name"))
     started = time.monotonic()
     results = []
     for number, candidate in enumerate(candidates, start=1):
         label = f"[{number}/{len(candidates)}] {candidate.model.name} x {candidate.recipe}"
         previous = ledger.decided(candidate.key)
         if previous is not None:
-            progress(f"{label}: already {previous.status} with the same inputs; skipped ({len(candidates) - number} left)")
-            results.append(previous.model_copy(update={"skipped": True}))
-            continue
+            refused = _verify_cached(previous)
+            if refused is None:
+                progress(f"{label}: already {previous.status} with the same inputs, artifact verified; skipped ({len(candidates) - number} left)")
+                results.append(previous.model_copy(update={"skipped": True}))
+                continue
+            if isinstance(refused, CandidateResult):  # the cached artifact failed its check: an error, not a skip
+                ledger.record(refused)
+                progress(f"{label}: error ({'; '.join(refused.reasons)})")
+                results.append(refused)
+                continue
+            progress(f"{label}: the ledger entry does not say which artifact it promoted ({refused}); running it again")
         progress(f"{label}: running ({len(candidates) - number} left after this one)")
         result = _run_candidate(candidate)
         ledger.record(result)
@@ -195,11 +293,32 @@ def run_job(job_path: Path, *, jobs_dir: Path = JOBS_DIR) -> JobSummary:
     return JobSummary(job=job.name, results=results, wall_s=round(time.monotonic() - started, 1))
 
 
+def _verify_cached(previous: CandidateResult) -> CandidateResult | str | None:
+    """None when the decided entry can be skipped; an error result naming the bad file when a promoted
+    entry's artifact is no longer what was judged; a reason (str) when a promoted entry records no
+    artifact (an older ledger: run it again). A rejection stands whatever became of its artifact (it
+    may have been deleted to save space): nothing is served on its strength."""
+    if previous.status != "promoted":
+        return None
+    if previous.artifact_dir is None or previous.manifest_sha256 is None:
+        return "no artifact recorded"
+    try:
+        verify_artifact(Path(previous.artifact_dir), manifest_sha256=previous.manifest_sha256, fingerprint=previous.fingerprint)
+    except QuantGateError as error:
+        return previous.model_copy(update={
+            "status": "error", "skipped": False, "wall_s": 0.0,
+            "reasons": [f"cached {previous.status} verdict not trusted: {error.one_line()}"],
+        })
+    return None
+
+
 def _run_candidate(candidate: Candidate) -> CandidateResult:
     started = time.monotonic()
     common = {"model": candidate.model.name, "recipe": candidate.recipe, "key": candidate.key}
     try:
         outcome = quantize_and_gate(candidate.recipe, candidate.model, candidate.settings)
+        # What the ledger will vouch for on a later skip: the artifact as the run last verified it.
+        check = verify_artifact(outcome.artifact_dir, manifest_sha256=outcome.manifest_sha256, fingerprint=outcome.artifact_fingerprint)
     except QuantGateError as error:
         return CandidateResult(**common, status="error", reasons=[error.one_line()], wall_s=round(time.monotonic() - started, 1))
     except Exception as error:  # noqa: BLE001 - a crashing candidate must not stop the job
@@ -207,4 +326,5 @@ def _run_candidate(candidate: Candidate) -> CandidateResult:
     return CandidateResult(
         **common, status=outcome.verdict, reasons=outcome.reasons, run_dir=str(outcome.run_dir),
         registry_version=outcome.registry_version, wall_s=round(time.monotonic() - started, 1),
+        artifact_dir=str(outcome.artifact_dir), manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint,
     )

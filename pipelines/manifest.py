@@ -1,11 +1,22 @@
 """Model folders and artifact manifests.
 
 Checks a source model folder before anything loads it (config.json, safetensors headers and lengths),
-counts weight bytes from safetensors headers, and reads / writes an artifact's manifest.json.
+counts weight bytes from safetensors headers, reads / writes an artifact's manifest.json, and verifies
+an artifact against it (`verify_artifact`, used by every consumer: gate, registry, job).
+
+Integrity, and what it costs. manifest.json lists every other file of the artifact with its sha256;
+manifest.json itself is identified by its own sha256 (recorded in gate.json inputs, in the registry and
+in the job ledger). `verify_artifact` always reads and hashes manifest.json (kilobytes), lists the folder
+(a missing or added file is always caught) and stats every file. A file's content is re-hashed unless
+the caller passes a fingerprint taken at a previous full verification and the file's (size, mtime_ns,
+ctime_ns, inode) still equal it: the cheap path. Any write to a file changes its ctime, which user space
+cannot set back, so a tampered file always falls through to the full sha256. Without a fingerprint
+(the gate before serving, a first registration) every file is hashed in full.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -14,10 +25,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError
-from pipelines.hashing import file_hashes
+from pipelines.hashing import file_hashes, sha256_file, sha256_json
+from pipelines.safepath import inside, safe_relative
 
 MANIFEST_NAME = "manifest.json"
+MANIFEST_FILES_KEY = "artifact_files"
+# A manifest lists file hashes and the recipe: kilobytes. Anything this large is not one.
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
+_HEX = frozenset("0123456789abcdef")
 
 
 # ------------------------------------------------------------------------------ model folders
@@ -147,11 +163,11 @@ def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:
 
 
 def read_manifest(artifact_dir: Path) -> Manifest | None:
-    """The manifest of an artifact folder, or None when it is missing, unreadable or invalid."""
-    path = artifact_dir / MANIFEST_NAME
+    """The full manifest `quantize` writes, or None when it is missing, unreadable, too large or invalid."""
     try:
-        return Manifest.model_validate_json(path.read_text())
-    except (OSError, ValidationError):
+        document = load_manifest(artifact_dir)
+        return Manifest.model_validate(document.data)
+    except (InputError, ValidationError):
         return None
 
 
@@ -163,3 +179,163 @@ def verified_manifest(artifact_dir: Path, input_key: str) -> Manifest | None:
     if artifact_file_hashes(artifact_dir) != manifest.artifact_files:
         return None
     return manifest
+
+
+
+# ------------------------------------------------------------------------------ integrity
+
+
+class ManifestDocument(BaseModel):
+    """A manifest.json as read and checked for shape: its JSON, its own sha256 and its file map."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path
+    data: dict[str, Any]
+    sha256: str
+    files: dict[str, str]
+
+
+class ArtifactCheck(BaseModel):
+    """What a successful `verify_artifact` saw: enough to verify the same artifact cheaply next time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifact_dir: Path
+    manifest_sha256: str
+    # sha256_json of the manifest's {relative path: sha256} map: the registry's artifact hash.
+    artifact_hash: str
+    # relative path -> [size, mtime_ns, ctime_ns, inode] of every file, manifest.json included.
+    fingerprint: dict[str, list[int]]
+    # the manifest's {relative path: sha256} map, every file of the folder but manifest.json.
+    files: dict[str, str]
+    # files whose content was hashed by this check (the others matched the fingerprint given).
+    hashed: list[str] = []
+
+    @property
+    def folder_hash(self) -> str:
+        """pipelines.hashing.folder_hash of the folder, without reading it again: every file is accounted for."""
+        return sha256_json({**self.files, MANIFEST_NAME: self.manifest_sha256})
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_strict(raw: bytes, path: Path) -> Any:
+    """JSON from bytes; NaN/Infinity, bad UTF-8, bad syntax and absurd nesting are an InputError naming `path`."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except json.JSONDecodeError as error:
+        raise InputError(f"not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})", file=path) from None
+    except UnicodeDecodeError as error:
+        raise InputError(f"not UTF-8 text (byte {error.start})", file=path) from None
+    except ValueError as error:
+        raise InputError(f"not valid JSON: {error}", file=path) from None
+    except RecursionError:
+        raise InputError("not valid JSON: nested too deeply", file=path) from None
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of `path`, refusing a file larger than `limit` (checked before and while reading)."""
+    try:
+        if not path.is_file():
+            raise InputError(f"{what} is not a file", file=path)
+        size = path.stat().st_size
+        if size > limit:
+            raise InputError(f"{what} is {size:,} bytes; more than the {limit:,} allowed", file=path)
+        with path.open("rb") as handle:
+            raw = handle.read(limit + 1)
+    except OSError as error:
+        raise InputError(f"cannot read {what}: {error.strerror or error}", file=path) from None
+    if len(raw) > limit:
+        raise InputError(f"{what} grew past the {limit:,} bytes allowed while being read", file=path)
+    return raw
+
+
+def read_manifest_json(path: Path) -> tuple[dict[str, Any], str]:
+    """A manifest.json's JSON object and the sha256 of its bytes; bounded in size, strict JSON (no NaN),
+    a `recipe` that is a string if present. InputError naming the file otherwise."""
+    raw = read_bounded(path, MAX_MANIFEST_BYTES, MANIFEST_NAME)
+    data = parse_json_strict(raw, path)
+    if not isinstance(data, dict):
+        raise InputError(f"must be a JSON object (got {type(data).__name__})", file=path)
+    if "recipe" in data and not isinstance(data["recipe"], str):
+        raise InputError(f"must be a string (got {type(data['recipe']).__name__})", file=path, field="recipe")
+    return data, hashlib.sha256(raw).hexdigest()
+
+
+def load_manifest(artifact_dir: Path) -> ManifestDocument:
+    """manifest.json of `artifact_dir`, checked for shape; any problem is an InputError naming the file.
+
+    Needs a JSON object whose `artifact_files` maps relative paths (no '..', not absolute) to sha256 hex
+    digests, and whose `recipe`, if present, is a string. The full schema `quantize` writes (`Manifest`)
+    is not required: artifacts quantized elsewhere carry only what verification needs.
+    """
+    artifact_dir = Path(artifact_dir)
+    path = artifact_dir / MANIFEST_NAME
+    if not artifact_dir.is_dir():
+        raise InputError("artifact folder does not exist", file=artifact_dir)
+    if not path.exists():
+        raise InputError("artifact has no manifest; it is incomplete or was not written by `quantize`", file=path)
+    data, manifest_sha256 = read_manifest_json(path)
+    files = data.get(MANIFEST_FILES_KEY)
+    if not isinstance(files, dict) or not files:
+        raise InputError("missing or empty map of relative path to sha256", file=path, field=MANIFEST_FILES_KEY)
+    for relative, digest in files.items():
+        safe_relative(relative, f"{MANIFEST_FILES_KEY} key", file=path)
+        if relative == MANIFEST_NAME:
+            raise InputError("the manifest cannot list itself", file=path, field=MANIFEST_FILES_KEY)
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
+            raise InputError(f"{relative}: not a sha256 hex digest ({str(digest)[:80]!r})", file=path, field=MANIFEST_FILES_KEY)
+    return ManifestDocument(path=path, data=data, sha256=manifest_sha256, files=files)
+
+
+def stat_fingerprint(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def verify_artifact(
+    artifact_dir: Path, *, manifest_sha256: str | None = None, fingerprint: dict[str, list[int]] | None = None
+) -> ArtifactCheck:
+    """Check `artifact_dir` against its manifest; InputError naming the first bad file.
+
+    - `manifest_sha256`: the manifest's own hash as recorded earlier; a different manifest.json is refused.
+    - `fingerprint`: from an earlier ArtifactCheck; a file whose (size, mtime, ctime, inode) is unchanged
+      is not re-hashed. Without it every file is hashed (sha256 of all the bytes).
+    A file listed but missing, changed, or present but not listed (manifest.json aside) is refused.
+    """
+    artifact_dir = Path(artifact_dir)
+    document = load_manifest(artifact_dir)
+    if manifest_sha256 is not None and document.sha256 != manifest_sha256:
+        raise InputError(
+            f"manifest.json changed since it was recorded (sha256 {document.sha256[:12]}..., recorded {manifest_sha256[:12]}...)",
+            file=document.path,
+        )
+    seen: dict[str, list[int]] = {MANIFEST_NAME: stat_fingerprint(document.path)}
+    hashed: list[str] = []
+    for relative, digest in sorted(document.files.items()):
+        path = artifact_dir / relative
+        if not path.is_file():
+            raise InputError("file listed in the manifest is missing", file=path)
+        if not inside(artifact_dir, path):
+            raise InputError("file listed in the manifest resolves outside the artifact folder (symbolic link)", file=path)
+        stat = stat_fingerprint(path)
+        if fingerprint is None or fingerprint.get(relative) != stat:
+            hashed.append(relative)
+            if sha256_file(path) != digest:
+                raise InputError("file does not match its sha256 in the manifest (tampered or corrupt)", file=path)
+        seen[relative] = stat
+    present = {
+        p.relative_to(artifact_dir).as_posix()
+        for p in artifact_dir.rglob("*")
+        if p.is_file() and p.relative_to(artifact_dir).as_posix() != MANIFEST_NAME
+    }
+    extra = sorted(present - set(document.files))
+    if extra:
+        raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
+    return ArtifactCheck(
+        artifact_dir=artifact_dir, manifest_sha256=document.sha256, artifact_hash=sha256_json(document.files),
+        fingerprint=seen, files=dict(document.files), hashed=hashed,
+    )

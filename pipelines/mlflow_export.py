@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
+from pipelines.manifest import verify_artifact
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.registry import Version, gate_result, gate_verdict
 
@@ -75,6 +76,7 @@ def version_tags(version: Version) -> dict[str, str]:
         "quantgate.status": version.status,
         "quantgate.source_hash": version.source_hash,
         "quantgate.artifact_hash": version.artifact_hash,
+        "quantgate.manifest_hash": version.manifest_hash or "",
         "quantgate.recipe": version.recipe_name,
         "quantgate.recipe_hash": version.recipe_hash,
         "quantgate.gate_hash": version.gate_hash or "",
@@ -100,6 +102,11 @@ def export_to_mlflow(version: Version, tracking_uri: str = DEFAULT_TRACKING_URI,
             f"version {version.version} of {version.model!r} is {version.status}; only promoted versions are exported",
             field="version",
         )
+    # The files about to be logged are the ones the registry vouches for (cheap when their stat is unchanged).
+    check = verify_artifact(Path(version.artifact_path), manifest_sha256=version.manifest_hash, fingerprint=version.fingerprint)
+    if check.artifact_hash != version.artifact_hash:
+        raise InputError(f"manifest changed since version {version.version} of {version.model!r} was registered",
+                         file=Path(version.artifact_path) / "manifest.json")
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     try:

@@ -21,11 +21,40 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 from pipelines.errors import InputError, from_validation_error
 from pipelines.gate import FitCheck
 from pipelines.recipe import GroupScheme, KeptGroup, Override, Recipe
+from pipelines.yamlio import read_user_text
 
 GiB = 1024**3
 GPU_TABLE = Path(__file__).resolve().parent / "data" / "gpus.yaml"
 SIXTEEN_BIT = "16-bit"
 MAX_CONCURRENCY_SEARCHED = 1_000_000
+# Input bounds: far beyond any real model or GPU, small enough that a plan stays a fraction of a second
+# (the weight count loops over layers) and no product of them overflows a float or a C integer.
+MAX_CONTEXT = 2**24  # tokens: 16.8 M (the largest published context is about 10 M)
+MAX_CONCURRENCY = MAX_CONCURRENCY_SEARCHED
+MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB on one device
+MAX_GPU_BANDWIDTH_GBS = 10**6  # 1 PB/s
+MAX_BATCHED_TOKENS = 2**24
+MAX_OVERHEAD_GIB = 2**20
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a config.json is a few kilobytes
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+CONFIG_BOUNDS = {  # the largest value config.json may give each size
+    "hidden_size": 2**20,
+    "num_hidden_layers": 10_000,
+    "num_attention_heads": 2**16,
+    "num_key_value_heads": 2**16,
+    "head_dim": 2**16,
+    "intermediate_size": 2**22,
+    "moe_intermediate_size": 2**22,
+    "shared_expert_intermediate_size": 2**22,
+    "vocab_size": 2**24,
+    "num_local_experts": 2**16,
+    "num_experts": 2**16,
+    "num_experts_per_tok": 2**16,
+    "max_position_embeddings": MAX_CONTEXT,
+    "sliding_window": MAX_CONTEXT,
+    "sliding_window_pattern": 10_000,
+    "max_window_layers": 10_000,
+}
 # Bytes per element of the KV cache for vLLM's --kv-cache-dtype values; "auto" follows the model dtype.
 KV_CACHE_DTYPES: dict[str, int | None] = {
     "auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
@@ -44,14 +73,14 @@ class PlanSettings(_Model):
     """The estimate's knobs; the defaults and their reasons are in docs/planner.md."""
 
     overhead_fraction: float = Field(
-        default=0.05, ge=0, lt=1, description="allocator slack, as a fraction of weights + KV + activations",
+        default=0.05, ge=0, lt=1, allow_inf_nan=False, description="allocator slack, as a fraction of weights + KV + activations",
     )
-    fixed_overhead_bytes: int = Field(default=1 * GiB, ge=0, description="CUDA context, cuBLAS/NCCL workspaces, CUDA graphs")
-    max_num_batched_tokens: int = Field(default=8192, gt=0, description="tokens in vLLM's profiling forward pass")
+    fixed_overhead_bytes: int = Field(default=1 * GiB, ge=0, le=MAX_OVERHEAD_GIB * GiB, description="CUDA context, cuBLAS/NCCL workspaces, CUDA graphs")
+    max_num_batched_tokens: int = Field(default=8192, gt=0, le=MAX_BATCHED_TOKENS, description="tokens in vLLM's profiling forward pass")
     activation_dtype_bytes: int = Field(default=2, gt=0)
     logits_buffers: int = Field(default=2, gt=0, description="float32 [max_num_seqs, vocab] buffers in the sampler")
-    min_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1, description="never recommend less than vLLM's default")
-    max_gpu_memory_utilization: float = Field(default=0.95, gt=0, le=1, description="the share of device memory a plan may use")
+    min_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1, allow_inf_nan=False, description="never recommend less than vLLM's default")
+    max_gpu_memory_utilization: float = Field(default=0.95, gt=0, le=1, allow_inf_nan=False, description="the share of device memory a plan may use")
 
     def available_bytes(self, gpu: "GpuSpec") -> int:
         return int(gpu.memory_bytes * self.max_gpu_memory_utilization)
@@ -101,9 +130,11 @@ def gpu_spec(name: str | None = None, memory_gib: float | None = None, bandwidth
     """A GPU by table name, or by size (and bandwidth); a bandwidth given with a name overrides the table's."""
     if (name is None) == (memory_gib is None):
         raise InputError("give a GPU name or a memory size (not both)", field="gpu")
-    for field, value in (("gpu_memory_gib", memory_gib), ("gpu_bandwidth_gbs", bandwidth_gbs)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise InputError(f"must be a positive number (got {value})", field=field)
+    for field, value, most in (("gpu_memory_gib", memory_gib, MAX_GPU_MEMORY_GIB), ("gpu_bandwidth_gbs", bandwidth_gbs, MAX_GPU_BANDWIDTH_GBS)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= most)):
+            raise InputError(f"must be a positive number of at most {most:g} (got {value})", field=field)
+    if name is not None and not isinstance(name, str):
+        raise InputError(f"a GPU name is text (got {name!r})", field="gpu")
     bandwidth = int(bandwidth_gbs * 1e9) if bandwidth_gbs is not None else None
     if name is None:
         return GpuSpec(name=f"{memory_gib:g} GiB", memory_bytes=int(memory_gib * GiB), bandwidth_bytes_per_s=bandwidth)
@@ -156,17 +187,64 @@ def load_config(config: dict | Path) -> tuple[dict, str]:
     if isinstance(config, dict):
         return config, "config.json"
     path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise InputError("no such file", file=path, field="config")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        if path.is_dir():
+            path = path / "config.json"
+    except (OSError, ValueError):
+        pass  # read_user_text names the problem
+    text = read_user_text(path, what="config", field="config", max_bytes=MAX_CONFIG_BYTES)
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:
         raise InputError(f"not valid JSON ({error})", file=path, field="config") from None
+    except ValueError as error:
+        raise InputError(f"not valid JSON ({error})", file=path, field="config") from None
+    except RecursionError:
+        raise InputError("not valid JSON (nested too deep)", file=path, field="config") from None
     if not isinstance(data, dict):
         raise InputError("config.json must hold a JSON object", file=path, field="(top level)")
     return data, str(path)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _bounded(key: str, value: Any, source: str, *, low: int = 1) -> int:
+    """A config size: an integer from `low` to its CONFIG_BOUNDS entry, else an InputError naming the key."""
+    most = CONFIG_BOUNDS.get(key, 2**31 - 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= most:
+        raise InputError(f"needs an integer from {low} to {most} (got {value!r})", file=source, field=key)
+    return value
+
+
+def check_config_bounds(config: dict, source: str = "config.json") -> None:
+    """What any reader of a config.json checks before building from it (even a meta-device model, whose
+    construction loops over the layers): every size named in CONFIG_BOUNDS that is given, here or in
+    `text_config`, is an integer of at most its bound, and no number anywhere is NaN or infinite.
+
+    Lenient on purpose (a size may be absent, null or 0): model_shape checks what the planner needs."""
+    _check_finite_json(config, source, "")
+    nested = config.get("text_config")
+    for cfg in (config, nested if isinstance(nested, dict) else {}):
+        for key in CONFIG_BOUNDS:
+            value = cfg.get(key)
+            if value is None or isinstance(value, bool):
+                continue
+            _bounded(key, value, source, low=0)
+
+
+def _check_finite_json(value: Any, source: str, where: str, depth: int = 0) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"must be a finite number (got {value})", file=source, field=where or "(top level)")
+    if depth > 64:
+        raise InputError("nested deeper than 64 levels", file=source, field=where)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite_json(item, source, f"{where}.{key}" if where else str(key), depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_finite_json(item, source, f"{where}[{index}]", depth + 1)
 
 
 def model_shape(config: dict, source: str = "config.json") -> ModelShape:
@@ -180,7 +258,7 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             got = "missing" if key not in cfg else f"got {value!r}"
             raise InputError(f"needs a positive integer ({got})", file=source, field=key)
-        return value
+        return _bounded(key, value, source)
 
     hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
     kv_heads = need("num_key_value_heads", heads)
@@ -192,6 +270,14 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         raise InputError(message, file=source, field="head_dim")
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     quantization = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
+    max_position = cfg.get("max_position_embeddings")
+    if isinstance(max_position, int) and not isinstance(max_position, bool):
+        _bounded("max_position_embeddings", max_position, source)
+    else:
+        max_position = None
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if experts and shared:
+        _bounded("shared_expert_intermediate_size", shared, source)
     return ModelShape(
         name=str(cfg.get("_name_or_path") or Path(source).parent.name or "model"),
         hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
@@ -199,7 +285,7 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         intermediate=need("intermediate_size"),
         vocab=need("vocab_size"),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position=cfg.get("max_position_embeddings") if isinstance(cfg.get("max_position_embeddings"), int) else None,
+        max_position=max_position,
         windows=_layer_windows(cfg, layers, source),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_moe"),
@@ -207,8 +293,8 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         experts=need("num_local_experts" if "num_local_experts" in cfg else "num_experts") if experts else 0,
         experts_per_token=need("num_experts_per_tok") if experts else 0,
         expert_intermediate=need("moe_intermediate_size", cfg.get("intermediate_size")) if experts else 0,
-        shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
-        **_config_kv_cache(quantization),
+        shared_expert_intermediate=shared if experts else 0,
+        **_config_kv_cache(quantization, source),
         quantized=quantization is not None,
     )
 
@@ -224,25 +310,30 @@ def _layer_windows(cfg: dict, layers: int, source: str) -> list[int | None]:
     elif not window or ("use_sliding_window" in cfg and not cfg["use_sliding_window"]):
         return [None] * layers
     elif "use_sliding_window" in cfg:  # Qwen2 family: the layers from max_window_layers on slide
-        start = cfg.get("max_window_layers") or 0
+        start = _bounded("max_window_layers", cfg.get("max_window_layers") or 0, source, low=0)
         sliding = [index >= start for index in range(layers)]
     elif cfg.get("sliding_window_pattern"):  # Gemma 3: every pattern-th layer is global
-        sliding = [(index + 1) % cfg["sliding_window_pattern"] != 0 for index in range(layers)]
+        pattern = _bounded("sliding_window_pattern", cfg["sliding_window_pattern"], source)
+        sliding = [(index + 1) % pattern != 0 for index in range(layers)]
     elif cfg.get("model_type") == "gemma2":  # alternating, sliding first
         sliding = [index % 2 == 0 for index in range(layers)]
     else:  # Mistral: every layer
         sliding = [True] * layers
     if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise InputError(f"sliding layers need a positive integer window (got {window!r})", file=source, field="sliding_window")
+    if any(sliding):
+        _bounded("sliding_window", window, source)
     return [window if slides else None for slides in sliding]
 
 
-def _config_kv_cache(quantization: dict | None) -> dict[str, Any]:
+def _config_kv_cache(quantization: dict | None, source: str = "config.json") -> dict[str, Any]:
     """A quantized KV cache from compressed-tensors' kv_cache_scheme (e.g. {num_bits: 8, type: float})."""
     scheme = (quantization or {}).get("kv_cache_scheme")
     if not isinstance(scheme, dict):
         return {}
     bits = scheme.get("num_bits", 8)
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 64:
+        raise InputError(f"needs an integer from 1 to 64 (got {bits!r})", file=source, field="quantization_config.kv_cache_scheme.num_bits")
     kind = "fp" if scheme.get("type", "float") == "float" else "int"
     return {"kv_cache_dtype": f"{kind}{bits}", "kv_cache_element_bytes": max(1, math.ceil(bits / 8))}
 
@@ -378,10 +469,12 @@ def _header_bytes(path: Path) -> int:
     try:
         with path.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
+            if length > MAX_SAFETENSORS_HEADER:
+                raise ValueError(f"header of {length} bytes")
             header = json.loads(handle.read(length))
         offsets = [entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"]
         return sum(end - start for start, end in offsets)
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, MemoryError, OverflowError):
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, MemoryError, OverflowError, RecursionError, OSError):
         raise InputError("not a readable safetensors header", file=path, field="header") from None
 
 
@@ -654,9 +747,11 @@ def plan(
 
 
 def _check_sizes(shape: ModelShape, max_model_len: int, concurrency: int, source: str) -> None:
-    for field, value in (("max_model_len", max_model_len), ("concurrency", concurrency)):
+    for field, value, most in (("max_model_len", max_model_len, MAX_CONTEXT), ("concurrency", concurrency, MAX_CONCURRENCY)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"must be a positive integer (got {value!r})", field=field)
+        if value > most:
+            raise InputError(f"must be at most {most} (got {value})", field=field)
     if shape.max_position is not None and max_model_len > shape.max_position:
         raise InputError(
             f"{max_model_len} is longer than the model's max_position_embeddings ({shape.max_position}) in {source}",

@@ -12,18 +12,28 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from pipelines.yamlio import load_yaml_model
 from pipelines.paths import REPO_ROOT
+from pipelines.yamlio import load_yaml_model
 
 POLICIES_DIR = REPO_ROOT / "policies"
 DEFAULT_POLICY = POLICIES_DIR / "default.yaml"
 
-Points = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Bounds: finite everywhere; sizes far beyond any real deployment refused at load, before any work.
+# (The planner's own limits, pipelines/planner.py, are the same numbers: it cannot be imported here.)
+MAX_POINTS = 1e6  # drops and margins: points of a [0, 1] metric, or a BLEU / perplexity unit
+MAX_NATS = 1e6
+MAX_ITEMS = 10**9
+MAX_CONTEXT = 2**24  # = planner.MAX_CONTEXT
+MAX_CONCURRENCY = 1_000_000  # = planner.MAX_CONCURRENCY
+MAX_GPU_MEMORY_GIB = 2**20  # = planner.MAX_GPU_MEMORY_GIB
+
+Points = Annotated[float, Field(ge=0, le=MAX_POINTS, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-Nats = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Margin = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=1)]
+Nats = Annotated[float, Field(ge=0, le=MAX_NATS, allow_inf_nan=False)]
+Margin = Annotated[float, Field(gt=0, le=MAX_POINTS, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1, le=MAX_ITEMS)]
 
 
 class _Strict(BaseModel):
@@ -68,10 +78,31 @@ class RuleOverrides(_Strict):
 class FitRequirement(_Strict):
     """The deployment the artifact must fit: a named GPU or a memory budget, a context length, a concurrency."""
 
-    gpu: str | None = Field(default=None, description="a GPU name the planner knows, e.g. H100-80GB")
-    memory_gib: float | None = Field(default=None, gt=0, description="device memory budget in GiB")
-    max_model_len: int = Field(gt=0, description="tokens of context per sequence")
-    concurrency: int = Field(default=1, gt=0, description="sequences served at once")
+    gpu: str | None = Field(default=None, max_length=100, description="a GPU name the planner knows, e.g. H100-80GB")
+    memory_gib: float | None = Field(
+        default=None, gt=0, le=MAX_GPU_MEMORY_GIB, allow_inf_nan=False, description="device memory budget in GiB",
+    )
+    max_model_len: int = Field(gt=0, le=MAX_CONTEXT, description="tokens of context per sequence")
+    concurrency: int = Field(default=1, gt=0, le=MAX_CONCURRENCY, description="sequences served at once")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | None) -> str | None:
+        """Refused at load, before any quantizing or serving: the gate's fit check needs the GPU's size."""
+        if value is None:
+            return value
+        # Imported here, not at the top: planner -> gate -> policy.
+        from pipelines.errors import InputError
+        from pipelines.planner import gpu_spec, known_gpus
+
+        try:
+            gpu_spec(value)
+        except InputError:
+            known = ", ".join(known_gpus())
+            raise PydanticCustomError(
+                "unknown_gpu", "unknown GPU (known: {known}; or give memory_gib instead of gpu)", {"known": known},
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _one_target(self) -> "FitRequirement":
@@ -112,7 +143,11 @@ class Policy(_Strict):
 def resolve_policy_path(name_or_path: str | Path) -> Path:
     """A shipped policy name (`default`) or a path to a YAML file."""
     candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+    try:
+        exists = candidate.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte: reading it says why
+        exists = False
+    if candidate.suffix in (".yaml", ".yml") or exists:
         return candidate
     return POLICIES_DIR / f"{candidate}.yaml"
 

@@ -35,6 +35,7 @@ from pipelines.manifest import (
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.recipe import Calibration, Recipe, load_recipe
+from pipelines.safepath import ensure_inside, safe_component
 
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 KEY_HEX = 12
@@ -78,13 +79,14 @@ class _Inputs(BaseModel):
 def quantize_model(recipe: str, model_dir: Path, *, artifacts_root: Path = ARTIFACTS_DIR, force: bool = False) -> QuantizeResult:
     """Quantize `model_dir` with `recipe` (shipped name or YAML path); reuse the artifact when it exists."""
     started = time.perf_counter()
+    model_name(Path(model_dir))  # refused before minutes of work, not after
     inputs = gather_inputs(recipe, Path(model_dir))
     artifact_dir = artifact_path(artifacts_root, inputs)
     if not force and (manifest := verified_manifest(artifact_dir, inputs.key)) is not None:
         progress(f"reusing {artifact_dir} (same model, recipe, calibration data and library versions)")
         return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=True)
+    # atomic_dir gives the folder and manifest.json the umask's permissions (mkdtemp's would be private).
     with _removing_new_folders(artifact_dir.parent, stop_at=artifacts_root.parent), atomic_dir(artifact_dir) as staging:
-        staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be read by others
         quantize_s = run_oneshot(inputs, staging)
         manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started)
         write_json_atomic(staging / MANIFEST_NAME, manifest.model_dump(mode="json"))
@@ -130,9 +132,16 @@ def library_versions() -> dict[str, str]:
     return {name: version(name) for name in LIBRARIES}
 
 
+def model_name(model_dir: Path) -> str:
+    """The model folder's name, which names its artifacts' folder: a safe path component or an InputError."""
+    return safe_component(model_dir.resolve().name, "model (folder name)", file=model_dir)
+
+
 def artifact_path(artifacts_root: Path, inputs: _Inputs) -> Path:
-    model_name = inputs.model_dir.resolve().name
-    return artifacts_root / "candidates" / model_name / f"{inputs.recipe.name}-{inputs.key[:KEY_HEX]}"
+    """artifacts/candidates/<model>/<recipe>-<12 hex>/, every part a safe component, checked to stay inside."""
+    recipe = safe_component(inputs.recipe.name, "recipe name", file=inputs.recipe_path)
+    path = artifacts_root / "candidates" / model_name(inputs.model_dir) / f"{recipe}-{inputs.key[:KEY_HEX]}"
+    return ensure_inside(artifacts_root, path, "model")
 
 
 # ------------------------------------------------------------------------------- heavy work
@@ -200,9 +209,12 @@ def _removing_new_folders(folder: Path, *, stop_at: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for path in new:  # deepest first
-            if path.is_dir() and not any(path.iterdir()):
-                path.rmdir()
+        for path in new:  # deepest first; best effort: a full or read-only disk must not hide the first error
+            try:
+                if path.is_dir() and not any(path.iterdir()):
+                    path.rmdir()
+            except OSError:
+                pass
         raise
 
 

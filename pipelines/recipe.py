@@ -9,24 +9,33 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
-from pipelines.yamlio import parse_yaml_model
+from pipelines.yamlio import parse_yaml_model, read_user_text
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Numeric bounds: far beyond any real recipe, so that a typo or a hostile file is refused at load.
+MAX_GROUP_SIZE = 2**16
+MAX_BLOCK_SIZE = 2**16
+MAX_SAMPLES = 1_000_000
+MAX_SEQ_LENGTH = 2**24
+MAX_LAYER_INDEX = 100_000
+MAX_SEED = 2**63 - 1
 
 
 class WeightScheme(_Strict):
     bits: Literal[2, 3, 4, 8] = 8
     type: Literal["int"] = "int"
     granularity: Literal["channel", "group", "tensor"] = "channel"
-    group_size: int | None = Field(default=None, gt=0)
+    group_size: int | None = Field(default=None, gt=0, le=MAX_GROUP_SIZE)
     symmetric: bool = True
 
     @model_validator(mode="after")
@@ -90,8 +99,8 @@ class Override(_Strict):
     later overrides win over earlier ones.
     """
 
-    layers: list[int] | None = Field(default=None, min_length=1)
-    match: str | None = Field(default=None, description="regular expression searched in the module name")
+    layers: list[Annotated[int, Field(ge=-MAX_LAYER_INDEX, le=MAX_LAYER_INDEX)]] | None = Field(default=None, min_length=1, max_length=MAX_LAYER_INDEX)
+    match: str | None = Field(default=None, max_length=1000, description="regular expression searched in the module name")
     keep: bool = Field(default=False, description="keep the matched Linear layers in 16-bit")
     attention: GroupScheme | None = None
     mlp: GroupScheme | None = None
@@ -119,7 +128,7 @@ class Override(_Strict):
 
 class Algorithm(_Strict):
     method: Literal["rtn", "gptq"] = "rtn"
-    block_size: int = Field(default=128, gt=0)
+    block_size: int = Field(default=128, gt=0, le=MAX_BLOCK_SIZE)
     dampening_frac: float = Field(default=0.01, ge=0, lt=1)
     actorder: Literal["weight", "static"] | None = Field(
         default=None, description="GPTQ column order by activation size ('static' is an alias of 'weight')"
@@ -148,10 +157,10 @@ class SmoothQuant(_Strict):
 
 
 class Calibration(_Strict):
-    dataset: str = Field(default="calibration", description="folder under eval_sets/ or a JSONL path with a 'text' field")
-    num_samples: int = Field(default=64, gt=0)
-    max_seq_length: int = Field(default=256, gt=0)
-    seed: int = 0
+    dataset: str = Field(default="calibration", max_length=4096, description="folder under eval_sets/ or a JSONL path with a 'text' field")
+    num_samples: int = Field(default=64, gt=0, le=MAX_SAMPLES)
+    max_seq_length: int = Field(default=256, gt=0, le=MAX_SEQ_LENGTH)
+    seed: int = Field(default=0, ge=-MAX_SEED, le=MAX_SEED)
 
 
 class Recipe(_Strict):
@@ -161,7 +170,7 @@ class Recipe(_Strict):
     smoothquant: SmoothQuant | None = None
     calibration: Calibration | None = None
     groups: Groups
-    overrides: list[Override] = []
+    overrides: list[Override] = Field(default=[], max_length=10_000)
 
     @model_validator(mode="after")
     def _something_to_do(self) -> "Recipe":
@@ -190,9 +199,16 @@ class Recipe(_Strict):
 def resolve_recipe_path(name_or_path: str) -> Path:
     """A shipped recipe name (`w8a8`) or a path to a YAML file."""
     candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+    if candidate.suffix in (".yaml", ".yml") or _exists(candidate):
         return candidate
     return RECIPES_DIR / f"{name_or_path}.yaml"
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte: not a file; reading it says why
+        return False
 
 
 def shipped_recipes() -> list[str]:
@@ -202,9 +218,9 @@ def shipped_recipes() -> list[str]:
 def load_recipe(name_or_path: str) -> tuple[Recipe, Path, str]:
     """Parse and validate a recipe; returns it with its path and the text as written."""
     path = resolve_recipe_path(name_or_path)
-    if not path.is_file():
+    if not _exists(path) or not path.is_file():
         raise InputError(f"no such recipe (shipped recipes: {', '.join(shipped_recipes())})", file=path, field="recipe")
-    text = path.read_text()
+    text = read_user_text(path, what="recipe", field="recipe")  # bounded, UTF-8 (BOM accepted)
     return parse_recipe(text, path), path, text
 
 

@@ -9,7 +9,13 @@ lock instead of losing updates; WAL mode lets readers go on while one writes. Th
 - events:   every registration, status change and alias move, append-only.
 
 The registry never points at something incomplete: an artifact is verified against its manifest
-when it is registered, promoted, or resolved for serving.
+when it is registered, promoted, given an alias, rolled back to, or resolved for serving. A version
+records its manifest.json's own sha256 and the stat fingerprint of its files at the last full
+verification, so these later checks re-hash only files whose size, mtime, ctime or inode changed
+(pipelines.manifest.verify_artifact says what that costs).
+
+Reading (list, show, history, resolve) opens the file read-only (`file:...?mode=ro`), so a registry on
+a read-only disk, or a file the user may not write, can still be inspected.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import urllib.parse
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,13 +32,15 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.errors import InputError
-from pipelines.hashing import sha256_file, sha256_json
+from pipelines.hashing import sha256_json
+from pipelines.manifest import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck, load_manifest, verify_artifact  # noqa: F401 (re-exported)
 from pipelines.paths import ARTIFACTS_DIR
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FILES_KEY = "artifact_files"
 BUSY_TIMEOUT_S = 60.0
-SCHEMA_VERSION = 1
+# 1: the first schema. 2: versions.manifest_hash (manifest.json's own sha256) and versions.fingerprint
+# (stat of every file at the last full verification); a schema-1 file is migrated in place when opened
+# for writing (its old rows keep NULL there: they are verified by their artifact hash, in full).
+SCHEMA_VERSION = 2
 
 Status = Literal["candidate", "promoted", "rejected", "error"]
 EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback"]
@@ -46,38 +55,7 @@ def default_registry_path() -> Path:
 
 def read_manifest_files(artifact_dir: Path) -> dict[str, str]:
     """The manifest's {relative posix path: sha256} map; InputError if the manifest is missing or malformed."""
-    manifest = artifact_dir / MANIFEST_NAME
-    if not artifact_dir.is_dir():
-        raise InputError("artifact folder does not exist", file=artifact_dir)
-    if not manifest.is_file():
-        raise InputError("artifact has no manifest; it is incomplete or was not written by `quantize`", file=manifest)
-    try:
-        files = json.loads(manifest.read_text()).get(MANIFEST_FILES_KEY)
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise InputError(f"not a JSON object ({error})", file=manifest) from None
-    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
-        raise InputError("missing or empty map of relative path to sha256", file=manifest, field=MANIFEST_FILES_KEY)
-    return files
-
-
-def verify_artifact(artifact_dir: Path) -> None:
-    """Raise InputError naming the first file that is missing, changed or not in the manifest."""
-    artifact_dir = Path(artifact_dir)
-    expected = read_manifest_files(artifact_dir)
-    for relative, digest in sorted(expected.items()):
-        path = artifact_dir / relative
-        if not path.is_file():
-            raise InputError("file listed in the manifest is missing", file=path)
-        if sha256_file(path) != digest:
-            raise InputError("file does not match its sha256 in the manifest (tampered or corrupt)", file=path)
-    present = {
-        p.relative_to(artifact_dir).as_posix()
-        for p in artifact_dir.rglob("*")
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
-    extra = sorted(present - set(expected))
-    if extra:
-        raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
+    return load_manifest(Path(artifact_dir)).files
 
 
 def artifact_hash(artifact_dir: Path) -> str:
@@ -130,6 +108,10 @@ class Version(BaseModel):
     updated_at: str
     reason: str
     aliases: list[str] = Field(default_factory=list)
+    # sha256 of manifest.json itself; None for versions registered before schema 2.
+    manifest_hash: str | None = None
+    # stat of every file at the last full verification (internal: what makes later checks cheap).
+    fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
 
 
 class Event(BaseModel):
@@ -156,6 +138,12 @@ class AliasTarget(BaseModel):
     previous: int | None
 
 
+# Schema 1 -> 2, in place.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE versions ADD COLUMN manifest_hash TEXT",
+    "ALTER TABLE versions ADD COLUMN fingerprint TEXT",
+)
+
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS versions (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -174,6 +162,8 @@ _SCHEMA = (
         created_at TEXT NOT NULL,
         updated_at TEXT NOT NULL,
         reason TEXT NOT NULL,
+        manifest_hash TEXT,
+        fingerprint TEXT,
         UNIQUE (model, version),
         UNIQUE (model, artifact_hash, gate_hash))""",
     # The alias stack: the highest seq is the current target; rollback pops to an earlier one.
@@ -233,11 +223,26 @@ def _read_gate(gate_path: Path) -> dict[str, Any]:
         value = json.loads(gate_path.read_text())
     except FileNotFoundError:
         raise InputError("gate evidence file does not exist", file=gate_path) from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InputError(f"gate evidence is not valid JSON ({error})", file=gate_path) from None
+    except OSError as error:
+        raise InputError(f"cannot read the gate evidence ({error.strerror or error})", file=gate_path) from None
     if not isinstance(value, dict):
         raise InputError("gate evidence must be a JSON object", file=gate_path)
     return value
+
+
+def _gate_manifest_hash(gate: dict[str, Any] | None) -> str | None:
+    """The manifest sha256 a gate.json says it judged (pipelines.runner writes inputs.artifact.manifest_sha256)."""
+    inputs = (gate or {}).get("inputs")
+    artifact = inputs.get("artifact") if isinstance(inputs, dict) else None
+    value = artifact.get("manifest_sha256") if isinstance(artifact, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _writable(path: Path) -> bool:
+    """Whether SQLite can write `path`: the file and its folder (journal, WAL and shared-memory files)."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)
 
 
 # --- the registry ------------------------------------------------------------------------------------
@@ -246,27 +251,58 @@ def _read_gate(gate_path: Path) -> dict[str, Any]:
 class Registry:
     def __init__(self, path: Path | str | None = None):
         self.path = Path(path) if path is not None else default_registry_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # An existing registry the user may not write (read-only disk or permissions) is opened for
+        # reading only: list / show / history work, writes say why they cannot.
+        self.read_only = self.path.exists() and not _writable(self.path)
+        if self.read_only:
+            self._check_readable()
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise InputError(f"cannot create the registry's folder ({error.strerror or error})", file=self.path) from None
         self._create_schema()
 
     # connection handling
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, *, read_only: bool = False) -> sqlite3.Connection:
         try:
-            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            db = self._open_read_only() if read_only else sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
             db.row_factory = sqlite3.Row
             db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            db.execute("PRAGMA foreign_keys = ON")
-            db.execute("PRAGMA synchronous = FULL")
+            if not read_only:
+                db.execute("PRAGMA foreign_keys = ON")
+                db.execute("PRAGMA synchronous = FULL")
         except sqlite3.DatabaseError as error:
             raise InputError(f"cannot open the registry database ({error})", file=self.path) from None
         return db
 
+    def _open_read_only(self) -> sqlite3.Connection:
+        """`mode=ro`. A WAL file in a folder nobody may write has no shared-memory file and cannot be
+        created one; then `immutable=1` (safe there: no writer can be at work in that folder either)."""
+        if not self.path.is_file():
+            raise sqlite3.OperationalError("no such file")
+        uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"
+        db = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            db.close()
+            if not self.read_only:
+                raise
+        return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+
     @contextmanager
     def _transaction(self, mode: Literal["IMMEDIATE", "DEFERRED"] = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
         """One transaction. IMMEDIATE takes the write lock at BEGIN, so read-then-write cannot race;
-        DEFERRED (readers) gives one consistent snapshot across several SELECTs."""
-        db = self._connect()
+        DEFERRED (readers, on a read-only connection) gives one consistent snapshot across several SELECTs."""
+        if mode == "IMMEDIATE" and self.read_only:
+            raise InputError(
+                "the registry is read-only here (the file or its folder cannot be written): it can be listed, not changed",
+                file=self.path,
+            )
+        db = self._connect(read_only=mode == "DEFERRED")
         try:
             db.execute(f"BEGIN {mode}")
             try:
@@ -284,6 +320,20 @@ class Registry:
     def _reader(self) -> AbstractContextManager[sqlite3.Connection]:
         return self._transaction("DEFERRED")
 
+    def _check_readable(self) -> None:
+        db = self._connect(read_only=True)
+        try:
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError as error:
+            raise InputError(f"not a registry database ({error})", file=self.path) from None
+        finally:
+            db.close()
+        if found > SCHEMA_VERSION:
+            raise InputError(f"registry schema {found} is newer than this quantgate's ({SCHEMA_VERSION})", file=self.path)
+        if not {"versions", "aliases", "events"} <= tables:
+            raise InputError("not a registry database (no versions, aliases and events tables)", file=self.path)
+
     def _create_schema(self) -> None:
         db = self._connect()
         try:
@@ -298,19 +348,44 @@ class Registry:
             return
         if found > SCHEMA_VERSION:
             raise InputError(f"registry schema {found} is newer than this quantgate's ({SCHEMA_VERSION})", file=self.path)
-        with self._transaction() as db:  # CREATE ... IF NOT EXISTS: concurrent first opens are safe
-            for statement in _SCHEMA:
-                db.execute(statement)
+        with self._transaction() as db:
+            # Read again under the write lock: another process may have created or migrated it meanwhile.
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+            if found == 1:
+                for statement in _MIGRATE_1_TO_2:
+                    db.execute(statement)
+            elif found == 0:  # CREATE ... IF NOT EXISTS: concurrent first opens are safe
+                for statement in _SCHEMA:
+                    db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # writing
 
-    def register(self, entry: NewVersion) -> Version:
-        """Add a candidate version; the same artifact with the same gate evidence returns the existing one."""
+    def register(self, entry: NewVersion, *, verified: ArtifactCheck | None = None) -> Version:
+        """Add a candidate version; the same artifact with the same gate evidence returns the existing one.
+
+        The artifact is verified first: in full, or against `verified` (an earlier check of the same
+        folder, e.g. the gate's before serving: then only files whose stat changed are re-hashed, and
+        manifest.json must be the one that check saw). Gate evidence that names another manifest.json
+        (inputs.artifact.manifest_sha256) is refused.
+        """
         artifact_dir = Path(entry.artifact_path).resolve()
-        verify_artifact(artifact_dir)
-        a_hash = artifact_hash(artifact_dir)
+        if verified is not None and Path(verified.artifact_dir).resolve() != artifact_dir:
+            verified = None
+        check = verify_artifact(
+            artifact_dir,
+            manifest_sha256=verified.manifest_sha256 if verified else None,
+            fingerprint=verified.fingerprint if verified else None,
+        )
+        a_hash = check.artifact_hash
         gate = _read_gate(Path(entry.gate_path)) if entry.gate_path is not None else None
+        judged = _gate_manifest_hash(gate)
+        if judged is not None and judged != check.manifest_sha256:
+            raise InputError(
+                f"the gate evidence judged another manifest.json (sha256 {judged[:12]}...; {artifact_dir / MANIFEST_NAME}"
+                f" is {check.manifest_sha256[:12]}...)",
+                file=entry.gate_path, field="inputs.artifact.manifest_sha256",
+            )
         g_hash = sha256_json(gate) if gate is not None else ""
         with self._transaction() as db:
             existing = db.execute(
@@ -325,14 +400,16 @@ class Registry:
             now = _now()
             cursor = db.execute(
                 "INSERT INTO versions (model, version, source_hash, artifact_path, artifact_hash, recipe_name,"
-                " recipe_hash, eval_sets, gate_path, gate, gate_hash, status, created_at, updated_at, reason)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'candidate', ?, ?, ?)",
+                " recipe_hash, eval_sets, gate_path, gate, gate_hash, status, created_at, updated_at, reason,"
+                " manifest_hash, fingerprint)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'candidate', ?, ?, ?, ?, ?)",
                 (
                     entry.source_model, number, entry.source_hash, artifact_dir.as_posix(), a_hash,
                     entry.recipe_name, entry.recipe_hash,
                     json.dumps([ref.model_dump() for ref in entry.eval_sets]),
                     Path(entry.gate_path).resolve().as_posix() if entry.gate_path is not None else None,
                     json.dumps(gate) if gate is not None else None, g_hash, now, now, entry.reason,
+                    check.manifest_sha256, json.dumps(check.fingerprint),
                 ),
             )
             self._event(db, entry.source_model, number, "registered", reason=entry.reason)
@@ -352,10 +429,10 @@ class Registry:
                 " promoting it needs an explicit gate override",
                 file=self.path, field="status",
             )
-        self._verify_stored(version)
+        check = self._verify_stored(version)
         if override_gate:
             evidence = {**(evidence or {}), "override_gate": True}
-        return self._set_status(version_id, "promoted", reason, evidence)
+        return self._set_status(version_id, "promoted", reason, evidence, check=check)
 
     def reject(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None) -> Version:
         return self._set_status(version_id, "rejected", reason, evidence)
@@ -365,15 +442,16 @@ class Registry:
         return self._set_status(version_id, "error", reason, evidence)
 
     def set_alias(self, model: str, alias: str, version: int, reason: str = "") -> AliasTarget:
-        """Point `alias` at a promoted version; the previous target is kept for `rollback`."""
+        """Point `alias` at a promoted version, after verifying its artifact; the previous target is kept for `rollback`."""
         _check_alias_name(alias)
+        # Verified outside the write lock (a full hash may take minutes), then re-read under it.
+        with self._reader() as db:
+            target = self._promoted_row(db, model, version)
+            stored = self._version_by_id(db, target["id"])
+        check = self._verify_stored(stored)
         with self._transaction() as db:
-            target = self._version_row(db, model, version)
-            if target["status"] != "promoted":
-                raise InputError(
-                    f"version {version} of {model!r} is {target['status']}; only promoted versions can carry an alias",
-                    file=self.path, field="version",
-                )
+            target = self._promoted_row(db, model, version)
+            self._refresh_fingerprint(db, target["id"], check)
             current = self._alias_top(db, model, alias)
             if current is not None and current["version_id"] == target["id"]:
                 return self._alias_target(db, model, alias)
@@ -388,22 +466,19 @@ class Registry:
             return self._alias_target(db, model, alias)
 
     def rollback(self, model: str, alias: str, reason: str = "") -> AliasTarget:
-        """Move `alias` back to the promoted version it pointed at before its current one."""
+        """Move `alias` back to the promoted version it pointed at before its current one, after verifying
+        that version's artifact (the version rolled back to is about to be served)."""
+        with self._reader() as db:
+            current, earlier = self._rollback_step(db, model, alias)
+            stored = self._version_by_id(db, earlier["version_id"])
+        check = self._verify_stored(stored)
         with self._transaction() as db:
-            current = self._alias_top(db, model, alias)
-            if current is None:
-                raise self._unknown_alias(db, model, alias)
-            earlier = db.execute(
-                "SELECT a.seq, a.version_id, v.version FROM aliases a JOIN versions v ON v.id = a.version_id"
-                " WHERE a.model = ? AND a.alias = ? AND a.seq < ? AND v.status = 'promoted'"
-                " AND a.version_id != ? ORDER BY a.seq DESC LIMIT 1",
-                (model, alias, current["seq"], current["version_id"]),
-            ).fetchone()
-            if earlier is None:
-                raise InputError(
-                    f"alias {alias!r} of {model!r} has no earlier promoted version to roll back to",
-                    file=self.path, field="alias",
-                )
+            moved = (current["seq"], earlier["version_id"])
+            current, earlier = self._rollback_step(db, model, alias)
+            if (current["seq"], earlier["version_id"]) != moved:
+                raise InputError(f"alias {alias!r} of {model!r} moved while rolling back; run the rollback again",
+                                 file=self.path, field="alias")
+            self._refresh_fingerprint(db, earlier["version_id"], check)
             # Pop the stack down to the earlier target; the events table keeps the full story.
             db.execute("DELETE FROM aliases WHERE model = ? AND alias = ? AND seq > ?", (model, alias, earlier["seq"]))
             self._event(db, model, earlier["version"], "alias_rollback", alias=alias,
@@ -460,7 +535,8 @@ class Registry:
 
     # internals
 
-    def _set_status(self, version_id: int, status: Status, reason: str, evidence: dict[str, Any] | None) -> Version:
+    def _set_status(self, version_id: int, status: Status, reason: str, evidence: dict[str, Any] | None,
+                    *, check: ArtifactCheck | None = None) -> Version:
         with self._transaction() as db:
             row = self._row_by_id(db, version_id)
             if row["status"] == status:
@@ -481,17 +557,59 @@ class Registry:
                 "UPDATE versions SET status = ?, reason = ?, updated_at = ? WHERE id = ?",
                 (status, reason, _now(), version_id),
             )
+            self._refresh_fingerprint(db, version_id, check)
             self._event(db, row["model"], row["version"], status, reason=reason, evidence=evidence)
             return self._version_by_id(db, version_id)
 
-    def _verify_stored(self, version: Version) -> None:
+    def _verify_stored(self, version: Version) -> ArtifactCheck:
+        """The artifact against what was recorded: manifest.json's own hash, then each file (re-hashed
+        only where its stat differs from the fingerprint of the last full verification)."""
         artifact_dir = Path(version.artifact_path)
-        verify_artifact(artifact_dir)
-        if artifact_hash(artifact_dir) != version.artifact_hash:
+        check = verify_artifact(artifact_dir, manifest_sha256=version.manifest_hash, fingerprint=version.fingerprint)
+        if check.artifact_hash != version.artifact_hash:
             raise InputError(
                 f"manifest changed since version {version.version} of {version.model!r} was registered",
                 file=artifact_dir / MANIFEST_NAME,
             )
+        return check
+
+    def _refresh_fingerprint(self, db: sqlite3.Connection, version_id: int, check: ArtifactCheck | None) -> None:
+        """After a check that had to re-hash files (stat changed, content intact), remember the new stat."""
+        if check is None or not check.hashed:
+            return
+        row = self._row_by_id(db, version_id)
+        if row["artifact_hash"] == check.artifact_hash:
+            db.execute(
+                "UPDATE versions SET fingerprint = ?, manifest_hash = COALESCE(manifest_hash, ?) WHERE id = ?",
+                (json.dumps(check.fingerprint), check.manifest_sha256, version_id),
+            )
+
+    def _promoted_row(self, db: sqlite3.Connection, model: str, version: int) -> sqlite3.Row:
+        target = self._version_row(db, model, version)
+        if target["status"] != "promoted":
+            raise InputError(
+                f"version {version} of {model!r} is {target['status']}; only promoted versions can carry an alias",
+                file=self.path, field="version",
+            )
+        return target
+
+    def _rollback_step(self, db: sqlite3.Connection, model: str, alias: str) -> tuple[sqlite3.Row, sqlite3.Row]:
+        """The alias's current entry and the promoted entry a rollback returns to."""
+        current = self._alias_top(db, model, alias)
+        if current is None:
+            raise self._unknown_alias(db, model, alias)
+        earlier = db.execute(
+            "SELECT a.seq, a.version_id, v.version FROM aliases a JOIN versions v ON v.id = a.version_id"
+            " WHERE a.model = ? AND a.alias = ? AND a.seq < ? AND v.status = 'promoted'"
+            " AND a.version_id != ? ORDER BY a.seq DESC LIMIT 1",
+            (model, alias, current["seq"], current["version_id"]),
+        ).fetchone()
+        if earlier is None:
+            raise InputError(
+                f"alias {alias!r} of {model!r} has no earlier promoted version to roll back to",
+                file=self.path, field="alias",
+            )
+        return current, earlier
 
     def _event(self, db: sqlite3.Connection, model: str, version: int | None, kind: EventKind, *,
                alias: str | None = None, from_version: int | None = None, to_version: int | None = None,
@@ -511,6 +629,8 @@ class Registry:
 
     def _version_by_id(self, db: sqlite3.Connection, version_id: int) -> Version:
         row = self._row_by_id(db, version_id)
+        columns = row.keys()  # a schema-1 file opened read-only has no manifest_hash / fingerprint
+        fingerprint = json.loads(row["fingerprint"]) if "fingerprint" in columns and row["fingerprint"] else None
         return Version(
             id=row["id"], model=row["model"], version=row["version"], source_hash=row["source_hash"],
             artifact_path=row["artifact_path"], artifact_hash=row["artifact_hash"],
@@ -519,6 +639,8 @@ class Registry:
             gate_path=row["gate_path"], gate=json.loads(row["gate"]) if row["gate"] else None,
             gate_hash=row["gate_hash"] or None, status=row["status"], created_at=row["created_at"],
             updated_at=row["updated_at"], reason=row["reason"], aliases=self._aliases_of(db, version_id),
+            manifest_hash=row["manifest_hash"] if "manifest_hash" in columns else None,
+            fingerprint=fingerprint if isinstance(fingerprint, dict) else None,
         )
 
     def _require_model(self, db: sqlite3.Connection, model: str) -> None:

@@ -187,8 +187,8 @@ def render_markdown(report: GateReport) -> str:
 # --- Terminal -------------------------------------------------------------------------------------
 
 def _table(title: str | None, columns: list[str], rows: Rows):
-    """output.table with markup escaped: set names and CI brackets are text, not rich tags."""
-    return output.table(title, columns, [[escape(cell) for cell in row] for row in rows])
+    """output.table renders cells as plain text: set names and CI brackets are never rich tags."""
+    return output.table(title, columns, rows)
 
 
 def render_console(report: GateReport, console: Console | None = None) -> None:

@@ -4,6 +4,16 @@ Every run gets a folder under artifacts/runs/: it is assembled in a hidden stagi
 into place when complete (gate.json, report.md, server and lm-eval logs, per-sample results). A run that
 fails is renamed to `<run id>-error` with error.txt beside its logs, so the evidence of a failure is kept
 but can never be mistaken for a verdict. The registry is written last, and only from a complete run.
+
+Before anything is served the artifact is verified against its manifest.json (every file's sha256) and
+again, cheaply (manifest hash, stat of each file), before gate.json is written and when registering. An
+artifact without a manifest is refused unless the job allows it (`quantize gate --allow-unverified`):
+then it is gated and reported as unverified, and never written to the registry.
+
+A disk that is full or read-only ends the run as a StorageError (exit 2) naming the original errno and
+path; error.txt is written if the disk still allows it, and the staging folder is renamed to
+`<run id>-error` or, failing that, removed. Staging folders of runs that died are reclaimed at the start
+of the next run (pipelines.reclaim).
 """
 
 from __future__ import annotations
@@ -18,26 +28,34 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines import baseline as baseline_cache
-from pipelines.atomic import write_json_atomic, write_text_atomic
+from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
 from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
 from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
 from pipelines.evalsets import EvalSet, discover_eval_sets
 from pipelines.gate import FitCheck, GateReport, decide
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
+from pipelines.manifest import MANIFEST_NAME, ArtifactCheck, verify_artifact
 from pipelines.output import progress
 from pipelines.pairing import pair_set
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import DEFAULT_POLICY, Policy, load_policy
+from pipelines.reclaim import reclaim_stale
 from pipelines.report import render_markdown
+from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
 
 RUNS_DIR = ARTIFACTS_DIR / "runs"
 ANSWER_RESERVE_TOKENS = 32
 EXIT_CODES = {"promoted": 0, "rejected": 1}
+
+
+def default_runs_dir() -> Path:
+    """`$QUANTGATE_ARTIFACTS/runs` as the environment says now (not only when this module was imported)."""
+    return Path(os.environ.get("QUANTGATE_ARTIFACTS") or ARTIFACTS_DIR) / "runs"
 
 
 class RunOutcome(BaseModel):
@@ -52,6 +70,11 @@ class RunOutcome(BaseModel):
     registry_version: int | None = None
     reasons: list[str]
     stages: dict[str, float]
+    # False when the artifact had no manifest.json (gated with allow_unverified; never registered).
+    verified: bool = True
+    manifest_sha256: str | None = None
+    # stat of the artifact's files at the run's last verification (for the job ledger; not printed).
+    artifact_fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
 
 
 class GateSettings(BaseModel):
@@ -64,8 +87,8 @@ class GateSettings(BaseModel):
     policy_path: Path
     serve: ServeSettings = ServeSettings()
     registry_path: Path | None = None
-    runs_dir: Path = RUNS_DIR
-    cache_dir: Path = baseline_cache.BASELINE_CACHE_DIR
+    runs_dir: Path = Field(default_factory=default_runs_dir)
+    cache_dir: Path = Field(default_factory=lambda: baseline_cache.BASELINE_CACHE_DIR)
 
 
 class GateJob(BaseModel):
@@ -79,6 +102,8 @@ class GateJob(BaseModel):
     settings: GateSettings
     stages: dict[str, float] = {}
     inputs: dict = {}
+    # Gate an artifact without manifest.json (nothing to verify it against); it is never registered.
+    allow_unverified: bool = False
 
 
 @contextmanager
@@ -122,51 +147,88 @@ def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
 
 def run_id(recipe_name: str) -> str:
     # The random suffix keeps two runs of one recipe in the same second (a job's fast failures) apart.
+    # pipelines.reclaim parses this shape (`<stamp>-<recipe>-<pid>-<hex>`) from staging folder names.
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{recipe_name}-{os.getpid()}-{secrets.token_hex(3)}"
+    identifier = f"{stamp}-{safe_component(recipe_name, 'recipe')}-{os.getpid()}-{secrets.token_hex(3)}"
+    return safe_component(identifier, "run id", max_length=200)
 
 
 def run_gate(job: GateJob) -> RunOutcome:
     """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register."""
+    safe_component(job.recipe_name, "recipe")  # it becomes part of the run folder's name
     _require_model_dir(job.baseline_dir, "--baseline")
     _require_model_dir(job.artifact_dir, "--artifact")
-    verify_before_serving(job.artifact_dir)
-    register = _registrable(job)
+    check = verify_before_serving(job.artifact_dir, allow_unverified=job.allow_unverified)
+    register = _registrable(job, check)
+    runs_dir = job.settings.runs_dir
+    _reclaim(runs_dir)
     identifier = run_id(job.recipe_name)
-    staging = job.settings.runs_dir / f".{identifier}.tmp"
-    staging.mkdir(parents=True)
+    staging = ensure_inside(runs_dir, runs_dir / f".{identifier}.tmp", "run id")
     try:
-        report = _gate_in(staging, job)
-        final = _finish(staging, job.settings.runs_dir / identifier)
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise storage_error(error, staging) from error
+    try:
+        report = _gate_in(staging, job, check)
+        final = _finish(staging, runs_dir / identifier)
     except BaseException as error:
-        _keep_failed(staging, job.settings.runs_dir / f"{identifier}-error", error)
+        _keep_failed(staging, runs_dir / f"{identifier}-error", error)
+        if isinstance(error, OSError):
+            raise storage_error(error, staging) from error
         raise
     outcome = RunOutcome(
         verdict=report.gate.verdict, exit_code=EXIT_CODES[report.gate.verdict], run_dir=final,
         gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
-        reasons=report.gate.reasons, stages=report.stages,
+        reasons=report.gate.reasons, stages=report.stages, verified=check is not None,
+        manifest_sha256=check.manifest_sha256 if check else None,
+        artifact_fingerprint=check.fingerprint if check else None,
     )
     if register:
-        outcome.registry_version = _record_in_registry(job, outcome)
+        outcome.registry_version = _record_in_registry(job, outcome, check)
     return outcome
 
 
-def _registrable(job: GateJob) -> bool:
-    """The registry takes only artifacts with a manifest (written by `quantize`); said before the work, not after."""
+def _reclaim(runs_dir: Path) -> None:
+    """Staging folders of runs that died (SIGKILL, OOM, power) are removed before this run adds its own."""
+    try:
+        for path in reclaim_stale(runs_dir):
+            progress(f"removed {path}, left by a run that is no longer alive")
+    except OSError as error:  # best effort: a read-only runs folder is reported by the run's own mkdir
+        progress(f"could not reclaim stale run folders in {runs_dir}: {error}")
+
+
+def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
+    """The registry takes only verified artifacts (with a manifest); said before the work, not after."""
     if job.settings.registry_path is None:
         return False
-    if (job.artifact_dir / "manifest.json").is_file():
+    if check is not None:
+        from pipelines.registry import Registry
+
+        # Opened (created, migrated) now: a registry that cannot be written fails the run before serving.
+        if Registry(job.settings.registry_path).read_only:
+            raise InputError("the registry cannot be written here; fix its permissions or gate with --no-registry",
+                             file=job.settings.registry_path, field="--registry")
         return True
-    progress(f"{job.artifact_dir} has no manifest.json: it will be gated but not registered (the registry verifies artifacts against their manifest)")
+    progress(f"{job.artifact_dir} has no manifest.json: it will be gated and reported as UNVERIFIED, and not registered")
     return False
 
 
-def verify_before_serving(artifact_dir: Path) -> None:
-    """An artifact with a manifest is checked file by file before it is served (tampering is refused)."""
-    if (artifact_dir / "manifest.json").is_file():
-        from pipelines.registry import verify_artifact
+def verify_before_serving(artifact_dir: Path, *, allow_unverified: bool = False) -> ArtifactCheck | None:
+    """Check the artifact file by file (full sha256) against its manifest before it is served.
 
-        verify_artifact(artifact_dir)
+    A missing manifest.json is refused unless `allow_unverified` (then None: nothing was verified);
+    a malformed one, a changed, missing or added file is always an InputError naming the file.
+    """
+    manifest = artifact_dir / MANIFEST_NAME
+    if not manifest.exists():
+        if allow_unverified:
+            return None
+        raise InputError(
+            "the artifact has no manifest.json, so its files cannot be verified; gate it anyway with"
+            " --allow-unverified (reported as unverified, never registered)",
+            file=manifest, field="--artifact",
+        )
+    return verify_artifact(artifact_dir)
 
 
 def _require_model_dir(folder: Path, field: str) -> None:
@@ -174,14 +236,14 @@ def _require_model_dir(folder: Path, field: str) -> None:
         raise InputError("not a model folder (no config.json)", file=folder, field=field)
 
 
-def _gate_in(staging: Path, job: GateJob) -> GateReport:
+def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateReport:
     stages = dict(job.stages)
     include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
     prompts = {s.name: load_prompts(s, include_dir) for s in job.settings.eval_sets}
     for eval_set in job.settings.eval_sets:
         check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
     baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
-    candidate = _candidate_entries(staging, job, include_dir, baseline, stages)
+    candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check)
     with timed(stages, "gate_s"):
         comparisons = [
             pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
@@ -189,16 +251,33 @@ def _gate_in(staging: Path, job: GateJob) -> GateReport:
         ]
         fit, plan = _fit_and_plan(job)
         gate = decide(comparisons, job.settings.policy, job.recipe_name, fit)
+        if check is not None:  # nothing changed while it was served: the verdict is about these bytes
+            verify_artifact(job.artifact_dir, manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint)
     report = GateReport(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        inputs=_inputs(job, baseline),
+        inputs=_inputs(job, baseline, check),
         stages=stages,
         plan=plan,
         gate=gate,
     )
     write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
-    write_text_atomic(staging / "report.md", render_markdown(report))
+    write_text_atomic(staging / "report.md", _with_unverified_note(render_markdown(report), check is None))
     return report
+
+
+UNVERIFIED_NOTE = (
+    "> **UNVERIFIED artifact**: it has no manifest.json, so its files could not be checked against recorded"
+    " hashes. It was gated with `--allow-unverified` and was not written to the registry."
+)
+
+
+def _with_unverified_note(markdown: str, unverified: bool) -> str:
+    if not unverified:
+        return markdown
+    first, _, rest = markdown.partition("\n")
+    if first.startswith("#"):
+        return f"{first}\n\n{UNVERIFIED_NOTE}\n{rest}"
+    return f"{UNVERIFIED_NOTE}\n\n{markdown}"
 
 
 def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> dict[str, baseline_cache.BaselineEntry]:
@@ -212,8 +291,9 @@ def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> di
     return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages)
 
 
-def _candidate_entries(staging, job: GateJob, include_dir, baseline, stages) -> dict[str, baseline_cache.CandidateEntry]:
-    artifact_hash = folder_hash(job.artifact_dir)
+def _candidate_entries(staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None) -> dict[str, baseline_cache.CandidateEntry]:
+    # A verified artifact's folder hash comes from its check (every file accounted for): not read again.
+    artifact_hash = check.folder_hash if check is not None else folder_hash(job.artifact_dir)
     keys = {
         s.name: baseline_cache.candidate_key(artifact_hash, s, job.settings.serve, baseline[s.name]) for s in job.settings.eval_sets
     }
@@ -262,12 +342,12 @@ def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:
     return fit_of(result), result.model_dump(mode="json")
 
 
-def _inputs(job: GateJob, baseline: dict) -> dict:
-    manifest = job.artifact_dir / "manifest.json"
+def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
+    artifact = {"path": str(job.artifact_dir), "manifest_sha256": check.manifest_sha256 if check else None, "verified": check is not None}
     return {
         **job.inputs,
         "recipe": job.recipe_name,
-        "artifact": {"path": str(job.artifact_dir), "manifest_sha256": sha256_file(manifest) if manifest.is_file() else None},
+        "artifact": artifact if check else {**artifact, "unverified": "no manifest.json; gated with --allow-unverified, not registered"},
         "baseline": {"path": str(job.baseline_dir), "sha256": next(iter(baseline.values())).model_hash},
         "policy": {"path": str(job.settings.policy_path), "sha256": sha256_file(job.settings.policy_path)},
         "eval_sets": {s.name: s.sha256 for s in job.settings.eval_sets},
@@ -281,15 +361,27 @@ def _finish(staging: Path, final: Path) -> Path:
 
 
 def _keep_failed(staging: Path, failed: Path, error: BaseException) -> None:
+    """Keep a failed run's logs as `<run id>-error` with error.txt; every step is best effort, so that a
+    full or read-only disk never hides `error` (which the caller raises) behind a failure of its own."""
     if not staging.exists():
         return
-    (staging / "error.txt").write_text("".join(traceback.format_exception(error)))
-    shutil.rmtree(failed, ignore_errors=True)
-    os.replace(staging, failed)
-    progress(f"run failed; logs kept in {failed}")
+    try:
+        (staging / "error.txt").write_text("".join(traceback.format_exception(error)))
+    except OSError as own:
+        progress(f"could not write error.txt ({own.strerror or own})")
+    try:
+        shutil.rmtree(failed, ignore_errors=True)
+        os.replace(staging, failed)
+        progress(f"run failed; logs kept in {failed}")
+        return
+    except OSError as own:
+        progress(f"could not keep the failed run as {failed.name} ({own.strerror or own}); removing its staging folder")
+    shutil.rmtree(staging, ignore_errors=True)
+    if staging.exists():
+        progress(f"could not remove {staging} either; the next run reclaims it")
 
 
-def _record_in_registry(job: GateJob, outcome: RunOutcome) -> int:
+def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck | None) -> int:
     from pipelines.registry import EvalSetRef, NewVersion, Registry
 
     registry = Registry(job.settings.registry_path)
@@ -302,7 +394,8 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome) -> int:
             recipe_hash=job.inputs.get("recipe_sha256", job.recipe_name),
             eval_sets=[EvalSetRef(name=s.name, hash=s.sha256) for s in job.settings.eval_sets],
             gate_path=outcome.gate_json,
-        )
+        ),
+        verified=check,
     )
     reason = "; ".join(outcome.reasons) or "gate passed"
     if outcome.verdict == "promoted":

@@ -2,12 +2,19 @@
 
 The project never imports vllm (its pins conflict with llm-compressor's); it starts
 `python -m vllm.entrypoints.openai.api_server` from .venv-serve in a new process session, waits for
-/health, and always stops the whole process group on the way out (exception, Ctrl-C, SIGTERM).
+/health, confirms with its API key that the server answering is ours, and always stops the whole process
+group on the way out (exception, Ctrl-C, SIGTERM). If `quantize` itself dies without clean-up (SIGKILL,
+the OOM killer), the server's parent-death signal and its watchdog stop the group (pipelines/reclaim.py).
+
+Every server gets a fresh random API key, handed over in the environment (VLLM_API_KEY), never on a
+command line (`ps` shows those to every user) nor in a log; clients send it as `Authorization: Bearer`.
+docs/serving.md has the details and the limits.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +32,7 @@ from pipelines.divergence import TOP_K
 from pipelines.errors import InputError, ServeError
 from pipelines.output import progress
 from pipelines.paths import SERVE_PYTHON
+from pipelines.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
 
 LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 8
@@ -72,10 +80,17 @@ class RunningServer(BaseModel):
     process: subprocess.Popen
     startup_s: float
     request_timeout_s: float = 120.0
+    # The server's API key: never printed (repr) nor written (model_dump, JSON).
+    api_key: str | None = Field(default=None, repr=False, exclude=True)
 
     @property
     def base_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}/v1"
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The header every request to /v1/... needs (vLLM answers 401 without it)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def check_alive(self) -> None:
         if self.process.poll() is not None:
@@ -162,9 +177,14 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
     return command
 
 
-def _environment(settings: ServeSettings, shim_dir: Path) -> dict[str, str]:
+def new_api_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
+        VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -181,7 +201,9 @@ def _write_shim(shim_dir: Path) -> Path:
     return shim_dir
 
 
-def _wait_until_healthy(server: subprocess.Popen, port: int, log_path: Path, timeout_s: float) -> None:
+def _wait_until_healthy(
+    server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str,
+) -> None:
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
@@ -190,12 +212,45 @@ def _wait_until_healthy(server: subprocess.Popen, port: int, log_path: Path, tim
                     f"vLLM exited during start-up (exit code {server.returncode}): {log_tail(log_path)}", file=log_path
                 )
             try:
-                if client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200:
-                    return
+                healthy = client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy:
+                _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
+                return
             time.sleep(0.5)
     raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {log_tail(log_path)}", file=log_path)
+
+
+def _confirm_ours(
+    client: httpx.Client, server: subprocess.Popen, port: int, log_path: Path, *, served_name: str, api_key: str,
+) -> None:
+    """/health answers without a key, so a foreign process on the port could pass it: our server is the one that
+    lists `served_name` on /v1/models when asked with our key (a vLLM started with another key answers 401)."""
+    url = f"http://{LOOPBACK}:{port}/v1/models"
+    problem = ""
+    try:
+        response = client.get(url, headers={"Authorization": f"Bearer {api_key}"})
+        if response.status_code != 200:
+            problem = f"GET /v1/models with our key answered HTTP {response.status_code}"
+        else:
+            names = [model.get("id") for model in response.json().get("data", [])]
+            if served_name not in names:
+                problem = f"GET /v1/models lists {names}, not {served_name!r}"
+    except (httpx.HTTPError, ValueError, AttributeError) as error:
+        problem = f"GET /v1/models failed ({type(error).__name__}: {error})"
+    if server.poll() is not None:
+        problem = problem or "our server exited"
+        raise ServeError(
+            f"vLLM exited during start-up (exit code {server.returncode}) while {LOOPBACK}:{port} answered /health: "
+            f"{problem}; {log_tail(log_path)}",
+            file=log_path,
+        )
+    if problem:
+        raise ServeError(
+            f"the process answering on {LOOPBACK}:{port} is not the vLLM server started for this run: {problem}",
+            file=log_path, field="port",
+        )
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
@@ -221,6 +276,26 @@ def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
+def start_process_group(
+    command: list[str], *, env: dict[str, str], log_path: Path, grace_s: float = _STOP_GRACE_S,
+) -> tuple[subprocess.Popen, Watchdog]:
+    """Start `command` as the leader of a new session and process group, output to `log_path`, with a
+    parent-death signal (SIGTERM) and a watchdog that stops the group (SIGTERM, `grace_s`, SIGKILL) once this
+    process is gone. Stop it with `stop_process_group(process)` and then `watchdog.stop()`."""
+    log_path.write_text("")
+    with log_path.open("a") as log:  # append mode: the server and its watchdog share the file
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        try:
+            watchdog = start_watchdog(process.pid, grace_s=grace_s, log=log)
+        except BaseException:
+            stop_process_group(process)
+            raise
+    return process, watchdog
+
+
 @contextmanager
 def vllm_server(
     model_dir: Path,
@@ -230,7 +305,8 @@ def vllm_server(
     served_name: str = "model",
     port: int | None = None,
 ) -> Iterator[RunningServer]:
-    """Serve `model_dir` for the duration of the block; the server is stopped however the block ends."""
+    """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
+    including when this process is killed (parent-death signal + watchdog, pipelines/reclaim.py)."""
     settings = settings or ServeSettings()
     _require_serve_env()
     if not (model_dir / "config.json").is_file():
@@ -242,22 +318,25 @@ def vllm_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()
-    shim = tempfile.TemporaryDirectory(prefix="quantgate-vllm-")
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            _command(model_dir, served_name, port, settings),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_environment(settings, _write_shim(Path(shim.name))), start_new_session=True,
-        )
+    api_key = new_api_key()
+    # The owner's pid in the name lets reclaim_stale remove it once this process is gone without clean-up.
+    shim = tempfile.TemporaryDirectory(prefix=shim_prefix())
     try:
-        _wait_until_healthy(process, port, log_path, settings.startup_timeout_s)
-        startup_s = time.monotonic() - started
-        progress(f"vLLM ready in {startup_s:.1f} s")
-        yield RunningServer(
-            model_dir=model_dir, served_name=served_name, port=port,
-            log_path=log_path, process=process, startup_s=startup_s,
-            request_timeout_s=settings.request_timeout_s,
-        )
+        env = _environment(settings, _write_shim(Path(shim.name)), api_key)
+        process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
+        try:
+            _wait_until_healthy(
+                process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
+            )
+            startup_s = time.monotonic() - started
+            progress(f"vLLM ready in {startup_s:.1f} s")
+            yield RunningServer(
+                model_dir=model_dir, served_name=served_name, port=port,
+                log_path=log_path, process=process, startup_s=startup_s,
+                request_timeout_s=settings.request_timeout_s, api_key=api_key,
+            )
+        finally:
+            stop_process_group(process)
+            watchdog.stop()
     finally:
-        stop_process_group(process)
         shim.cleanup()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipelines.errors import InputError
 from pipelines.evalsets import CalibrationSet, EvalSet, set_folders, validate_folder
-from pipelines.output import console, emit, table
+from pipelines.output import emit, say, table
 from pipelines.paths import EVAL_SETS_DIR
 
 
@@ -35,7 +35,7 @@ def _row(found: EvalSet | CalibrationSet) -> dict:
 
 
 def _render(rows: list[dict]) -> None:
-    console.print(
+    say(
         table(
             None,
             ["name", "type", "items", "hash", "status"],
@@ -51,7 +51,10 @@ def list_sets(args: argparse.Namespace) -> int:
 
 
 def validate_sets(args: argparse.Namespace) -> int:
-    """Checks every set and shows them all; the first broken one is then raised (one line, exit 2)."""
+    """Checks every set and shows them all; the first broken one is then raised (one line, exit 2).
+
+    With --json and a broken set, stdout carries one document: the error object, with every set's row
+    under "sets"."""
     rows, errors = [], []
     for folder in set_folders(args.root):
         try:
@@ -59,7 +62,11 @@ def validate_sets(args: argparse.Namespace) -> int:
         except InputError as error:
             errors.append(error)
             rows.append({"name": folder.name, "status": "error", "error": error.one_line()})
-    emit(rows, as_json=args.json, render=_render)
     if errors:
+        if args.json:
+            errors[0].details = {"sets": rows}  # cli.main prints it inside the JSON error object
+        else:
+            _render(rows)
         raise errors[0]
+    emit(rows, as_json=args.json, render=_render)
     return 0

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from pipelines.cli import int_arg
+from pipelines.errors import InputError
 from pipelines.gate import load_report
+from pipelines.manifest import MANIFEST_NAME, read_manifest_json
 from pipelines.output import emit, progress
+from pipelines.policy import MAX_CONTEXT
 from pipelines.registry import default_registry_path
 from pipelines.report import render_console
 from pipelines.runner import GateJob, GateSettings, RunOutcome, load_gate_policy, run_gate, select_eval_sets
+from pipelines.safepath import safe_component
 from pipelines.serving import ServeSettings
 
 
@@ -40,7 +44,7 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=Path, help="gate policy YAML (default: policies/default.yaml)")
     parser.add_argument("--registry", type=Path, default=default_registry_path(), help="registry database (default: %(default)s; env QUANTGATE_REGISTRY)")
     parser.add_argument("--no-registry", action="store_true", help="decide and report, but do not write the registry")
-    parser.add_argument("--max-model-len", type=int, default=ServeSettings().max_model_len, help="vLLM max model length")
+    parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), default=ServeSettings().max_model_len, help="vLLM max model length")
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON on stdout")
 
 
@@ -59,26 +63,35 @@ def print_outcome(outcome: RunOutcome, as_json: bool) -> int:
     def render(result: RunOutcome) -> None:
         render_console(load_report(result.gate_json))
         registry = f", registry version {result.registry_version}" if result.registry_version is not None else ""
-        progress(f"verdict: {result.verdict.upper()} (exit {result.exit_code}){registry}; evidence in {result.run_dir}")
+        unverified = "" if result.verified else " [UNVERIFIED artifact: no manifest.json; not registered]"
+        progress(f"verdict: {result.verdict.upper()} (exit {result.exit_code}){registry}{unverified}; evidence in {result.run_dir}")
 
     emit(outcome, as_json=as_json, render=render)
     return outcome.exit_code
 
 
-def _recipe_name_of(artifact: Path) -> str:
-    manifest = artifact / "manifest.json"
-    if manifest.is_file():
-        recipe = json.loads(manifest.read_text()).get("recipe")
-        if isinstance(recipe, str) and recipe:
-            return recipe
-    return artifact.name
+def recipe_name_for(artifact: Path, option: str | None) -> str:
+    """The recipe name (policy overrides, the run folder's name): --recipe-name, else the manifest's
+    `recipe`, else the artifact folder's name; whichever it is must be a safe path component."""
+    if option is not None:
+        return safe_component(option, "--recipe-name")
+    manifest = artifact / MANIFEST_NAME
+    if manifest.exists():
+        recipe = read_manifest_json(manifest)[0].get("recipe")  # malformed: InputError naming manifest.json
+        if recipe:
+            return safe_component(recipe, "recipe", file=manifest)
+    return safe_component(artifact.name, "--artifact (folder name; or give --recipe-name)", file=artifact)
 
 
 def handle(args: argparse.Namespace) -> int:
-    recipe_name = args.recipe_name or _recipe_name_of(args.artifact)
+    try:
+        artifact, baseline = args.artifact.resolve(), args.baseline.resolve()
+    except (OSError, ValueError) as error:
+        raise InputError(f"not a usable path ({error})", field="--artifact/--baseline") from None
+    recipe_name = recipe_name_for(artifact, args.recipe_name)
     job = GateJob(
-        artifact_dir=args.artifact.resolve(), baseline_dir=args.baseline.resolve(), recipe_name=recipe_name,
-        settings=gate_settings(args),
+        artifact_dir=artifact, baseline_dir=baseline, recipe_name=recipe_name,
+        settings=gate_settings(args), allow_unverified=args.allow_unverified,
     )
     with library_output_on_stderr():
         outcome = run_gate(job)
@@ -89,6 +102,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("gate", help="gate an existing artifact against its 16-bit baseline")
     parser.add_argument("--artifact", type=Path, required=True, help="quantized model folder (compressed-tensors)")
     parser.add_argument("--baseline", type=Path, required=True, help="the 16-bit source model folder")
-    parser.add_argument("--recipe-name", help="name used for policy overrides (default: from manifest.json)")
+    parser.add_argument("--recipe-name", help="name used for policy overrides and the run folder (default: from manifest.json)")
+    parser.add_argument(
+        "--allow-unverified", action="store_true",
+        help="gate an artifact that has no manifest.json (its files cannot be verified); it is reported as unverified and never registered",
+    )
     add_gate_options(parser)
     parser.set_defaults(handler=handle)

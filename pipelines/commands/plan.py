@@ -8,12 +8,25 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from pipelines.cli import float_arg, int_arg
 from pipelines.errors import InputError, from_validation_error
-from pipelines.output import console, emit, table
-from pipelines.plan_view import PLAN_COLUMNS, gib, plan_row_cells, plan_title, vllm_arguments
+from pipelines.output import emit, say, table
+from pipelines.plan_view import (
+    PLAN_COLUMNS,
+    gib,
+    plan_row_cells,
+    plan_title,
+    vllm_arguments,
+)
 from pipelines.planner import (
-    GiB,
     KV_CACHE_DTYPES,
+    MAX_BATCHED_TOKENS,
+    MAX_CONCURRENCY,
+    MAX_CONTEXT,
+    MAX_GPU_BANDWIDTH_GBS,
+    MAX_GPU_MEMORY_GIB,
+    MAX_OVERHEAD_GIB,
+    GiB,
     GpuSpec,
     Plan,
     PlanSettings,
@@ -39,20 +52,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--recipe", action="extend", nargs="+", default=[], metavar="RECIPE",
                         help="shipped recipe name (w8a8) or YAML path; repeatable")
     parser.add_argument("--gpu", metavar="NAME", help="a GPU from pipelines/data/gpus.yaml (see --list-gpus)")
-    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="or the device memory, in GiB")
-    parser.add_argument("--gpu-bandwidth-gbs", type=float, metavar="GBS", help="memory bandwidth in GB/s (decode ceiling)")
-    parser.add_argument("--max-model-len", type=int, metavar="N", help="tokens per sequence (default: the model's maximum)")
-    parser.add_argument("--concurrency", type=int, default=1, metavar="N", help="sequences at once (default 1)")
+    parser.add_argument("--gpu-memory-gib", type=float_arg(0, MAX_GPU_MEMORY_GIB, low_open=True), metavar="GIB",
+                        help="or the device memory, in GiB")
+    parser.add_argument("--gpu-bandwidth-gbs", type=float_arg(0, MAX_GPU_BANDWIDTH_GBS, low_open=True), metavar="GBS",
+                        help="memory bandwidth in GB/s (decode ceiling)")
+    parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), metavar="N",
+                        help="tokens per sequence (default: the model's maximum)")
+    parser.add_argument("--concurrency", type=int_arg(1, MAX_CONCURRENCY), default=1, metavar="N", help="sequences at once (default 1)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="as vLLM's --kv-cache-dtype (default auto: the config's kv_cache_scheme, else the model dtype)")
     defaults = PlanSettings()
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, metavar="N",
+    parser.add_argument("--max-num-batched-tokens", type=int_arg(1, MAX_BATCHED_TOKENS), default=defaults.max_num_batched_tokens, metavar="N",
                         help="tokens in vLLM's profiling pass, sizes activations (default %(default)s)")
-    parser.add_argument("--overhead-fraction", type=float, default=defaults.overhead_fraction, metavar="F",
+    parser.add_argument("--overhead-fraction", type=float_arg(0, 1), default=defaults.overhead_fraction, metavar="F",
                         help="slack on weights + KV + activations (default %(default)s)")
-    parser.add_argument("--overhead-gib", type=float, default=defaults.fixed_overhead_bytes / GiB, metavar="GIB",
+    parser.add_argument("--overhead-gib", type=float_arg(0, MAX_OVERHEAD_GIB), default=defaults.fixed_overhead_bytes / GiB, metavar="GIB",
                         help="fixed CUDA context and workspaces (default %(default)s)")
-    parser.add_argument("--max-gpu-memory-utilization", type=float, default=defaults.max_gpu_memory_utilization,
+    parser.add_argument("--max-gpu-memory-utilization", type=float_arg(0, 1, low_open=True), default=defaults.max_gpu_memory_utilization,
                         metavar="F", help="share of device memory a plan may use (default %(default)s)")
     parser.add_argument("--list-gpus", action="store_true", help="print the known GPUs and exit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -113,9 +129,9 @@ def _settings(args: argparse.Namespace) -> PlanSettings:
 
 
 def render_plan(result: Plan) -> None:
-    console.print(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
+    say(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
     for row in result.rows:
-        console.print(f"{row.scheme}: {vllm_arguments(row)}")
+        say(f"{row.scheme}: {vllm_arguments(row)}")
 
 
 def _render_gpus(gpus: list[GpuSpec]) -> None:
@@ -123,4 +139,4 @@ def _render_gpus(gpus: list[GpuSpec]) -> None:
         [g.name, gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-"]
         for g in gpus
     ]
-    console.print(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s"], rows))
+    say(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s"], rows))

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipelines.compiler import CompiledRecipe, compile_file
-from pipelines.output import console, emit, table
+from pipelines.output import console, emit, say, table
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import load_recipe, shipped_recipes
 
@@ -35,7 +35,7 @@ def list_recipes(args: argparse.Namespace) -> int:
     for name in shipped_recipes():
         recipe, path, _ = load_recipe(name)
         rows.append({"name": recipe.name, "file": str(path), "algorithm": recipe.algorithm.method, "description": recipe.description})
-    emit(rows, as_json=args.json, render=lambda r: console.print(table(None, ["name", "algorithm", "description"], [[x["name"], x["algorithm"], x["description"]] for x in r])))
+    emit(rows, as_json=args.json, render=lambda r: say(table(None, ["name", "algorithm", "description"], [[x["name"], x["algorithm"], x["description"]] for x in r])))
     return 0
 
 
@@ -57,5 +57,5 @@ def _compile(args: argparse.Namespace) -> CompiledRecipe:
 
 
 def _render_layers(result: dict) -> None:
-    console.print(f"{result['file']}: valid for {result['model']}")
-    console.print(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))
+    say(f"{result['file']}: valid for {result['model']}")
+    say(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))

@@ -7,9 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipelines.cli import int_arg
 from pipelines.errors import InputError
-from pipelines.output import console, emit, table
+from pipelines.output import emit, say, table
 from pipelines.registry import AliasTarget, Event, Registry, Version, gate_verdict
+from pipelines.yamlio import MAX_JSON_BYTES, read_user_text
+
+MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
+version_number = int_arg(1, MAX_VERSION)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name in ("promote", "reject"):
         sub = action(name, f"{name} a version by hand (recorded with the reason)", _change_status)
         sub.add_argument("model", metavar="MODEL")
-        sub.add_argument("version", metavar="VERSION", type=int)
+        sub.add_argument("version", metavar="VERSION", type=version_number)
         sub.add_argument("--reason", required=True, help="why; kept in the history")
         sub.add_argument("--evidence", type=Path, help="a JSON file recorded with the change")
         if name == "promote":
@@ -44,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = action("alias", "point an alias (e.g. production) at a promoted version", _alias)
     sub.add_argument("model", metavar="MODEL")
     sub.add_argument("alias", metavar="ALIAS")
-    sub.add_argument("version", metavar="VERSION", type=int)
+    sub.add_argument("version", metavar="VERSION", type=version_number)
     sub.add_argument("--reason", default="", help="why; kept in the history")
 
     sub = action("rollback", "move an alias back to the version it pointed at before", _rollback)
@@ -55,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = action("history", "every registration, status change and alias move", _history)
     sub.add_argument("model", metavar="MODEL", nargs="?")
     sub.add_argument("--alias", help="only moves of this alias")
-    sub.add_argument("--version", type=int, help="only events about this version")
+    sub.add_argument("--version", type=version_number, help="only events about this version")
 
     sub = action("export-mlflow", "register a promoted version in an MLflow model registry", _export_mlflow)
     sub.add_argument("model", metavar="MODEL")
@@ -74,7 +79,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    version = _open(args).show(args.model, args.version)
+    wanted = version_or_alias(args.version)  # checked before the database is opened
+    version = _open(args).show(args.model, wanted)
     emit(version, as_json=args.json, render=_render_version)
     return 0
 
@@ -112,15 +118,16 @@ def _history(args: argparse.Namespace) -> int:
 def _export_mlflow(args: argparse.Namespace) -> int:
     from pipelines.mlflow_export import DEFAULT_TRACKING_URI, export_to_mlflow
 
-    version = _open(args).resolve(args.model, args.version)
+    wanted = version_or_alias(args.version)
+    version = _open(args).resolve(args.model, wanted)
     result = export_to_mlflow(version, tracking_uri=args.tracking_uri or DEFAULT_TRACKING_URI, alias=args.alias)
 
     def render(value: Any) -> None:
         state = "already exported as" if value.reused else "exported as"
-        console.print(f"{version.model} v{version.version} {state} MLflow model "
-                      f"{value.registered_model!r} version {value.model_version} ({value.tracking_uri})")
+        say(f"{version.model} v{version.version} {state} MLflow model "
+            f"{value.registered_model!r} version {value.model_version} ({value.tracking_uri})")
         if value.alias:
-            console.print(f"alias {value.alias!r} -> version {value.model_version}")
+            say(f"alias {value.alias!r} -> version {value.model_version}")
 
     emit(result, as_json=args.json, render=render)
     return 0
@@ -129,19 +136,46 @@ def _export_mlflow(args: argparse.Namespace) -> int:
 # --- helpers ------------------------------------------------------------------------------------------
 
 
+def version_or_alias(text: str) -> int | str:
+    """A version number (ASCII digits, 1..MAX_VERSION) or an alias name; anything else is an InputError."""
+    if text.isascii() and text.isdigit():
+        return version_number_or_error(text)
+    if not text or any(char.isdigit() for char in text if not char.isascii()) or not text.isprintable():
+        raise InputError(f"not a version number or an alias name (got {text!r})", field="VERSION_OR_ALIAS")
+    return text
+
+
+def version_number_or_error(text: str) -> int:
+    try:
+        return version_number(text)
+    except argparse.ArgumentTypeError as error:
+        raise InputError(str(error), field="VERSION") from None
+
+
 def _open(args: argparse.Namespace) -> Registry:
-    if args.registry is not None and not args.registry.is_file():
-        raise InputError("no registry database at this path", file=args.registry, field="--registry")
+    if args.registry is not None:
+        try:
+            found = args.registry.is_file()
+        except (OSError, ValueError) as error:
+            raise InputError(f"not a usable path ({getattr(error, 'strerror', None) or error})", file=args.registry, field="--registry") from None
+        if not found:
+            raise InputError("no registry database at this path", file=args.registry, field="--registry")
     return Registry(args.registry)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def _read_evidence(path: Path) -> dict[str, Any]:
+    text = read_user_text(path, what="evidence", field="--evidence", max_bytes=MAX_JSON_BYTES)
     try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError("evidence file does not exist", file=path, field="--evidence") from None
+        value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         raise InputError(f"evidence is not valid JSON ({error})", file=path, field="--evidence") from None
+    except (ValueError, RecursionError) as error:
+        reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
+        raise InputError(f"evidence is not valid JSON ({reason})", file=path, field="--evidence") from None
     if not isinstance(value, dict):
         raise InputError("evidence must be a JSON object", file=path, field="--evidence")
     return value
@@ -149,13 +183,13 @@ def _read_evidence(path: Path) -> dict[str, Any]:
 
 def _render_versions(versions: list[Version]) -> None:
     if not versions:
-        console.print("no versions registered yet")
+        say("no versions registered yet")
         return
     rows = [
         [v.model, v.version, v.status, ", ".join(v.aliases), v.recipe_name, _verdict(v), _when(v.created_at)]
         for v in versions
     ]
-    console.print(table("Registry", ["model", "ver", "status", "aliases", "recipe", "gate", "created (UTC)"], rows))
+    say(table("Registry", ["model", "ver", "status", "aliases", "recipe", "gate", "created (UTC)"], rows))
 
 
 def _render_version(version: Version) -> None:
@@ -168,12 +202,12 @@ def _render_version(version: Version) -> None:
         ["gate evidence", version.gate_path or "-"], ["gate verdict", _verdict(version) or "-"],
         ["created (UTC)", version.created_at], ["updated (UTC)", version.updated_at],
     ]
-    console.print(table(f"{version.model} v{version.version}", ["field", "value"], rows))
+    say(table(f"{version.model} v{version.version}", ["field", "value"], rows))
 
 
 def _render_alias(target: AliasTarget) -> None:
     before = f" (previously v{target.previous})" if target.previous is not None else ""
-    console.print(f"{target.model}: {target.alias} -> v{target.version}{before}")
+    say(f"{target.model}: {target.alias} -> v{target.version}{before}")
 
 
 def _render_events(events: list[Event]) -> None:
@@ -181,7 +215,7 @@ def _render_events(events: list[Event]) -> None:
         [_when(e.at), e.model, e.kind.replace("alias_", ""), _move(e) or e.version, e.alias or "", e.reason]
         for e in events
     ]
-    console.print(table("Registry history", ["at (UTC)", "model", "event", "version", "alias", "reason"], rows))
+    say(table("Registry history", ["at (UTC)", "model", "event", "version", "alias", "reason"], rows))
 
 
 def _when(timestamp: str) -> str:

@@ -187,7 +187,8 @@ def broken_model(workspace: Workspace) -> Path:
 @pytest.fixture(scope="session")
 def broken_start_run(workspace: Workspace, w8a8_run: CommandRun, broken_model: Path, smallest_set: str) -> CommandRun:
     return workspace.quantize(
-        "gate", "--artifact", str(broken_model), "--baseline", str(DEMO_MODEL_DIR), "--eval-sets", smallest_set, "--json"
+        "gate", "--artifact", str(broken_model), "--baseline", str(DEMO_MODEL_DIR), "--eval-sets", smallest_set, "--json",
+        "--allow-unverified",
     )
 
 
@@ -195,7 +196,7 @@ def broken_start_run(workspace: Workspace, w8a8_run: CommandRun, broken_model: P
 def self_gate_run(workspace: Workspace, broken_start_run: CommandRun, smallest_set: str) -> CommandRun:
     """The CI example script gating the 16-bit model against itself; it runs after the failed start on purpose."""
     return workspace.run(
-        ["bash", str(CI_GATE_SCRIPT), str(DEMO_MODEL_DIR), str(DEMO_MODEL_DIR), "--eval-sets", smallest_set],
+        ["bash", str(CI_GATE_SCRIPT), str(DEMO_MODEL_DIR), str(DEMO_MODEL_DIR), "--eval-sets", smallest_set, "--allow-unverified"],
         env={"QUANTIZE": str(QUANTIZE), "PYTHON": sys.executable},
     )
 

@@ -7,6 +7,7 @@ registry; these tests read what they left: exit codes, --json outcomes, gate.jso
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 from vllm_util import complete
 
-from pipelines.evalsets import discover_eval_sets, load_task_config
+from pipelines.evalsets import discover_eval_sets
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.serving import vllm_server
+from pipelines.serving import RunningServer, vllm_server
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +114,7 @@ def test_the_run_after_a_failed_start_works(broken_start_run, self_gate_run):
 def test_an_item_longer_than_the_context_is_refused_before_serving(workspace, smallest_set: str, no_process_left):
     run = workspace.quantize(
         "gate", "--artifact", str(DEMO_MODEL_DIR), "--baseline", str(DEMO_MODEL_DIR),
-        "--eval-sets", smallest_set, "--max-model-len", "40", "--no-registry",
+        "--eval-sets", smallest_set, "--max-model-len", "40", "--no-registry", "--allow-unverified",
     )
     assert run.code == 2, run.describe()
     assert f"eval set {smallest_set}" in run.error_line and "item 0 is" in run.error_line
@@ -123,13 +124,13 @@ def test_an_item_longer_than_the_context_is_refused_before_serving(workspace, sm
     no_process_left(run)
 
 
-def _lm_eval_by_hand(base_url: str, artifact: Path, set_folder: Path, task: str, output: Path) -> subprocess.CompletedProcess:
-    """lm-eval's own command line, as a user would type it, run from the eval set's folder."""
-    model_args = f"model=candidate,base_url={base_url}/completions,tokenizer={artifact},tokenized_requests=False,num_concurrent=4"
+def _lm_eval_by_hand(server: RunningServer, artifact: Path, set_folder: Path, task: str, output: Path) -> subprocess.CompletedProcess:
+    """lm-eval's own command line, as a user would type it (with the server's key), run from the eval set's folder."""
+    model_args = f"model=candidate,base_url={server.base_url}/completions,tokenizer={artifact},tokenized_requests=False,num_concurrent=4"
     return subprocess.run(
         [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
          "--tasks", task, "--include_path", str(set_folder), "--output_path", str(output), "--log_samples"],
-        cwd=set_folder, capture_output=True, text=True, timeout=900,
+        cwd=set_folder, capture_output=True, text=True, timeout=900, env={**os.environ, "OPENAI_API_KEY": server.api_key},
     )
 
 
@@ -137,10 +138,10 @@ def test_reported_scores_equal_lm_eval_own_command_line(w8a8_run, smallest_set: 
     assert w8a8_run.code == 0, w8a8_run.describe()
     artifact, run_dir = Path(w8a8_run.json["artifact_dir"]), Path(w8a8_run.json["run_dir"])
     (eval_set,) = [s for s in discover_eval_sets() if s.name == smallest_set]
-    task = str(load_task_config(eval_set.task_yaml)["task"])
+    task = eval_set.task_name
     (reported,) = [s for s in gate_report(w8a8_run)["gate"]["sets"] if s["eval_set"] == smallest_set]
     with vllm_server(artifact, log_path=tmp_path / "server.log", served_name="candidate") as server:
-        result = _lm_eval_by_hand(server.base_url, artifact, eval_set.folder, task, tmp_path / "out")
+        result = _lm_eval_by_hand(server, artifact, eval_set.folder, task, tmp_path / "out")
         answer = complete(server, "Ticket 7: order", max_tokens=4)
     assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["finish_reason"] in ("length", "stop")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -14,7 +14,7 @@ def complete(server: RunningServer, prompt: str, *, max_tokens: int = 4) -> dict
     response = httpx.post(
         f"{server.base_url}/completions",
         json={"model": server.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-        timeout=server.request_timeout_s,
+        headers=server.auth_headers, timeout=server.request_timeout_s,
     )
     assert response.status_code == 200, f"vLLM answered {response.status_code}: {response.text[:300]} | {log_tail(server.log_path)}"
     return response.json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -230,3 +231,157 @@ def test_the_ci_example_script_follows_the_exit_code_and_gate_json(tmp_path, cod
     assert "warning: tickets: 120 items < min_items 200" in result.stdout
     if verdict == "rejected":
         assert "reason: tickets: drop 10.00 points > max_abs_drop 2.0" in result.stdout
+
+
+# --- the exit contract (docs/exit-codes.md) ------------------------------------------------------------------
+
+
+@pytest.fixture
+def logs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The artifacts root internal-error tracebacks go under (logs/), private to the test."""
+    from pipelines import paths
+
+    root = tmp_path / "artifacts"
+    monkeypatch.setattr(paths, "ARTIFACTS_DIR", root)
+    return root
+
+
+def crash_with(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    def crash(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(run_command, "quantize_and_gate", crash)
+
+
+def test_an_unexpected_exception_exits_2_with_one_line_and_the_traceback_in_a_log(capsys, monkeypatch, logs_root):
+    crash_with(monkeypatch, RuntimeError("disk on\nfire"))
+    code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    (line,) = err.strip().splitlines()
+    assert code == 2 and out == ""
+    assert line.startswith("quantize: internal error: RuntimeError: disk on fire (traceback in ")
+    log = Path(line.rsplit("traceback in ", 1)[1].removesuffix(")"))
+    assert log.parent == logs_root / "logs"
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "RuntimeError: disk on" in text and "'--recipe', 'w8a8'" in text
+
+
+def test_an_internal_error_with_json_is_one_object_on_stdout(capsys, monkeypatch, logs_root):
+    crash_with(monkeypatch, KeyError("x"))
+    code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry", "--json")
+    document = json.loads(out)
+    assert code == 2 and document["exit_code"] == 2 and document["kind"] == "internal"
+    assert document["error"] == "KeyError: 'x'" and Path(document["traceback"]).is_file()
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_traceback_goes_to_the_temporary_folder_when_the_artifacts_root_is_not_writable(capsys, monkeypatch, tmp_path):
+    import tempfile
+
+    from pipelines import paths
+
+    blocker = tmp_path / "artifacts-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(paths, "ARTIFACTS_DIR", blocker)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    crash_with(monkeypatch, RuntimeError("boom"))
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and f"(traceback in {tmp_path / 'tmp' / 'quantgate-logs'}" in err
+
+
+@pytest.mark.parametrize("error", [SystemExit(1), SystemExit("library gave up"), MemoryError(), RecursionError("deep")])
+def test_nothing_a_library_raises_exits_1(capsys, monkeypatch, logs_root, error):
+    crash_with(monkeypatch, error)
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and err.startswith("quantize: internal error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_an_error_claiming_exit_1_still_exits_2(capsys, monkeypatch):
+    class Odd(ServeError):
+        exit_code = 1
+
+    crash_with(monkeypatch, Odd("server said no", file="server.log"))
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and err.strip() == "quantize: error: server.log: server said no"
+
+
+def test_a_handler_returning_something_else_than_0_1_2_is_an_internal_error(capsys, monkeypatch, logs_root):
+    monkeypatch.setattr(run_command, "quantize_and_gate", lambda *a, **k: None)
+    monkeypatch.setattr(run_command, "print_outcome", lambda outcome, as_json: 7)
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and "returned 7, not 0, 1 or 2" in err
+
+
+def test_an_interrupt_exits_2(capsys, monkeypatch):
+    crash_with(monkeypatch, KeyboardInterrupt())
+    code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert code == 2 and err.strip() == "quantize: interrupted; servers stopped and partial outputs removed"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--recipe"], "argument --recipe: expected one argument"),
+        ([], "the following arguments are required: --recipe"),
+        (["registry", "show", "demo-llama"], "quantize registry show: the following arguments are required"),
+        (["registry", "promote", "demo-llama", "99999999999999999999999", "--reason", "x"], "argument VERSION: must be an integer from 1 to"),
+        (["plan", "--gpu", "T4", "--max-model-len", "0"], "argument --max-model-len: must be an integer from 1 to"),
+        (["plan", "--gpu-memory-gib", "1e300"], "argument --gpu-memory-gib: must be a finite number"),
+        (["plan", "--gpu-memory-gib", "nan"], "argument --gpu-memory-gib: must be a finite number"),
+        (["eval-sets", "nonsense"], "invalid choice: 'nonsense'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, argv, words):
+    code, out, err = run_cli(capsys, *argv)
+    (line,) = err.strip().splitlines()
+    assert code == 2 and out == "" and line.startswith("quantize: error: quantize") and words in line
+    with_json = ["--json", *argv] if argv[:1] == ["--recipe"] else [*argv, "--json"]  # `--recipe` would take it as its value
+    code, out, _ = run_cli(capsys, *with_json)
+    document = json.loads(out)
+    assert code == 2 and document["kind"] == "usage" and document["exit_code"] == 2 and words in document["error"]
+
+
+def test_json_input_errors_name_file_and_field(capsys, recorded, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("defaults:\n  max_abs_drop: .nan\n")
+    code, out, err = run_cli(capsys, "--recipe", "w8a8", "--policy", str(policy), "--json")
+    assert code == 2 and recorded == []
+    assert json.loads(out) == {
+        "error": "must be a finite number (got nan)", "file": str(policy), "field": "defaults.max_abs_drop",
+        "kind": "input", "exit_code": 2,
+    }
+    assert err.strip() == f"quantize: error: {policy}: defaults.max_abs_drop: must be a finite number (got nan)"
+
+
+def test_control_characters_in_an_error_are_shown_escaped(capsys, monkeypatch):
+    crash_with(monkeypatch, ServeError("model \x1b]8;;http://evil.example\x07click\x1b]8;;\x07 died", file="x\x1b[2J.log"))
+    _, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
+    assert "\x1b" not in err and "\x07" not in err and "x\\x1b[2J.log" in err
+
+
+# --- what the registry prints is literal: rich markup in names and reasons is text ----------------------------
+
+
+def test_registry_output_shows_markup_literally_and_renders_no_link(capsys, monkeypatch, tmp_path):
+    import io
+
+    from rich.console import Console
+    from test_registry import make_artifact, make_gate, new_version
+
+    from pipelines import output
+    from pipelines.registry import Registry
+
+    model, reason = "m[/x]", "[/x] see [link=http://evil.example]here[/link]"
+    registry = Registry(tmp_path / "r.db")
+    version = registry.register(new_version(make_artifact(tmp_path / "a"), make_gate(tmp_path / "g.json"), model=model))
+    registry.promote(version.id, reason)
+    terminal = io.StringIO()
+    monkeypatch.setattr(output, "console", Console(file=terminal, force_terminal=True, width=250, highlight=False, emoji=False))
+    monkeypatch.setattr("pipelines.commands.registry.say", output.say)
+    db = ["--registry", str(tmp_path / "r.db")]
+    for argv in (["show", model, "1"], ["list"], ["history"], ["alias", model, "prod", "1", "--reason", "[bold]x[/bold]"]):
+        assert cli.main(["registry", *argv, *db]) == 0, capsys.readouterr().err
+    printed = terminal.getvalue()
+    assert "\x1b]8;" not in printed  # no OSC 8 hyperlink
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", printed)
+    assert plain.count(reason) == 2 and plain.count(model) >= 4 and f"{model}: prod -> v1" in plain

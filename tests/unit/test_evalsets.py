@@ -365,7 +365,10 @@ def test_cli_validate_reports_the_broken_set(tmp_path: Path, capsys: pytest.Capt
     write_set(tmp_path, "warranty", lines=['{"question": "q", "answer": "a"}', "not json"])
     assert main(["eval-sets", "validate", "--root", str(tmp_path), "--json"]) == 2
     captured = capsys.readouterr()
-    rows = json.loads(captured.out)
+    document = json.loads(captured.out)  # one JSON document: the error, with every set's row
+    assert document["exit_code"] == 2 and document["kind"] == "input" and document["field"] == "line 2"
+    assert document["file"].endswith("warranty/data.jsonl") and document["error"].startswith("invalid JSON")
+    rows = document["sets"]
     assert [(r["name"], r["status"]) for r in rows] == [("refunds", "ok"), ("warranty", "error")]
     error_lines = captured.err.strip().splitlines()
     assert len(error_lines) == 1
@@ -383,3 +386,128 @@ def test_cli_list_and_validate_succeed_on_good_sets(tmp_path: Path, capsys: pyte
 def test_identical_lines_are_two_items(tmp_path: Path) -> None:
     line = json.dumps(GOOD_ITEMS[0])
     assert evalsets.validate_eval_set(write_set(tmp_path, lines=[line, line])).num_items == 2
+
+
+# --- eval sets are code: templates rendered in a sandbox, data only from the set's folder --------------------
+
+
+@pytest.mark.parametrize(("template", "words"), [
+    ("{{ self.__init__.__globals__ }}", "refused by the template sandbox"),
+    ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", "refused by the template sandbox"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "refused by the template sandbox"),
+    ("{% set seen = [] %}{{ seen.append(question) }}", "refused by the template sandbox"),
+    ("{{ 'x' * 10**10 }}", "refused by the template sandbox"),
+    ("{{ 9 ** 99999999 }}", "refused by the template sandbox"),
+    ("{{ question.missing.deeper }}", "undefined in the template"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% for i in range(10**9) %}x{% endfor %}", "MAX_RANGE"),
+])
+def test_a_template_the_sandbox_refuses_names_the_key_and_the_item(tmp_path: Path, template: str, words: str) -> None:
+    error = invalid(tmp_path, config={"doc_to_text": template})
+    assert error.field == "doc_to_text" and words in error.message
+    assert "data.jsonl line 1)" in error.message  # the first item it was rendered for
+
+
+def test_a_jinja_syntax_error_names_the_key(tmp_path: Path) -> None:
+    error = invalid(tmp_path, config={"doc_to_target": "{% if %}"})
+    assert error.field == "doc_to_target" and error.message.startswith("Jinja syntax error: ")
+
+
+def test_an_item_specific_failure_names_its_line(tmp_path: Path) -> None:
+    lines = [json.dumps({"question": 2, "answer": "a"}), json.dumps({"question": 0, "answer": "a"})]
+    error = invalid(tmp_path, config={"doc_to_text": "{{ 10 / question }}"}, lines=lines)
+    assert error.field == "doc_to_text" and "ZeroDivisionError" in error.message and "data.jsonl line 2)" in error.message
+
+
+def test_safe_templates_render_as_lm_eval_renders_them(tmp_path: Path) -> None:
+    config = {"doc_to_text": "Q: {{ question | upper | regex_replace('Q', 'K') }}", "doc_to_target": "{{ (answer | string)[:1] }}"}
+    found = evalsets.validate_eval_set(write_set(tmp_path, config=config))
+    assert evalsets.render_template(found.config["doc_to_text"], GOOD_ITEMS[0]) == "Q: K0"
+
+
+def test_a_rendered_doc_to_choice_must_be_a_list(tmp_path: Path) -> None:
+    config = {**MC_CONFIG, "doc_to_choice": "{{ question }}", "metric_list": [{"metric": "acc"}]}
+    error = invalid(tmp_path, config=config, lines=MC_ITEMS)
+    assert error.field == "doc_to_choice" and "list literal" in error.message
+    found = evalsets.validate_eval_set(write_set(tmp_path / "ok", config={**config, "doc_to_choice": "{{ ['yes', 'no'] }}"}, lines=MC_ITEMS))
+    assert found.num_items == len(MC_ITEMS)
+
+
+@pytest.mark.parametrize(("data_files", "field", "words"), [
+    ({"test": "/etc/passwd"}, "dataset_kwargs.data_files.test", "relative to the set's folder"),
+    ({"test": "../other/data.jsonl"}, "dataset_kwargs.data_files.test", "no '..'"),
+    ({"test": "sub/../../x.jsonl"}, "dataset_kwargs.data_files.test", "no '..'"),
+    ({"test": "~/data.jsonl"}, "dataset_kwargs.data_files.test", "relative to the set's folder"),
+    ({"test": "https://evil.example/d.jsonl"}, "dataset_kwargs.data_files.test", "no URL"),
+    ({"test": "*.jsonl"}, "dataset_kwargs.data_files.test", "no glob"),
+    ({"test": "data.jsonl", "train": "/etc/shadow"}, "dataset_kwargs.data_files.train", "relative to the set's folder"),
+])
+def test_data_files_must_stay_inside_the_set_folder(tmp_path: Path, data_files: dict, field: str, words: str) -> None:
+    error = invalid(tmp_path, config={"dataset_kwargs": {"data_files": data_files}})
+    assert error.field == field and words in error.message
+
+
+def test_a_symlink_out_of_the_set_folder_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text(json.dumps(GOOD_ITEMS[0]) + "\n")
+    folder = write_set(tmp_path / "sets", config={"dataset_kwargs": {"data_files": {"test": "linked.jsonl"}}})
+    (folder / "linked.jsonl").symlink_to(outside)
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.field == "dataset_kwargs.data_files.test" and "leads outside the set's folder" in caught.value.message
+    (folder / "inside.jsonl").symlink_to(folder / "data.jsonl")  # a link that stays inside is fine
+    (folder / "refunds.yaml").write_text((folder / "refunds.yaml").read_text().replace("linked.jsonl", "inside.jsonl"))
+    assert evalsets.validate_eval_set(folder).num_items == len(GOOD_ITEMS)
+
+
+def test_dataset_kwargs_other_than_data_files_are_refused(tmp_path: Path) -> None:
+    error = invalid(tmp_path, config={"dataset_kwargs": {"data_files": {"test": "data.jsonl"}, "data_dir": "/etc"}})
+    assert error.field == "dataset_kwargs.data_dir"
+
+
+def test_function_helpers_are_kept_as_data_and_never_imported(tmp_path: Path) -> None:
+    folder = write_set(tmp_path / "sets")
+    marker = tmp_path / "imported"
+    (folder / "helpers.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef score(doc, results):\n    return {{}}\n")
+    (folder / "refunds.yaml").write_text((folder / "refunds.yaml").read_text() + "process_results: !function helpers.score\n")
+    found = evalsets.validate_eval_set(folder)
+    assert isinstance(found.config["process_results"], evalsets.FunctionRef) and not marker.exists()
+
+
+@pytest.mark.parametrize(("text", "field", "words"), [
+    (b"task: refunds\xff\n", "line 1", "not UTF-8"),
+    (b"l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + b"".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n".encode() for i in range(1, 9)),
+     "line 5", "more than 10000 values"),
+    (b"a: " + b"[" * 3000 + b"]" * 3000 + b"\n", "line 1", "nested deeper than 64"),
+    (b"# " + b"x" * (2 * 1024 * 1024) + b"\n", None, "larger than 1 MiB"),
+    (b"max_gen_toks: .inf\n", "max_gen_toks", "finite number"),
+])
+def test_hostile_task_yaml_is_refused(tmp_path: Path, text: bytes, field, words: str) -> None:
+    folder = write_set(tmp_path)
+    (folder / "refunds.yaml").write_bytes(text)
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("refunds.yaml") and words in caught.value.message
+    if field:
+        assert caught.value.field == field
+
+
+def test_a_byte_order_mark_is_accepted_in_yaml_and_data(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    for name in ("refunds.yaml", "data.jsonl"):
+        (folder / name).write_bytes(b"\xef\xbb\xbf" + (folder / name).read_bytes())
+    assert evalsets.validate_eval_set(folder).num_items == len(GOOD_ITEMS)
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    (b'{"question": "q\xff", "answer": "a"}', "not UTF-8"),
+    (b'{"question": "q", "answer": NaN}', "NaN is not a number JSON allows"),
+    (b'{"question": "q", "answer": -Infinity}', "-Infinity is not a number JSON allows"),
+    (b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b', "answer": "a"}', "nested too deep"),
+])
+def test_hostile_data_lines_name_the_file_and_line(tmp_path: Path, line: bytes, words: str) -> None:
+    folder = write_set(tmp_path)
+    (folder / "data.jsonl").write_bytes(json.dumps(GOOD_ITEMS[0]).encode() + b"\n" + line + b"\n")
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("data.jsonl") and caught.value.field == "line 2" and words in caught.value.message

@@ -1,4 +1,5 @@
-"""The registry job without servers: validation up front, failures recorded and survived, the ledger."""
+"""The registry job without servers: validation up front (recipes compiled against each model), failures
+recorded and survived, the ledger (verified cached skips; a corrupt ledger is named)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pipelines.job import JobSummary, plan_candidates, load_job, run_job
 from pipelines.runner import RunOutcome
 
 from fakes import make_eval_set
+from test_registry import make_artifact
+from test_runner import LLAMA_CONFIG, make_model
 
 RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
 
@@ -32,9 +35,12 @@ class FakeRunner:
         if isinstance(what, BaseException):
             raise what
         run_dir = self.tmp_path / "runs" / f"{recipe}-{len(self.calls)}"
+        artifact = self.tmp_path / "candidates" / model_dir.name / recipe
+        if not artifact.exists():  # what quantize leaves: the files and manifest.json
+            make_artifact(artifact, weights=recipe.encode())
         return RunOutcome(
             verdict=what, exit_code=0 if what == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
-            report_md=run_dir / "report.md", artifact_dir=self.tmp_path / recipe, registry_version=len(self.calls),
+            report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=len(self.calls),
             reasons=[] if what == "promoted" else [f"tickets: drop 9.00 points > max_abs_drop 2.0 ({recipe})"], stages={},
         )
 
@@ -43,9 +49,7 @@ class FakeRunner:
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets"), make_eval_set(tmp_path / "eval_sets", "orders")]
     monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
-    model = tmp_path / "models" / "demo-llama"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text("{}")
+    make_model(tmp_path / "models" / "demo-llama")  # config.json + safetensors: the compiler can check recipes against it
     return tmp_path
 
 
@@ -138,7 +142,7 @@ def test_changed_inputs_are_not_skipped(workspace, monkeypatch):
     path = demo_job(workspace, ["w8a8"])
     install(monkeypatch, FakeRunner(workspace, {}))
     run_job(path, jobs_dir=workspace / "jobs")
-    (workspace / "models" / "demo-llama" / "config.json").write_text('{"retrained": true}')
+    (workspace / "models" / "demo-llama" / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "rope_theta": 20000.0}))
     again = install(monkeypatch, FakeRunner(workspace, {}))
     summary = run_job(path, jobs_dir=workspace / "jobs")
     assert again.calls == [("demo-llama", "w8a8")] and not summary.results[0].skipped
@@ -164,3 +168,90 @@ def test_the_summary_table_shows_one_line_per_failed_set():
     ]
     assert reasons_by_set(reasons) == "dates: drop 68.00 points > max_abs_drop 2.0 (+1 more)\nrefs: drop 96.40 points > max_abs_drop 1.0"
     assert reasons_by_set([]) == ""
+
+
+def test_a_recipe_that_cannot_apply_to_its_model_fails_at_plan_time(workspace, monkeypatch):
+    # intermediate 800 is not a multiple of w4a16's group of 128: quantize would refuse it after loading
+    # and hashing the model; the job refuses it before any candidate runs, naming file, candidate, reason.
+    odd = make_model(workspace / "models" / "odd-llama")
+    (odd / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "intermediate_size": 800}))
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = write_job(
+        workspace,
+        "name: nightly\ncandidates:\n  - model: models/demo-llama\n    recipes: [w8a8, w4a16]\n"
+        "  - model: models/odd-llama\n    recipes: [w8a8, w4a16]\n",
+    )
+    with pytest.raises(InputError) as raised:
+        run_job(path, jobs_dir=workspace / "jobs")
+    message = raised.value.one_line()
+    assert message.startswith(f"{path}: 1 problem(s)")
+    assert "candidates.1 (odd-llama x w4a16): recipe cannot apply to this model" in message
+    assert "group_size 128 does not divide the input size 800" in message and "w4a16.yaml" in message
+    assert fake.calls == [] and not (workspace / "jobs").exists()
+
+
+def test_a_model_folder_without_valid_weights_fails_at_plan_time(workspace, monkeypatch):
+    (workspace / "models" / "demo-llama" / "model.safetensors").write_bytes(b"\x08")
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    with pytest.raises(InputError, match=r"candidates\.0\.model: .*model\.safetensors.*truncated"):
+        run_job(demo_job(workspace, ["w8a8"]), jobs_dir=workspace / "jobs")
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", '{"decided": []}', '{"decided": {"k": {"status": "promoted"}}}', '{"decided": {"k": NaN}}', "\xff\xfe"],
+    ids=["bad-json", "not-object", "decided-not-object", "entry-missing-fields", "nan", "not-utf8"],
+)
+def test_a_corrupt_ledger_is_exit_2_naming_the_file(workspace, monkeypatch, capsys, content):
+    from pipelines.cli import main
+
+    install(monkeypatch, FakeRunner(workspace, {}))
+    ledger = workspace / "jobs" / "nightly.json"
+    ledger.parent.mkdir()
+    ledger.write_bytes(content.encode("latin-1"))
+    path = demo_job(workspace, ["w8a8"])
+    with pytest.raises(InputError, match="corrupt job ledger") as raised:
+        run_job(path, jobs_dir=workspace / "jobs")
+    assert raised.value.file == str(ledger)
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace))
+    code = main(["job", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and str(ledger) in err and "Traceback" not in err
+
+
+def test_the_ledger_records_which_artifact_was_judged(workspace, monkeypatch):
+    install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(demo_job(workspace, ["w8a8"]), jobs_dir=workspace / "jobs")
+    (entry,) = json.loads((workspace / "jobs" / "nightly.json").read_text())["decided"].values()
+    artifact = workspace / "candidates" / "demo-llama" / "w8a8"
+    assert entry["artifact_dir"] == str(artifact)
+    assert entry["manifest_sha256"] == job_module.sha256_file(artifact / "manifest.json")
+    assert set(entry["fingerprint"]) == {"manifest.json", "model.safetensors", "config.json", "sub/tokenizer.json"}
+
+
+def test_an_old_ledger_entry_without_its_artifact_is_run_again_not_trusted(workspace, monkeypatch):
+    path = demo_job(workspace, ["w8a8"])
+    install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    ledger = workspace / "jobs" / "nightly.json"
+    data = json.loads(ledger.read_text())
+    for entry in data["decided"].values():
+        for field in ("artifact_dir", "manifest_sha256", "fingerprint"):
+            entry.pop(field)
+    ledger.write_text(json.dumps(data))
+    again = install(monkeypatch, FakeRunner(workspace, {}))
+    summary = run_job(path, jobs_dir=workspace / "jobs")
+    assert again.calls == [("demo-llama", "w8a8")] and not summary.results[0].skipped
+
+
+def test_a_cached_rejection_stands_even_when_its_artifact_was_deleted(workspace, monkeypatch):
+    import shutil
+
+    path = demo_job(workspace, ["aggressive"])
+    install(monkeypatch, FakeRunner(workspace, {"aggressive": "rejected"}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    shutil.rmtree(workspace / "candidates" / "demo-llama" / "aggressive")  # rejected artifacts pruned to save disk
+    again = install(monkeypatch, FakeRunner(workspace, {}))
+    summary = run_job(path, jobs_dir=workspace / "jobs")
+    assert again.calls == [] and statuses(summary) == {"aggressive": ("rejected", True)}

@@ -72,6 +72,30 @@ def test_only_promoted_versions_are_exported(tmp_path: Path) -> None:
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_version_tags_carry_the_manifest_hash(tmp_path: Path) -> None:
+    from pipelines.hashing import sha256_file
+    from pipelines.mlflow_export import version_tags
+
+    _, version = make_promoted(tmp_path)
+    tags = version_tags(version)
+    assert tags["quantgate.manifest_hash"] == sha256_file(Path(version.artifact_path) / "manifest.json")
+    assert tags["quantgate.artifact_hash"] == version.artifact_hash
+
+
+@pytest.mark.parametrize("damage", ["weights", "manifest"])
+def test_export_verifies_the_artifact_itself_before_logging_it(tmp_path: Path, damage: str) -> None:
+    # A library caller holding a Version from earlier (not through Registry.resolve) is checked too.
+    _, version = make_promoted(tmp_path)
+    artifact = Path(version.artifact_path)
+    if damage == "weights":
+        (artifact / "model.safetensors").write_bytes(b"swapped")
+    else:
+        (artifact / "manifest.json").write_text((artifact / "manifest.json").read_text() + " ")
+    with pytest.raises(InputError, match="model.safetensors" if damage == "weights" else "manifest.json changed"):
+        export_to_mlflow(version, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.fixture
 def offline_mlflow(monkeypatch) -> list:
     """No MLflow settings from the environment, and any attempt to open a network connection recorded."""

@@ -379,3 +379,111 @@ def test_cli_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.Cap
     assert cli.main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("quantize: error:") and "\n" not in error
+
+
+# --- input bounds: every size finite, positive and far below what would hang or overflow -------------------
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"num_hidden_layers": 20_000_000}, "num_hidden_layers"),  # used to loop over 20 M layers
+    ({"num_hidden_layers": 2e7}, "num_hidden_layers"),
+    ({"hidden_size": 10**30, "num_attention_heads": 1}, "hidden_size"),
+    ({"vocab_size": 2**40}, "vocab_size"),
+    ({"intermediate_size": 10**9}, "intermediate_size"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings"),
+    ({"sliding_window": 10**12}, "sliding_window"),
+    ({"sliding_window": 64, "sliding_window_pattern": "2"}, "sliding_window_pattern"),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": "a"}, "max_window_layers"),
+    ({"quantization_config": {"kv_cache_scheme": {"num_bits": float("inf")}}}, "quantization_config.kv_cache_scheme.num_bits"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": "x"}, "shared_expert_intermediate_size"),
+])
+def test_absurd_config_sizes_are_input_errors(change: dict, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        plan({**TINY, **change}, [None], gpu_spec("T4"), 512, 1)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("max_model_len, concurrency, field", [(2**24 + 1, 1, "max_model_len"), (512, 10**30, "concurrency")])
+def test_absurd_request_sizes_are_input_errors(max_model_len: int, concurrency: int, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        config = {key: value for key, value in TINY.items() if key != "max_position_embeddings"}  # no model limit
+        plan(config, [None], gpu_spec("T4"), max_model_len, concurrency)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"memory_gib": 1e300}, "gpu_memory_gib"), ({"memory_gib": float("inf")}, "gpu_memory_gib"),
+    ({"memory_gib": 24, "bandwidth_gbs": 1e300}, "gpu_bandwidth_gbs"), ({"name": 5}, "gpu"),
+])
+def test_absurd_gpus_are_input_errors(kwargs: dict, field: str) -> None:
+    with pytest.raises(InputError) as caught:
+        gpu_spec(**kwargs)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("text, words", [
+    (b'{"hidden_size": NaN}', "NaN is not a number JSON allows"),
+    (b'{"hidden_size": Infinity}', "Infinity is not a number JSON allows"),
+    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deep"),
+    (b'{"a": "\xff"}', "not UTF-8"),
+])
+def test_config_json_that_is_not_plain_json_is_an_input_error(tmp_path: Path, text: bytes, words: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(text)
+    with pytest.raises(InputError, match=words) as caught:
+        load_config(path)
+    assert caught.value.file == str(path)
+
+
+def test_an_oversized_config_or_safetensors_header_is_refused_unread(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_bytes(b'{"pad": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    with pytest.raises(InputError, match="larger than 4 MiB"):
+        load_config(config)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(InputError, match="not a readable safetensors header"):
+        safetensors_bytes(tmp_path)
+
+
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(TINY).encode())
+    assert shape_of(path).layers == 4
+
+
+@pytest.mark.usefixtures("only_the_plan_command")
+@pytest.mark.parametrize("argv", [
+    ["--gpu-memory-gib", "1e300"], ["--gpu-memory-gib", "inf"], ["--gpu", "T4", "--gpu-bandwidth-gbs", "nan"],
+    ["--gpu", "T4", "--max-model-len", "0"], ["--gpu", "T4", "--max-model-len", "99999999999999999999"],
+    ["--gpu", "T4", "--concurrency", "10000000000"], ["--gpu", "T4", "--overhead-gib", "inf"],
+    ["--gpu", "T4", "--overhead-fraction", "nan"], ["--gpu", "T4", "--max-gpu-memory-utilization", "0"],
+    ["--gpu", "T4", "--max-num-batched-tokens", "0"],
+])
+def test_cli_absurd_numbers_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["plan", "--config", str(LLAMA2_7B), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("quantize: error: quantize plan: argument ")
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"num_hidden_layers": 20_000_000}, "num_hidden_layers"),
+    ({"num_hidden_layers": 2e7}, "num_hidden_layers"),
+    ({"hidden_size": float("nan")}, "hidden_size"),
+    ({"rope_scaling": {"factor": float("inf")}}, "rope_scaling.factor"),
+    ({"text_config": {"vocab_size": 2**40}}, "vocab_size"),
+])
+def test_config_bounds_for_any_reader(change: dict, field: str) -> None:
+    from pipelines.planner import check_config_bounds
+
+    with pytest.raises(InputError) as caught:
+        check_config_bounds({**TINY, **change}, "m/config.json")
+    assert caught.value.field == field and caught.value.file == "m/config.json"
+
+
+def test_config_bounds_accept_real_configs_with_absent_null_or_zero_sizes() -> None:
+    from pipelines.planner import check_config_bounds
+
+    for path in (LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, MISTRAL_7B):
+        check_config_bounds(json.loads(path.read_text()))
+    check_config_bounds({**TINY, "sliding_window": None, "num_experts": 0, "use_sliding_window": False})

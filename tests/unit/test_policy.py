@@ -137,3 +137,59 @@ def test_malformed_yaml_and_missing_file(tmp_path):
 
 def test_override_model_names_the_same_rules_as_set_policy():
     assert list(RuleOverrides.model_fields) == list(SetPolicy.model_fields)
+
+
+# --- refused at load: before any quantizing or serving ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fit, field, words", [
+    ({"gpu": "B9000", "max_model_len": 512}, "fit.gpu", "unknown GPU (known: T4, "),
+    ({"gpu": "[/x]", "max_model_len": 512}, "fit.gpu", "unknown GPU"),
+    ({"gpu": "L4", "max_model_len": 10**12}, "fit.max_model_len", "less than or equal to 16777216"),
+    ({"gpu": "L4", "max_model_len": 512, "concurrency": 10**30}, "fit.concurrency", "less than or equal to"),
+    ({"memory_gib": float("inf"), "max_model_len": 512}, "fit.memory_gib", "finite number"),
+])
+def test_an_unknown_gpu_or_an_absurd_size_is_refused_at_load(tmp_path, fit, field, words):
+    with pytest.raises(InputError) as raised:
+        load_policy(write_policy(tmp_path, fit=fit))
+    assert raised.value.field == field and words in raised.value.message
+    assert raised.value.file == str(tmp_path / "policy.yaml")
+
+
+def test_a_recipe_override_naming_an_unknown_gpu_is_refused_at_load(tmp_path):
+    with pytest.raises(InputError) as raised:
+        load_policy(write_policy(tmp_path, recipes={"w8a8": {"fit": {"gpu": "B9000", "max_model_len": 512}}}))
+    assert raised.value.field == "recipes.w8a8.fit.gpu"
+
+
+def test_gpu_names_are_matched_like_the_planner_does(tmp_path):
+    assert load_policy(write_policy(tmp_path, fit={"gpu": "h100 80gb", "max_model_len": 512})).fit.gpu == "h100 80gb"
+
+
+@pytest.mark.parametrize("scalar, words", [(".nan", "finite number"), (".inf", "finite number"), ("1.0e+999", "finite number"),
+                                           ("9" * 5000, "malformed YAML value")])
+def test_non_finite_and_overflowing_numbers_are_refused(tmp_path, scalar, words):
+    path = write_policy(tmp_path)
+    path.write_text(path.read_text().replace("max_abs_drop: 2.0", f"max_abs_drop: {scalar}"))
+    with pytest.raises(InputError, match=words):
+        load_policy(path)
+
+
+def test_a_byte_order_mark_is_accepted_and_other_encodings_are_named(tmp_path):
+    path = write_policy(tmp_path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_policy(path).defaults.max_abs_drop == 2.0
+    path.write_bytes(("# caf\xe9\n" + path.read_text(encoding="utf-8-sig")).encode("latin-1"))
+    with pytest.raises(InputError) as raised:
+        load_policy(path)
+    assert raised.value.file == str(path) and raised.value.field == "line 1" and "not UTF-8" in raised.value.message
+
+
+def test_aliases_are_read_and_an_alias_bomb_is_refused(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"defaults": DEFAULTS}) + "recipes:\n  a: &rules {max_kl: 0.2}\n  b: *rules\n")
+    assert load_policy(path).for_set("b", "tickets").max_kl == 0.2
+    bomb = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "1"] * 9) + "]\n" for i in range(9))
+    path.write_text(yaml.safe_dump({"defaults": DEFAULTS}) + bomb)
+    with pytest.raises(InputError, match="more than 10000 values"):
+        load_policy(path)

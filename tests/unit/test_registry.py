@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.hashing import file_hashes, sha256_json
+from pipelines.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.registry import (
     MANIFEST_FILES_KEY,
     EvalSetRef,
@@ -381,3 +381,133 @@ def test_cli_promote_needs_override_for_a_gate_rejected_version(capsys, registry
     code, out, _ = run_cli(capsys, "promote", "demo-llama", "1", "--reason", "r", "--override-gate",
                            "--registry", db, "--json")
     assert code == 0 and json.loads(out)["status"] == "promoted"
+
+
+# --- manifest hash, cheap re-verification, schema migration, read-only files --------------------------------
+
+
+def test_the_manifest_hash_and_fingerprint_are_recorded_and_make_later_checks_cheap(registry: Registry, tmp_path: Path, monkeypatch) -> None:
+    import pipelines.manifest as manifest_module
+
+    artifact = make_artifact(tmp_path / "a")
+    version = registry.register(new_version(artifact, make_gate(tmp_path / "gate.json")))
+    assert version.manifest_hash == sha256_file(artifact / "manifest.json")
+    assert set(version.fingerprint) == {"manifest.json", "model.safetensors", "config.json", "sub/tokenizer.json"}
+    assert "fingerprint" not in version.model_dump()  # internal: not printed by --json
+    hashed: list[str] = []
+    real = manifest_module.sha256_file
+    monkeypatch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    registry.promote(version.id, "gate passed")
+    registry.set_alias("demo-llama", "production", 1)
+    registry.resolve("demo-llama", "production")
+    assert hashed == []  # nothing changed: stat compared, no file re-read
+    (artifact / "config.json").write_text('{"quantization_config": {}}')  # same bytes, new mtime/ctime
+    registry.resolve("demo-llama", "production")
+    assert hashed == ["config.json"]  # only the file whose stat changed is hashed again
+
+
+def test_a_gate_json_about_another_manifest_is_refused(registry: Registry, tmp_path: Path) -> None:
+    gate = make_gate(tmp_path / "gate.json")
+    report = json.loads(gate.read_text())
+    report["inputs"] = {"artifact": {"manifest_sha256": "0" * 64}}
+    gate.write_text(json.dumps(report))
+    with pytest.raises(InputError, match="another manifest.json") as caught:
+        registry.register(new_version(make_artifact(tmp_path / "a"), gate))
+    assert caught.value.file == str(gate)
+    assert registry.list() == []
+
+
+V1_VERSIONS = """CREATE TABLE versions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, model TEXT NOT NULL, version INTEGER NOT NULL, source_hash TEXT NOT NULL,
+    artifact_path TEXT NOT NULL, artifact_hash TEXT NOT NULL, recipe_name TEXT NOT NULL, recipe_hash TEXT NOT NULL,
+    eval_sets TEXT NOT NULL, gate_path TEXT, gate TEXT, gate_hash TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('candidate', 'promoted', 'rejected', 'error')),
+    created_at TEXT NOT NULL, updated_at TEXT NOT NULL, reason TEXT NOT NULL,
+    UNIQUE (model, version), UNIQUE (model, artifact_hash, gate_hash))"""
+
+
+def make_v1_registry(path: Path, artifact: Path) -> None:
+    """A registry file as schema 1 wrote it (no manifest_hash / fingerprint), with one candidate row."""
+    from pipelines import registry as registry_module
+
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute(V1_VERSIONS)
+    for statement in registry_module._SCHEMA[1:]:
+        db.execute(statement)
+    db.execute(
+        "INSERT INTO versions (model, version, source_hash, artifact_path, artifact_hash, recipe_name, recipe_hash,"
+        " eval_sets, gate_path, gate, gate_hash, status, created_at, updated_at, reason)"
+        " VALUES ('demo-llama', 1, 's', ?, ?, 'w8a8', 'r', '[]', NULL, NULL, '', 'candidate', 't', 't', '')",
+        (artifact.resolve().as_posix(), artifact_hash(artifact)),
+    )
+    db.execute("INSERT INTO events (at, model, version, kind, reason) VALUES ('t', 'demo-llama', 1, 'registered', '')")
+    db.execute("PRAGMA user_version = 1")
+    db.close()
+
+
+def test_a_schema_1_registry_is_migrated_in_place(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    make_v1_registry(tmp_path / "registry.db", artifact)
+    registry = Registry(tmp_path / "registry.db")
+    with sqlite3.connect(registry.path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
+    assert {"manifest_hash", "fingerprint"} <= columns
+    (old,) = registry.list()
+    assert (old.version, old.manifest_hash, old.fingerprint) == (1, None, None)
+    # An old row is verified in full (no fingerprint); a successful check records what it saw.
+    promoted_old = registry.promote(old.id, "gate passed")
+    assert promoted_old.manifest_hash == sha256_file(artifact / "manifest.json") and promoted_old.fingerprint
+    assert Registry(tmp_path / "registry.db").show("demo-llama", 1).status == "promoted"  # reopening is a no-op
+
+
+@pytest.fixture
+def read_only_registry(tmp_path: Path):
+    """A registry with one promoted version on a tmpfs remounted read-only (as root, chmod would not stop writes)."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); test_a_registry_opened_read_only_* covers the logic")
+    try:
+        registry = Registry(folder / "registry.db")
+        promoted(registry, tmp_path, "a")
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True, text=True)
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount read-only ({remount.stderr.strip()})")
+        yield folder / "registry.db"
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_registry_on_a_read_only_disk_can_be_listed_not_changed(read_only_registry: Path, capsys) -> None:
+    registry = Registry(read_only_registry)
+    assert registry.read_only
+    assert [v.status for v in registry.list()] == ["promoted"]
+    assert registry.show("demo-llama", 1).version == 1 and [e.kind for e in registry.history()] == ["registered", "promoted"]
+    with pytest.raises(InputError, match="read-only") as caught:
+        registry.set_alias("demo-llama", "production", 1)
+    assert caught.value.file == str(read_only_registry)
+    for argv in (["list"], ["show", "demo-llama", "1"], ["history", "demo-llama"]):
+        code, out, err = run_cli(capsys, *argv, "--registry", str(read_only_registry), "--json")
+        assert code == 0 and json.loads(out), (argv, err)
+    code, _, err = run_cli(capsys, "alias", "demo-llama", "production", "1", "--registry", str(read_only_registry))
+    assert code == 2 and "read-only" in err
+
+
+def test_a_registry_opened_read_only_uses_a_read_only_connection(registry: Registry, tmp_path: Path, monkeypatch) -> None:
+    from pipelines import registry as registry_module
+
+    promoted(registry, tmp_path, "a")
+    monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # as for a file the user may not write
+    opened: list[str] = []
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(registry_module.sqlite3, "connect", lambda target, *a, **k: opened.append(str(target)) or real_connect(target, *a, **k))
+    readonly = Registry(registry.path)
+    assert readonly.read_only and [v.version for v in readonly.list()] == [1]
+    assert opened and all(target.startswith("file:") and "mode=ro" in target for target in opened)
+    with pytest.raises(InputError, match="read-only"):
+        readonly.promote(1, "x")

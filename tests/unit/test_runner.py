@@ -6,8 +6,12 @@ else (task materialization, pairing, the gate, gate.json, report.md, the SQLite 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +24,7 @@ from pipelines.divergence import Reference
 from pipelines.errors import EvalError, InputError, ServeError
 from pipelines.evaluate import ItemScore, Prompt, SetScore
 from pipelines.evalsets import EvalSet
-from pipelines.hashing import file_hashes
+from pipelines.hashing import file_hashes, sha256_file
 from pipelines.policy import DEFAULT_POLICY, load_policy
 from pipelines.registry import MANIFEST_FILES_KEY, Registry
 from pipelines.serving import ServeSettings
@@ -300,13 +304,42 @@ def test_no_registry_decides_and_reports_without_writing_one(stack, workspace):
     assert not workspace.registry.exists()
 
 
-def test_an_artifact_without_manifest_is_gated_but_not_registered(stack, workspace, capsys):
-    # `quantize gate` on a model folder quantized elsewhere (or the 16-bit model itself): a verdict, no registry entry.
+def test_an_artifact_without_manifest_is_refused_unless_unverified_is_allowed(stack, workspace):
     job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self", settings=settings(workspace))
+    with pytest.raises(InputError, match=r"manifest\.json: --artifact: .*--allow-unverified"):
+        runner.run_gate(job)
+    assert stack.starts == [] and not workspace.runs.exists() and not workspace.registry.exists()
+
+
+def test_an_unverified_artifact_is_gated_and_reported_but_never_registered(stack, workspace, capsys):
+    # `quantize gate --allow-unverified` on a model folder quantized elsewhere: a verdict, no registry entry.
+    job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self",
+                         settings=settings(workspace), allow_unverified=True)
     outcome = runner.run_gate(job)
-    assert (outcome.verdict, outcome.registry_version) == ("promoted", None)
+    assert (outcome.verdict, outcome.exit_code, outcome.registry_version, outcome.verified) == ("promoted", 0, None, False)
     assert not workspace.registry.exists() or Registry(workspace.registry).list() == []
-    assert "has no manifest.json" in capsys.readouterr().err
+    assert "UNVERIFIED" in capsys.readouterr().err
+    artifact = json.loads(outcome.gate_json.read_text())["inputs"]["artifact"]
+    assert artifact["verified"] is False and artifact["manifest_sha256"] is None and "unverified" in artifact
+    assert runner.UNVERIFIED_NOTE in outcome.report_md.read_text()
+
+
+def test_a_rejected_unverified_run_still_exits_by_its_verdict(stack, workspace):
+    stack.lost = 12
+    job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self",
+                         settings=settings(workspace), allow_unverified=True)
+    outcome = runner.run_gate(job)
+    assert (outcome.verdict, outcome.exit_code, outcome.registry_version) == ("rejected", 1, None)
+    assert not workspace.registry.exists() or Registry(workspace.registry).list() == []
+
+
+def test_the_manifest_hash_is_in_gate_json_and_in_the_registry(stack, workspace):
+    outcome = gate(workspace)
+    expected = sha256_file(workspace.artifact / "manifest.json")
+    artifact = json.loads(outcome.gate_json.read_text())["inputs"]["artifact"]
+    assert (artifact["manifest_sha256"], artifact["verified"]) == (expected, True)
+    assert outcome.manifest_sha256 == expected
+    assert Registry(workspace.registry).list()[0].manifest_hash == expected
 
 
 def test_a_tampered_artifact_is_refused_before_serving(stack, workspace):
@@ -347,3 +380,165 @@ def test_select_eval_sets_names_unknown_sets(monkeypatch, workspace):
     assert runner.select_eval_sets(None) == [workspace.eval_set]
     with pytest.raises(InputError, match=r"--eval-sets.*\['nope'\].*tickets"):
         runner.select_eval_sets(["tickets", "nope"])
+
+
+# --- files readable as the umask allows --------------------------------------------------------------
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test; restored afterwards."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield lambda mask: os.umask(mask)
+    os.umask(before)
+
+
+@pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700), (0o002, 0o664, 0o775)])
+def test_run_files_and_folders_get_the_umask_permissions(stack, workspace, umask, mask, file_mode, dir_mode):
+    umask(mask)
+    outcome = gate(workspace)
+    assert stat.S_IMODE(outcome.run_dir.stat().st_mode) == dir_mode
+    for path in (outcome.gate_json, outcome.report_md, *(workspace.root / "cache").glob("*.json")):
+        assert stat.S_IMODE(path.stat().st_mode) == file_mode, path
+
+
+@pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_atomic_writes_use_the_umask_not_mkstemp_private_modes(tmp_path, umask, mask, file_mode, dir_mode):
+    from pipelines.atomic import atomic_dir, write_text_atomic
+
+    umask(mask)
+    write_text_atomic(tmp_path / "a.txt", "x")
+    with atomic_dir(tmp_path / "folder") as staging:
+        write_text_atomic(staging / "manifest.json", "{}")
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "folder").stat().st_mode) == dir_mode
+    assert stat.S_IMODE((tmp_path / "folder" / "manifest.json").stat().st_mode) == file_mode
+
+
+# --- full or read-only disk -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(stack, workspace, monkeypatch):
+    """`quantize gate` through cli.main with the servers faked; the artifacts root is tmp/artifacts."""
+    import signal
+
+    from pipelines.cli import main
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace.root / "artifacts"))
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [workspace.eval_set])
+    monkeypatch.setattr(baseline_cache, "BASELINE_CACHE_DIR", workspace.root / "cache")
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def run(*extra: str) -> int:
+        return main(["gate", "--artifact", str(workspace.artifact), "--baseline", str(workspace.baseline),
+                     "--registry", str(workspace.registry), *extra])
+
+    yield run
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _fail(monkeypatch, target, name: str, predicate, code: int) -> None:
+    real = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        if predicate(*args):
+            raise OSError(code, os.strerror(code), str(args[-1] if name == "replace" else args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, failing)
+
+
+@pytest.mark.parametrize("clean_up", ["works", "fails too"])
+def test_a_full_disk_ends_exit_2_naming_the_first_error_and_leaves_no_staging(cli, workspace, monkeypatch, capsys, clean_up):
+    # gate.json cannot be renamed into place: ENOSPC. With "fails too", error.txt and the rename of the
+    # staging folder to <id>-error fail as well; the report must still name the first error.
+    _fail(monkeypatch, os, "replace", lambda src, dst: Path(dst).name == "gate.json"
+          or (clean_up == "fails too" and Path(dst).name.endswith("-error")), errno.ENOSPC)
+    if clean_up == "fails too":
+        _fail(monkeypatch, Path, "write_text", lambda path, *rest: path.name == "error.txt", errno.ENOSPC)
+    assert cli() == 2
+    err = capsys.readouterr().err
+    assert "[Errno 28 ENOSPC] No space left on device" in err and "gate.json" in err, err
+    assert "Traceback" not in err
+    runs = workspace.root / "artifacts" / "runs"
+    assert not list(runs.glob(".*.tmp")), list(runs.iterdir())
+    folders = [p.name for p in runs.iterdir()]
+    if clean_up == "works":
+        (folder,) = folders
+        assert folder.endswith("-error") and "ENOSPC" in (runs / folder / "error.txt").read_text()
+    else:
+        assert folders == []
+    assert not workspace.registry.exists() or Registry(workspace.registry).list() == []
+
+
+def test_a_read_only_runs_folder_ends_exit_2_naming_errno_and_path(cli, workspace, monkeypatch, capsys):
+    runs = workspace.root / "artifacts" / "runs"
+    _fail(monkeypatch, Path, "mkdir", lambda path, *rest: path.parent == runs, errno.EROFS)
+    assert cli() == 2
+    err = capsys.readouterr().err
+    assert "[Errno 30 EROFS] Read-only file system" in err and str(runs) in err and "Traceback" not in err
+
+
+@contextmanager
+def tmpfs(folder: Path, size: str):
+    """A real tmpfs of `size` at `folder` (root only); skips the test where mounting is not allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(mounted.stderr or mounted.stdout).strip() or mounted.returncode}); "
+                    "the monkeypatched ENOSPC/EROFS tests cover the same path")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_real_full_tmpfs_ends_exit_2_with_enospc(cli, workspace, capsys):
+    root = workspace.root / "artifacts"
+    with tmpfs(root, "64k"):
+        (root / "runs").mkdir()
+        free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+        (root / "filler").write_bytes(b"\0" * max(free - 4096, 0))  # one page left
+        assert cli() == 2
+        err = capsys.readouterr().err
+        assert "ENOSPC" in err and str(root) in err and "Traceback" not in err, err
+        assert not list((root / "runs").glob(".*.tmp")), list((root / "runs").iterdir())
+
+
+def test_a_real_read_only_tmpfs_ends_exit_2_with_erofs(cli, workspace, capsys):
+    root = workspace.root / "artifacts"
+    with tmpfs(root, "64k"):
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(root)], capture_output=True, text=True)
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount the tmpfs read-only ({remount.stderr.strip()})")
+        assert cli() == 2
+        err = capsys.readouterr().err
+        assert "EROFS" in err and str(root / "runs") in err and "Traceback" not in err, err
+        assert list(root.iterdir()) == []
+
+
+# --- staging folders of dead runs ------------------------------------------------------------------------
+
+
+def test_a_run_reclaims_staging_folders_left_by_dead_runs(stack, workspace):
+    workspace.runs.mkdir()
+    stale = workspace.runs / ".20200101T000000Z-w8a8-999999-abcdef.tmp"
+    stale.mkdir()
+    (stale / "baseline-server.log").write_text("killed mid-run\n")
+    os.utime(stale, (0, 0))
+    finished = workspace.runs / "20200101T000000Z-w8a8-999999-abcdef-error"
+    finished.mkdir()
+    outcome = gate(workspace)
+    assert not stale.exists() and finished.is_dir() and outcome.run_dir.is_dir()
+
+
+def test_a_registry_that_cannot_be_written_fails_the_run_before_serving(stack, workspace, monkeypatch):
+    from pipelines import registry as registry_module
+
+    Registry(workspace.registry)
+    monkeypatch.setattr(registry_module, "_writable", lambda path: False)
+    with pytest.raises(InputError, match="--registry: the registry cannot be written"):
+        gate(workspace)
+    assert stack.starts == [] and not workspace.runs.exists()

@@ -1,24 +1,113 @@
-"""The server lifecycle without vLLM: process-group clean-up, start-up failure detection, settings."""
+"""The server lifecycle without vLLM: process-group clean-up, start-up failure detection, settings, the API key,
+and what happens to the server's process group when its starter is SIGKILLed (parent-death signal + watchdog)."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from pipelines import serving
+from pipelines import evaluate, serving
 from pipelines.errors import InputError, ServeError
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A stand-in for vLLM's api_server (stdlib only): /health without a key, /v1/models only with the key from
+# VLLM_API_KEY, as vLLM 0.32 does (vllm/entrypoints/serve/middleware/authenticate.py guards /v1 only).
+# FAKE_VLLM_MODE=foreign-key answers 401 to our key; other-name lists another model: both are not our server.
+FAKE_VLLM = textwrap.dedent(
+    """
+    import argparse, json, os
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--model")
+    args, _ = parser.parse_known_args()
+    key, mode = os.environ.get("VLLM_API_KEY"), os.environ.get("FAKE_VLLM_MODE", "ours")
+    print("fake vLLM starting", flush=True)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                return self.send(200, {})
+            if self.path == "/v1/models":
+                if mode == "foreign-key" or self.headers.get("Authorization") != f"Bearer {key}":
+                    return self.send(401, {"error": "Unauthorized"})
+                name = "someone-else" if mode == "other-name" else args.served_model_name
+                return self.send(200, {"object": "list", "data": [{"id": name, "root": args.model}]})
+            self.send(404, {})
+
+        def send(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    HTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+    """
+)
 
 
 def _alive(pid: int) -> bool:
+    """Alive and not a zombie."""
     try:
-        import os
-
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _cmdlines() -> dict[int, bytes]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except OSError:
+                pass
+    return found
+
+
+def _watchdogs_of(pid: int) -> list[int]:
+    """Live watchdogs started by process `pid` (`python -m pipelines.reclaim watchdog --parent PID ...`)."""
+    needle = f"watchdog\0--parent\0{pid}\0".encode()
+    return [p for p, cmdline in _cmdlines().items() if needle in cmdline and _alive(p)]
+
+
+def _wait_for(condition, timeout_s: float) -> float:
+    """Seconds until `condition()` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch) -> Path:
+    """SERVE_PYTHON replaced by the stand-in server; returns a model folder to serve."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(serving, "SERVE_PYTHON", python)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
 
 
 def test_stop_process_group_kills_children_too(tmp_path):
@@ -54,6 +143,7 @@ def test_startup_failure_is_reported_with_the_log_tail(tmp_path, monkeypatch):
     with pytest.raises(ServeError, match="exit code 3.*this model is broken"):
         with serving.vllm_server(model, log_path=tmp_path / "server.log"):
             pass
+    assert _watchdogs_of(os.getpid()) == []
 
 
 def test_hang_at_startup_times_out_and_the_process_is_gone(tmp_path, monkeypatch):
@@ -105,3 +195,168 @@ def test_log_tail_prefers_error_lines(tmp_path):
     log.write_text("INFO starting\nValueError: bad config\nINFO shutting down\n")
     assert "ValueError: bad config" in serving.log_tail(log)
     assert serving.log_tail(Path(tmp_path / "missing")) == "(no log)"
+
+
+def test_the_key_is_in_the_servers_environment_never_on_a_command_line_nor_in_repr(tmp_path, fake_vllm):
+    log = tmp_path / "server.log"
+    with serving.vllm_server(fake_vllm, log_path=log, served_name="candidate") as server:
+        key = server.api_key
+        assert key and len(key) >= 32
+        environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
+        assert f"VLLM_API_KEY={key}".encode() in environ
+        assert [pid for pid, cmdline in _cmdlines().items() if key.encode() in cmdline] == []
+        assert key not in repr(server) and key not in str(server)
+        assert "api_key" not in server.model_dump() and key not in server.model_dump_json(exclude={"process"})
+        assert server.auth_headers == {"Authorization": f"Bearer {key}"}
+        assert len(_watchdogs_of(os.getpid())) == 1
+    assert key not in log.read_text()
+
+
+def test_every_server_gets_its_own_key(tmp_path, fake_vllm):
+    keys = set()
+    for number in range(2):
+        with serving.vllm_server(fake_vllm, log_path=tmp_path / f"{number}.log") as server:
+            keys.add(server.api_key)
+    assert len(keys) == 2
+
+
+def test_lm_eval_gets_the_key_in_its_environment_not_its_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "a-real-openai-key")
+    server = serving.RunningServer.model_construct(
+        model_dir=tmp_path, served_name="candidate", port=8000, log_path=tmp_path / "log", process=None,
+        startup_s=0.0, request_timeout_s=60.0, api_key="the-servers-key",
+    )
+    command = evaluate.lm_eval_command(server, tmp_path, ["task"], tmp_path, tmp_path)
+    assert not any("the-servers-key" in part for part in command)
+    assert evaluate.lm_eval_environment(server)["OPENAI_API_KEY"] == "the-servers-key"
+    # a server without a key: no key at all, and never the user's OpenAI key
+    server.api_key = None
+    assert "OPENAI_API_KEY" not in evaluate.lm_eval_environment(server)
+    assert evaluate.lm_eval_environment(server)["DISABLE_MULTIPROC"] == "1"  # no Pool workers to outlive quantize
+
+
+@pytest.mark.parametrize("mode", ["foreign-key", "other-name"])
+def test_a_foreign_process_answering_health_is_refused(tmp_path, fake_vllm, monkeypatch, mode):
+    monkeypatch.setenv("FAKE_VLLM_MODE", mode)
+    with pytest.raises(ServeError, match="is not the vLLM server started for this run") as caught:
+        with serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log", served_name="candidate"):
+            pytest.fail("a foreign server was accepted")
+    assert ("HTTP 401" if mode == "foreign-key" else "someone-else") in str(caught.value)
+    assert _watchdogs_of(os.getpid()) == []
+
+
+def test_a_normal_stop_leaves_no_process_and_no_shim(tmp_path, fake_vllm):
+    with serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log") as server:
+        pid = server.process.pid
+        environ = dict(
+            item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+        )
+        shim = Path(environ[b"PYTHONPATH"].decode())
+        assert shim.name.startswith(f"quantgate-vllm-{os.getpid()}-") and (shim / "sitecustomize.py").is_file()
+        watchdogs = _watchdogs_of(os.getpid())
+        assert len(watchdogs) == 1
+    assert not _alive(pid) and not shim.exists()
+    assert not any(_alive(p) for p in watchdogs)
+
+
+PARENT = textwrap.dedent(
+    """
+    # Stands in for `quantize`: starts a process group through serving's own start function, then waits to be killed.
+    import json, os, sys, time
+    from pathlib import Path
+    from pipelines.serving import start_process_group
+
+    out = Path(sys.argv[1])
+    process, watchdog = start_process_group(
+        [sys.executable, str(out / "server.py")], env=dict(os.environ), log_path=out / "server.log", grace_s=float(sys.argv[2]),
+    )
+    (out / "parent.json").write_text(json.dumps({"server": process.pid, "watchdog": watchdog.process.pid}))
+    time.sleep(300)
+    """
+)
+# Stands in for vLLM: an API server whose children (engine core, workers) are not its starter's children;
+# one of them ignores SIGTERM, as a stuck worker would.
+SERVER = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    from pathlib import Path
+
+    children = [
+        subprocess.Popen(["sleep", "300"]),
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"]),
+    ]
+    (Path(sys.argv[0]).parent / "children.json").write_text(json.dumps([c.pid for c in children]))
+    time.sleep(300)
+    """
+)
+
+
+def _start_parent(tmp_path: Path, grace_s: float) -> tuple[subprocess.Popen, dict, list[int]]:
+    (tmp_path / "parent.py").write_text(PARENT)
+    (tmp_path / "server.py").write_text(SERVER)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path), str(grace_s)], cwd=REPO)
+    _wait_for(lambda: (tmp_path / "children.json").is_file() and (tmp_path / "children.json").read_text(), 30)
+    _wait_for(lambda: (tmp_path / "parent.json").is_file() and (tmp_path / "parent.json").read_text(), 30)
+    return parent, json.loads((tmp_path / "parent.json").read_text()), json.loads((tmp_path / "children.json").read_text())
+
+
+def test_sigkill_of_the_starter_stops_the_whole_group(tmp_path):
+    grace_s = 1.0
+    parent, pids, children = _start_parent(tmp_path, grace_s)
+    everything = [pids["server"], pids["watchdog"], *children]
+    assert all(_alive(pid) for pid in everything)
+    time.sleep(0.3)  # the watchdog is past its start-up
+    parent.kill()
+    parent.wait()
+    took = _wait_for(lambda: not any(_alive(pid) for pid in everything), grace_s + 5)
+    # the SIGTERM-ignoring child is what takes the grace period; the rest dies at once
+    assert took < grace_s + 2
+    assert "process group" in (tmp_path / "server.log").read_text()
+
+
+def test_a_grandchild_that_honours_sigterm_dies_at_once(tmp_path):
+    parent, pids, children = _start_parent(tmp_path, grace_s=30.0)
+    time.sleep(0.3)
+    parent.kill()
+    parent.wait()
+    took = _wait_for(lambda: not _alive(pids["server"]) and not _alive(children[0]), 5)
+    assert took < 2
+    assert _alive(children[1])  # the stubborn one waits for SIGKILL after the grace period
+    os.kill(children[1], signal.SIGKILL)
+    _wait_for(lambda: not _alive(pids["watchdog"]), 5)
+
+
+def test_the_server_gets_a_parent_death_signal(tmp_path):
+    script = "from pipelines.reclaim import current_parent_death_signal as c; print(c(), flush=True)"
+    process, watchdog = serving.start_process_group([sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "log")
+    process.wait(timeout=30)
+    watchdog.stop()
+    assert (tmp_path / "log").read_text().split() == [str(int(signal.SIGTERM))]
+
+
+def test_die_with_parent_kills_a_direct_child_when_the_parent_is_sigkilled(tmp_path):
+    # lm-eval's case: a direct child of quantize, no process group of its own.
+    parent = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import signal, subprocess, sys, time\n"
+            "from pipelines.reclaim import die_with_parent\n"
+            "child = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent(signal.SIGKILL))\n"
+            f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+            "time.sleep(300)\n",
+        ],
+        cwd=REPO,
+    )
+    _wait_for(lambda: (tmp_path / "child").is_file() and (tmp_path / "child").read_text(), 30)
+    child = int((tmp_path / "child").read_text())
+    assert _alive(child)
+    parent.kill()
+    parent.wait()
+    assert _wait_for(lambda: not _alive(child), 5) < 1
+
+
+def test_the_watchdog_leaves_when_the_group_ends_by_itself(tmp_path):
+    process, watchdog = serving.start_process_group(["sleep", "0.5"], env=dict(os.environ), log_path=tmp_path / "log")
+    process.wait(timeout=10)
+    assert watchdog.process.wait(timeout=5) == 0
+    watchdog.stop()

@@ -1,0 +1,691 @@
+"""Hostile input to every command that reads a file or a name: each case exits 2 with one error line.
+
+The contract under test (docs/exit-codes.md): bad input never ends in a traceback, never in exit 1 (which
+CI reads as "rejected by the gate"), never in heavy work (no llm-compressor oneshot, no vLLM server, no
+lm-eval run), and never changes the artifacts tree. Inputs: non-UTF-8 bytes, a byte-order mark, nesting
+3,000 deep, oversized files, YAML anchors and aliases (an alias bomb), wrong types, NaN and infinities,
+integers past every bound, rich markup, control characters and path-traversal names.
+
+The CLI runs in-process through pipelines.cli.main (fast); a few cases run `python -m pipelines.cli` in a
+real process, where the peak memory of the hostile-YAML cases is measured too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import cli, paths
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_MODEL = ROOT / "models" / "demo-llama"
+RECIPES = ROOT / "recipes"
+DEFAULT_POLICY = ROOT / "policies" / "default.yaml"
+MiB = 1024 * 1024
+RSS_LIMIT_MB = 200
+
+# --------------------------------------------------------------------------------- hostile payloads
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> bytes:
+    """"Billion laughs": 9 levels of 9 aliases each, about 400 bytes that expand to 9**9 strings."""
+    lines = ["l0: &l0 [" + ", ".join(['"lol"'] * width) + "]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def deep_flow(depth: int = 3000) -> bytes:
+    return b"a: " + b"[" * depth + b"]" * depth + b"\n"
+
+
+def deep_block(depth: int = 200) -> bytes:
+    return "".join("  " * i + f"k{i}:\n" for i in range(depth)).encode() + b"  " * depth + b"v\n"
+
+
+# Every YAML reader gets these; none of them is a valid recipe, policy, job or task YAML.
+YAML_PAYLOADS: dict[str, bytes] = {
+    "non-utf8": b"name: x\xff\xfe\n",
+    "latin-1": "name: caf\xe9\n".encode("latin-1"),
+    "utf-16": "name: x\n".encode("utf-16"),
+    "bom-then-a-list": b"\xef\xbb\xbf- a\n- b\n",
+    "nul-byte": b"name: a\x00b\n",
+    "escape-char": b"name: \x1b[2Jx\n",
+    "binary": bytes(random.Random(0).randrange(256) for _ in range(4096)),
+    "deep-flow-3000": deep_flow(),
+    "deep-block-200": deep_block(),
+    "alias-bomb": alias_bomb(),
+    "recursive-alias": b"a: &a [1, *a]\n",
+    "undefined-alias": b"a: *nowhere\n",
+    "alias-placed-deep": b"a: &a " + b"[" * 40 + b"1" + b"]" * 40 + b"\nb: " + b"[" * 30 + b"*a" + b"]" * 30 + b"\n",
+    "oversize-2mib": b"# " + b"x" * (2 * MiB) + b"\n",
+    "many-values": b"a: [" + b"1, " * 30_000 + b"1]\n",
+    "empty": b"",
+    "top-level-list": b"- 1\n- 2\n",
+    "top-level-scalar": b"just text\n",
+    "multi-document": b"a: 1\n---\nb: 2\n",
+    "python-tag": b"a: !!python/object/apply:os.system ['touch /tmp/quantgate-fuzz-pwned']\n",
+    "nan": b"a: .nan\n",
+    "negative-inf": b"a: [1, -.inf]\n",
+    "float-overflow": b"a: 1.0e+999\n",
+    "int-5000-digits": b"a: " + b"9" * 5000 + b"\n",
+    "bad-date": b"a: 2024-13-45\n",
+    "unhashable-key": b"? [a]\n: 1\n",
+    "unclosed": b"a: [1, 2\n",
+    "tab-indent": b"a:\n\tb: 1\n",
+}
+
+
+def yaml_bytes(value: object) -> bytes:
+    return yaml.safe_dump(value, sort_keys=False, allow_unicode=True).encode()
+
+
+def edited(base: dict, path: str, value: object) -> dict:
+    """A deep copy of `base` with the dotted `path` set to `value` (missing mappings created)."""
+    out = json.loads(json.dumps(base))
+    node = out
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return out
+
+
+def raw_with(base: dict, path: str, scalar: str) -> bytes:
+    """YAML text of `base` with `path` set to a raw YAML scalar (`.nan`, a 5,000-digit integer...)."""
+    marker = "__FUZZ_VALUE__"
+    return yaml_bytes(edited(base, path, marker)).replace(marker.encode(), scalar.encode())
+
+
+HUGE = 10**30
+NUMBER_SCALARS = {"nan": ".nan", "inf": ".inf", "neg-inf": "-.inf", "huge": str(HUGE), "negative": "-5", "zero": "0"}
+
+RECIPE = yaml.safe_load((RECIPES / "gptq.yaml").read_text())
+RECIPE_TYPED: dict[str, bytes] = {
+    **{f"group-size-{k}": raw_with(RECIPE, "groups.attention.weights.group_size", v) for k, v in NUMBER_SCALARS.items()},
+    **{f"num-samples-{k}": raw_with(RECIPE, "calibration.num_samples", v) for k, v in NUMBER_SCALARS.items()},
+    "dampening-nan": raw_with(RECIPE, "algorithm.dampening_frac", ".nan"),
+    "dampening-inf": raw_with(RECIPE, "algorithm.dampening_frac", ".inf"),
+    "block-size-huge": raw_with(RECIPE, "algorithm.block_size", str(HUGE)),
+    "max-seq-length-huge": raw_with(RECIPE, "calibration.max_seq_length", str(HUGE)),
+    "seed-huge": raw_with(RECIPE, "calibration.seed", str(2**80)),
+    "bits-as-text": yaml_bytes(edited(RECIPE, "groups.attention.weights.bits", "eight")),
+    "groups-as-number": yaml_bytes(edited(RECIPE, "groups", 5)),
+    "layers-huge": yaml_bytes({**RECIPE, "overrides": [{"layers": [HUGE], "keep": True}]}),
+    "regex-unbalanced": yaml_bytes({**RECIPE, "overrides": [{"match": "(", "keep": True}]}),
+    "name-markup-close": yaml_bytes({**RECIPE, "name": "[/x]"}),
+    "name-markup-link": yaml_bytes({**RECIPE, "name": "[link=http://evil.example]x[/link]"}),
+    "name-traversal": yaml_bytes({**RECIPE, "name": "../../etc/passwd"}),
+    "name-control": yaml_bytes({**RECIPE, "name": "x\u001b[2J"}),
+    "unknown-key": yaml_bytes({**RECIPE, "run": "rm -rf /"}),
+}
+
+POLICY = yaml.safe_load(DEFAULT_POLICY.read_text())
+POLICY_TYPED: dict[str, bytes] = {
+    **{f"max-abs-drop-{k}": raw_with(POLICY, "defaults.max_abs_drop", v) for k, v in NUMBER_SCALARS.items() if k != "zero"},
+    **{f"min-items-{k}": raw_with(POLICY, "defaults.min_items", v) for k, v in NUMBER_SCALARS.items()},
+    "max-kl-inf": raw_with(POLICY, "defaults.max_kl", ".inf"),
+    "flip-rate-nan": raw_with(POLICY, "defaults.max_flip_rate", ".nan"),
+    "fit-gpu-unknown": yaml_bytes(edited(POLICY, "fit.gpu", "B9000")),
+    "fit-gpu-markup": yaml_bytes(edited(POLICY, "fit.gpu", "[/x][link=http://evil.example]")),
+    "fit-gpu-traversal": yaml_bytes(edited(POLICY, "fit.gpu", "../../etc/passwd")),
+    "fit-gpu-number": yaml_bytes(edited(POLICY, "fit.gpu", 5)),
+    "fit-max-model-len-huge": yaml_bytes(edited(POLICY, "fit.max_model_len", 10**12)),
+    "fit-max-model-len-zero": yaml_bytes(edited(POLICY, "fit.max_model_len", 0)),
+    "fit-max-model-len-nan": raw_with(POLICY, "fit.max_model_len", ".nan"),
+    "fit-concurrency-huge": yaml_bytes(edited(POLICY, "fit.concurrency", HUGE)),
+    "fit-memory-inf": raw_with({k: v for k, v in POLICY.items() if k != "fit"}, "fit", "{memory_gib: .inf, max_model_len: 512}"),
+    "recipe-fit-gpu-unknown": yaml_bytes(edited(POLICY, "recipes.w8a8", {"fit": {"gpu": "B9000", "max_model_len": 512}})),
+    "schema-version-2": yaml_bytes({**POLICY, "schema_version": 2}),
+}
+
+DEMO_CONFIG = json.loads((DEMO_MODEL / "config.json").read_text())
+
+
+def config_bytes(**changes: object) -> bytes:
+    return json.dumps({**DEMO_CONFIG, **changes}).encode()
+
+
+CONFIG_PAYLOADS: dict[str, bytes] = {
+    "non-utf8": b'{"hidden_size": 256, "x": "\xff"}',
+    "nan": b'{"hidden_size": NaN}',
+    "infinity": config_bytes().replace(b'"hidden_size": 256', b'"hidden_size": Infinity'),
+    "neg-infinity": config_bytes().replace(b'"hidden_size": 256', b'"hidden_size": -Infinity'),
+    "deep-nesting": b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "oversize-5mib": b'{"pad": "' + b"x" * (5 * MiB) + b'"}',
+    "top-level-list": b"[1, 2]",
+    "top-level-string": b'"config"',
+    "truncated": b'{"hidden_size": 256',
+    "layers-2e7-float": config_bytes(num_hidden_layers=2e7),
+    "layers-2e7": config_bytes(num_hidden_layers=20_000_000),
+    "hidden-huge": config_bytes(hidden_size=HUGE, num_attention_heads=1, head_dim=64),
+    "vocab-huge": config_bytes(vocab_size=HUGE),
+    "vocab-negative": config_bytes(vocab_size=-1),
+    "heads-zero": config_bytes(num_attention_heads=0),
+    "layers-bool": config_bytes(num_hidden_layers=True),
+    "head-dim-text": config_bytes(head_dim="64"),
+    "intermediate-huge": config_bytes(intermediate_size=HUGE),
+    "max-position-huge": config_bytes(max_position_embeddings=HUGE),
+    "sliding-window-pattern-negative": config_bytes(sliding_window=64, sliding_window_pattern=-1),
+    "sliding-window-pattern-text": config_bytes(sliding_window=64, sliding_window_pattern="2"),
+    "sliding-window-huge": config_bytes(sliding_window=HUGE),
+    "max-window-layers-text": config_bytes(sliding_window=64, use_sliding_window=True, max_window_layers="a"),
+    "kv-bits-text": config_bytes(quantization_config={"kv_cache_scheme": {"num_bits": "x"}}),
+    "kv-bits-huge": config_bytes(quantization_config={"kv_cache_scheme": {"num_bits": 10**6}}),
+    "experts-huge": config_bytes(num_local_experts=HUGE, num_experts_per_tok=2),
+    "shared-expert-text": config_bytes(num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size="x"),
+    "layer-types-wrong-length": config_bytes(sliding_window=64, layer_types=["sliding_attention"]),
+}
+
+PLAN_ARGUMENTS: dict[str, list[str]] = {
+    **{f"gpu-memory-gib-{v}": ["--gpu-memory-gib", v] for v in ("1e300", "nan", "inf", "-inf", "-1", "0", "lots")},
+    **{f"gpu-bandwidth-gbs-{v}": ["--gpu", "T4", "--gpu-bandwidth-gbs", v] for v in ("1e300", "nan", "0")},
+    **{f"max-model-len-{v}": ["--gpu", "T4", "--max-model-len", v] for v in ("0", "-1", str(HUGE), "1.5", "\u00b2", "9" * 5000)},
+    **{f"concurrency-{v}": ["--gpu", "T4", "--concurrency", v] for v in ("0", str(HUGE), "nan")},
+    **{f"max-num-batched-tokens-{v}": ["--gpu", "T4", "--max-num-batched-tokens", v] for v in ("0", str(HUGE))},
+    **{f"overhead-fraction-{v}": ["--gpu", "T4", "--overhead-fraction", v] for v in ("nan", "1", "2")},
+    **{f"overhead-gib-{v}": ["--gpu", "T4", "--overhead-gib", v] for v in ("inf", "1e300", "-1")},
+    **{f"utilization-{v}": ["--gpu", "T4", "--max-gpu-memory-utilization", v] for v in ("0", "nan", "2")},
+    **{f"gpu-{k}": ["--gpu", v] for k, v in {"unknown": "B9000", "markup": "[/x]", "traversal": "../../etc/passwd", "empty": ""}.items()},
+    "recipe-traversal": ["--gpu", "T4", "--recipe", "../../../../etc/passwd"],
+    "recipe-dev-zero": ["--gpu", "T4", "--recipe", "/dev/zero"],
+    "recipe-name-too-long": ["--gpu", "T4", "--recipe", "r" * 5000],
+}
+
+TASK = {
+    "task": "s",
+    "dataset_path": "json",
+    "dataset_kwargs": {"data_files": {"test": "data.jsonl"}},
+    "test_split": "test",
+    "output_type": "generate_until",
+    "doc_to_text": "Question: {{question}}\nAnswer:",
+    "doc_to_target": "answer",
+}
+ITEMS = b'{"question": "q1", "answer": "a1"}\n{"question": "q2", "answer": "a2"}\n'
+
+
+def task_with(**changes: object) -> bytes:
+    return yaml_bytes({**TASK, **changes})
+
+
+def data_files(path: str) -> bytes:
+    return task_with(dataset_kwargs={"data_files": {"test": path}})
+
+
+TEMPLATE_PAYLOADS: dict[str, bytes] = {
+    "jinja-globals": task_with(doc_to_text="{{ self.__init__.__globals__ }}"),
+    "jinja-os-popen": task_with(doc_to_text="{{ cycler.__init__.__globals__.os.popen('touch /tmp/quantgate-fuzz-pwned').read() }}"),
+    "jinja-class-mro": task_with(doc_to_text="{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+    "jinja-list-append": task_with(doc_to_text="{% set x = [] %}{{ x.append(1) }}{{ question }}"),
+    "jinja-syntax-error": task_with(doc_to_text="{{ question "),
+    "jinja-syntax-error-target": task_with(doc_to_target="{% if %}"),
+    "jinja-undefined": task_with(doc_to_text="{{ question.missing.deeper }}"),
+    "jinja-division-by-zero": task_with(doc_to_text="{{ 1 / 0 }}"),
+    "jinja-huge-range": task_with(doc_to_text="{% for i in range(10**9) %}x{% endfor %}"),
+    "jinja-huge-repeat": task_with(doc_to_text="{{ 'x' * 10**10 }}"),
+    "jinja-huge-power": task_with(doc_to_text="{{ 9 ** 99999999 }}"),
+    "jinja-choice-not-a-list": task_with(output_type="multiple_choice", doc_to_choice="{{ question }}", doc_to_target="0",
+                                         metric_list=[{"metric": "acc"}]),
+}
+DATA_FILE_PAYLOADS: dict[str, bytes] = {
+    "data-files-absolute": data_files("/etc/passwd"),
+    "data-files-dotdot": data_files("../other/data.jsonl"),
+    "data-files-deep-dotdot": data_files("sub/../../../etc/passwd"),
+    "data-files-home": data_files("~/data.jsonl"),
+    "data-files-url": data_files("https://evil.example/data.jsonl"),
+    "data-files-glob": data_files("*.jsonl"),
+    "data-files-symlink-out": data_files("escape.jsonl"),
+    "data-files-list": task_with(dataset_kwargs={"data_files": {"test": ["a.jsonl", "b.jsonl"]}}),
+    "data-dir": task_with(dataset_kwargs={"data_files": {"test": "data.jsonl"}, "data_dir": "/etc"}),
+    "test-split-unhashable": task_with(test_split=["test"]),
+    "include-key": task_with(include="../../other.yaml"),
+}
+DATA_PAYLOADS: dict[str, bytes] = {
+    "data-non-utf8": b'{"question": "q\xff", "answer": "a"}\n',
+    "data-nan": b'{"question": "q", "answer": NaN}\n',
+    "data-infinity": b'{"question": "q", "answer": Infinity}\n',
+    "data-deep": b'{"question": "q", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+    "data-not-an-object": b'["q", "a"]\n',
+    "data-invalid-json": b'{"question": "q", \n',
+    "data-empty": b"",
+    "data-template-field-self": b'{"question": "q", "answer": "a", "self": 1}\n',
+}
+
+JOB = {"name": "fuzz", "registry": "REGISTRY", "candidates": [{"model": str(DEMO_MODEL), "recipes": ["w8a8"]}]}
+JOB_TYPED: dict[str, bytes] = {
+    "max-model-len-zero": yaml_bytes({**JOB, "max_model_len": 0}),
+    "max-model-len-nan": raw_with(JOB, "max_model_len", ".nan"),
+    "max-model-len-huge": yaml_bytes({**JOB, "max_model_len": HUGE}),
+    "name-traversal": yaml_bytes({**JOB, "name": "../../etc/x"}),
+    "name-markup": yaml_bytes({**JOB, "name": "[/x]"}),
+    "no-candidates": yaml_bytes({**JOB, "candidates": []}),
+    "candidate-model-traversal": yaml_bytes({**JOB, "candidates": [{"model": "../../../../etc", "recipes": ["w8a8"]}]}),
+    "candidate-recipe-traversal": yaml_bytes({**JOB, "candidates": [{"model": str(DEMO_MODEL), "recipes": ["../../../../etc/passwd"]}]}),
+    "candidate-recipe-markup": yaml_bytes({**JOB, "candidates": [{"model": str(DEMO_MODEL), "recipes": ["[/x]"]}]}),
+    "target-gpu-unknown": yaml_bytes({**JOB, "defaults": {"target": {"gpu": "B9000", "max_model_len": 512}}}),
+    "target-max-model-len-huge": yaml_bytes({**JOB, "defaults": {"target": {"gpu": "T4", "max_model_len": 10**12}}}),
+    "registry-as-number": yaml_bytes({**JOB, "registry": 5}),
+    "candidates-as-text": yaml_bytes({**JOB, "candidates": "all"}),
+}
+
+# --------------------------------------------------------------------------------- the harness
+
+
+# SQLite's shared-memory index and write-ahead log of a WAL database: a reader may create them, they hold
+# no content of their own (registry.db itself, size and mtime, is compared).
+SQLITE_SIDE_FILES = ("-shm", "-wal")
+
+
+def listing(root: Path) -> list[tuple[str, int, int]]:
+    """Every path under root with its size and modification time: what "unchanged" is compared by."""
+    out = []
+    for path in sorted(root.rglob("*")):
+        if path.name.endswith(SQLITE_SIDE_FILES):
+            continue
+        stat = path.lstat()
+        out.append((path.relative_to(root).as_posix(), stat.st_size if path.is_file() else 0, stat.st_mtime_ns))
+    return out
+
+
+def _redirect_paths(monkeypatch: pytest.MonkeyPatch, old: Path, new: Path) -> None:
+    """Point every pipelines module-level Path (and Path default argument) under `old` at `new`."""
+
+    def moved(value: object) -> object:
+        if isinstance(value, Path) and (value == old or old in value.parents):
+            return new / value.relative_to(old)
+        return value
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("pipelines") or not isinstance(module, types.ModuleType):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if moved(value) is not value:
+                monkeypatch.setattr(module, attribute, moved(value))
+            elif isinstance(value, types.FunctionType) and value.__module__ == name:
+                if value.__defaults__ and any(moved(v) is not v for v in value.__defaults__):
+                    monkeypatch.setattr(value, "__defaults__", tuple(moved(v) for v in value.__defaults__))
+                if value.__kwdefaults__ and any(moved(v) is not v for v in value.__kwdefaults__.values()):
+                    monkeypatch.setattr(value, "__kwdefaults__", {k: moved(v) for k, v in value.__kwdefaults__.items()})
+
+
+class HeavyWorkStarted(AssertionError):
+    """Raised by the tripwires: a fuzz case got past validation into quantizing, serving or scoring."""
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    """A private artifacts root with a registry holding one promoted version, and a folder of inputs."""
+    from test_registry import make_artifact, make_gate, new_version
+
+    from pipelines.registry import Registry
+
+    base = tmp_path_factory.mktemp("fuzz")
+    artifacts = base / "artifacts"
+    artifacts.mkdir()
+    registry = Registry(artifacts / "registry.db")
+    version = registry.register(new_version(make_artifact(base / "artifact"), make_gate(base / "gate.json")))
+    registry.promote(version.id, "gate passed")
+    inputs = base / "inputs"
+    inputs.mkdir()
+    return types.SimpleNamespace(base=base, artifacts=artifacts, registry=artifacts / "registry.db", inputs=inputs)
+
+
+@pytest.fixture
+def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Callable[..., tuple[int, str, str]]:
+    """Run the CLI in-process against the private artifacts root, with every heavy step a tripwire."""
+    import pipelines.job
+    import pipelines.quantize
+    import pipelines.runner
+    from pipelines.commands import gate as gate_command
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(world.artifacts))
+    monkeypatch.setenv("QUANTGATE_REGISTRY", str(world.registry))
+    _redirect_paths(monkeypatch, Path(paths.ARTIFACTS_DIR), world.artifacts)
+
+    def tripwire(*args, **kwargs):
+        raise HeavyWorkStarted("a fuzz case reached heavy work")
+
+    for module, name in ((pipelines.quantize, "run_oneshot"), (pipelines.runner, "vllm_server"), (pipelines.runner, "score_eval_sets"),
+                         (pipelines.job, "_run_candidate"), (gate_command, "run_gate")):
+        monkeypatch.setattr(module, name, tripwire)
+    monkeypatch.setattr(pipelines.runner, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
+    # A job compiles each recipe against its model's layout, built by importing torch and transformers
+    # (10 s); the demo model is valid and no case here is about it.
+    monkeypatch.setattr(pipelines.job, "_model_layout", lambda model, field: None, raising=False)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        before = listing(world.artifacts)
+        code = cli.main(list(argv))
+        captured = capsys.readouterr()
+        assert listing(world.artifacts) == before, "the artifacts tree changed"
+        return code, captured.out, captured.err
+
+    return run
+
+
+def assert_refused(result: tuple[int, str, str], *named: str, table_on_stdout: bool = False) -> str:
+    """Exit 2, exactly one `quantize: error:` line on stderr, nothing on stdout (`eval-sets validate`
+    prints its table of every set first), and every `named` string in the line."""
+    code, out, err = result
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err[-2000:])
+    assert len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("quantize: error: "), lines[0]
+    assert "Traceback" not in err and "Traceback" not in out
+    assert ("error" in out) if table_on_stdout else out == "", out[-2000:]
+    for word in named:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def write(world, name: str, data: bytes) -> Path:
+    path = world.inputs / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def params(prefix: str, cases: dict) -> list:
+    return [pytest.param(value, id=f"{prefix}:{key}") for key, value in cases.items()]
+
+
+# --------------------------------------------------------------------------------- the cases
+
+
+@pytest.mark.parametrize("payload", params("recipe-validate", {**YAML_PAYLOADS, **RECIPE_TYPED}))
+def test_recipe_validate_refuses(world, quantize, payload: bytes, request) -> None:
+    recipe = write(world, f"{request.node.callspec.id}.yaml", payload)
+    assert_refused(quantize("recipe", "validate", str(recipe)), str(recipe))
+
+
+@pytest.mark.parametrize("payload", params("run-recipe", {**YAML_PAYLOADS, **RECIPE_TYPED}))
+def test_quantize_recipe_refuses(world, quantize, payload: bytes, request) -> None:
+    recipe = write(world, f"{request.node.callspec.id}.yaml", payload)
+    assert_refused(quantize("--recipe", str(recipe), "--model", str(DEMO_MODEL)), str(recipe))
+
+
+@pytest.mark.parametrize("name", params("run-recipe-name", {
+    "traversal": "../../../../etc/passwd", "directory": "/etc", "dev-zero": "/dev/zero", "too-long": "r" * 5000,
+    "markup": "[/x]", "control": "\x1b[2J", "missing": "no-such-recipe",
+}))
+def test_quantize_recipe_name_refuses(quantize, name: str) -> None:
+    assert_refused(quantize("--recipe", name, "--model", str(DEMO_MODEL)))
+
+
+@pytest.mark.parametrize("value", params("run-max-model-len", {
+    "zero": "0", "negative": "-1", "overflow": str(HUGE), "float": "1.5", "nan": "nan", "superscript": "\u00b2",
+}))
+def test_quantize_and_gate_refuse_a_bad_max_model_len(world, quantize, value: str) -> None:
+    assert_refused(quantize("--recipe", "w8a8", "--model", str(DEMO_MODEL), "--max-model-len", value), "--max-model-len")
+    gate = ("gate", "--artifact", str(world.base / "artifact"), "--baseline", str(DEMO_MODEL), "--max-model-len", value)
+    assert_refused(quantize(*gate), "--max-model-len")
+
+
+@pytest.mark.parametrize("payload", params("gate-policy", {**YAML_PAYLOADS, **POLICY_TYPED}))
+def test_gate_policy_refuses(world, quantize, payload: bytes, request) -> None:
+    policy = write(world, f"{request.node.callspec.id}.yaml", payload)
+    argv = ("gate", "--artifact", str(world.base / "artifact"), "--baseline", str(DEMO_MODEL), "--policy", str(policy))
+    assert_refused(quantize(*argv), str(policy))
+
+
+@pytest.mark.parametrize("payload", params("plan-config", CONFIG_PAYLOADS))
+def test_plan_config_refuses(world, quantize, payload: bytes, request) -> None:
+    config = write(world, f"{request.node.callspec.id}.json", payload)
+    assert_refused(quantize("plan", "--config", str(config), "--gpu", "T4", "--max-model-len", "512"))
+
+
+@pytest.mark.parametrize("argv", params("plan-argument", PLAN_ARGUMENTS))
+def test_plan_arguments_refuse(quantize, argv: list[str]) -> None:
+    assert_refused(quantize("plan", "--config", str(DEMO_MODEL / "config.json"), *argv))
+
+
+def eval_set_root(world, case: str, task: bytes = task_with(), data: bytes = ITEMS, set_file: bytes | None = None) -> Path:
+    root = world.inputs / "eval-roots" / case
+    folder = root / "s"
+    folder.mkdir(parents=True)
+    if set_file is not None:
+        (folder / "set.yaml").write_bytes(set_file)
+    else:
+        (folder / "s.yaml").write_bytes(task)
+    (folder / "data.jsonl").write_bytes(data)
+    (folder / "escape.jsonl").symlink_to("/etc/hostname")
+    return root
+
+
+EVAL_SET_CASES = {
+    **{f"task-yaml-{k}": {"task": v} for k, v in YAML_PAYLOADS.items()},
+    **{k: {"task": v} for k, v in {**TEMPLATE_PAYLOADS, **DATA_FILE_PAYLOADS}.items()},
+    **{k: {"data": v} for k, v in DATA_PAYLOADS.items()},
+    **{f"calibration-set-yaml-{k}": {"set_file": YAML_PAYLOADS[k]} for k in ("non-utf8", "alias-bomb", "deep-flow-3000", "oversize-2mib")},
+    "calibration-data-nan": {"set_file": b"kind: calibration\n", "data": b'{"text": NaN}\n'},
+}
+
+
+@pytest.mark.parametrize("case", params("eval-sets-validate", EVAL_SET_CASES))
+def test_eval_sets_validate_refuses(world, quantize, case: dict, request) -> None:
+    root = eval_set_root(world, request.node.callspec.id.replace(":", "-"), **case)
+    line = assert_refused(quantize("eval-sets", "validate", "--root", str(root)), table_on_stdout=True)
+    assert "s/" in line or str(root) in line  # names the set's file
+
+
+@pytest.mark.parametrize("root", params("eval-sets-root", {"missing": "/nonexistent/eval_sets", "a-file": "/etc/hostname"}))
+def test_eval_sets_root_refuses(quantize, root: str) -> None:
+    assert_refused(quantize("eval-sets", "validate", "--root", root), root)
+
+
+@pytest.mark.parametrize("payload", params("job", {**YAML_PAYLOADS, **JOB_TYPED}))
+def test_job_refuses(world, quantize, payload: bytes, request) -> None:
+    job = write(world, f"{request.node.callspec.id}.yaml", payload.replace(b"REGISTRY", str(world.registry).encode()))
+    assert_refused(quantize("job", str(job)), str(job))
+
+
+@pytest.mark.parametrize("name", params("job-file", {"directory": "/etc", "dev-zero": "/dev/zero", "missing": "/no/such/job.yaml", "too-long": "j" * 5000}))
+def test_job_file_name_refuses(quantize, name: str) -> None:
+    assert_refused(quantize("job", name))
+
+
+BAD_VERSIONS = {
+    "zero": "0", "negative": "-1", "overflow": str(HUGE), "5000-digits": "9" * 5000, "float": "1.5", "exponent": "1e3",
+    "nan": "nan", "superscript-two": "\u00b2", "arabic-one": "\u0661", "fullwidth-one": "\uff11", "space": " 1 ",
+    "empty": "",
+}
+BAD_NAMES = {
+    "markup-close": "[/x]", "markup-link": "[link=http://evil.example]x[/link]", "traversal": "../../etc/passwd",
+    "control": "\x1b[2J", "long": "m" * 100_000, "unknown": "nobody",
+}
+
+
+@pytest.mark.parametrize("version", params("registry-show-version", BAD_VERSIONS))
+def test_registry_show_refuses_bad_versions(quantize, version: str) -> None:
+    assert_refused(quantize("registry", "show", "demo-llama", version))
+
+
+@pytest.mark.parametrize("name", params("registry-show-model", BAD_NAMES))
+def test_registry_show_refuses_bad_names(quantize, name: str) -> None:
+    line = assert_refused(quantize("registry", "show", name, "1"))
+    assert "\x1b" not in line
+
+
+@pytest.mark.parametrize("version", params("registry-promote-version", {k: v for k, v in BAD_VERSIONS.items() if k not in ("negative",)}))
+def test_registry_promote_refuses_bad_versions(quantize, version: str) -> None:
+    assert_refused(quantize("registry", "promote", "demo-llama", version, "--reason", "[/x] fuzz"))
+
+
+@pytest.mark.parametrize("name", params("registry-promote-model", BAD_NAMES))
+def test_registry_promote_refuses_bad_names(quantize, name: str) -> None:
+    assert_refused(quantize("registry", "promote", name, "1", "--reason", "fuzz"))
+
+
+EVIDENCE = {
+    "non-utf8": b'{"a": "\xff"}', "nan": b'{"a": NaN}', "infinity": b'{"a": Infinity}', "list": b"[1]",
+    "deep": b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "oversize": b'{"a": "' + b"x" * (2 * MiB) + b'"}',
+    "truncated": b'{"a": 1',
+}
+
+
+@pytest.mark.parametrize("payload", params("registry-promote-evidence", EVIDENCE))
+def test_registry_promote_refuses_bad_evidence(world, quantize, payload: bytes, request) -> None:
+    evidence = write(world, f"{request.node.callspec.id}.json", payload)
+    assert_refused(quantize("registry", "promote", "demo-llama", "1", "--reason", "fuzz", "--evidence", str(evidence)), str(evidence))
+
+
+@pytest.mark.parametrize("version", params("registry-alias-version", BAD_VERSIONS))
+def test_registry_alias_refuses_bad_versions(quantize, version: str) -> None:
+    assert_refused(quantize("registry", "alias", "demo-llama", "production", version))
+
+
+@pytest.mark.parametrize("alias", params("registry-alias-name", {
+    "markup": "[/x]", "link": "[link=http://evil.example]x", "traversal": "../x", "digits": "12", "empty": "", "control": "\x1b[2J",
+}))
+def test_registry_alias_refuses_bad_alias_names(quantize, alias: str) -> None:
+    assert_refused(quantize("registry", "alias", "demo-llama", alias, "1"))
+
+
+@pytest.mark.parametrize("version", params("registry-history-version", {k: BAD_VERSIONS[k] for k in ("zero", "overflow", "superscript-two", "nan")}))
+def test_registry_history_refuses_bad_versions(quantize, version: str) -> None:
+    assert_refused(quantize("registry", "history", "demo-llama", "--version", version))
+
+
+@pytest.mark.parametrize("path", params("registry-database", {"directory": "/etc", "not-sqlite": "/etc/hostname", "too-long": "d" * 5000}))
+def test_registry_database_path_refuses(quantize, path: str) -> None:
+    assert_refused(quantize("registry", "list", "--registry", path))
+
+
+# --------------------------------------------------------------------------------- the loader itself
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (alias_bomb().decode(), "more than 10000 values in one file (aliases counted as what they repeat)"),
+    (alias_bomb(levels=30, width=2).decode(), "more than 10000 values"),
+    ("a: &a [1, *a]\n", "alias *a refers to a value that contains it"),
+    ("a: &a " + "[" * 40 + "1" + "]" * 40 + "\nb: " + "[" * 30 + "*a" + "]" * 30 + "\n", "nested deeper than 64 levels (alias *a expanded)"),
+    (deep_flow().decode(), "nested deeper than 64 levels"),
+    (deep_block().decode(), "nested deeper than 64 levels"),
+    (YAML_PAYLOADS["many-values"].decode(), "more than 10000 values"),
+    ("a: [1, .nan]\n", "must be a finite number"),
+    ("a: !!python/name:os.system\n", "could not determine a constructor"),
+])
+def test_the_loader_refuses(text: str, words: str) -> None:
+    from pipelines.errors import InputError
+    from pipelines.yamlio import load_yaml_text
+
+    with pytest.raises(InputError, match=re.escape(words)) as caught:
+        load_yaml_text(text, "x.yaml")
+    assert caught.value.file == "x.yaml"
+
+
+def test_the_loader_keeps_function_tags_and_accepts_what_it_should() -> None:
+    from pipelines.yamlio import MAX_DEPTH, FunctionRef, dump_yaml, load_yaml_text
+
+    data = load_yaml_text("a: !function helpers.score\nb: [" + "[" * (MAX_DEPTH - 3) + "1" + "]" * (MAX_DEPTH - 3) + "]\n", "x.yaml")
+    assert isinstance(data["a"], FunctionRef) and data["a"] == "helpers.score"
+    shared = {"weights": {"bits": 4, "group_size": 128}}  # yaml.safe_dump writes an anchor and an alias for it
+    text = yaml.safe_dump({"groups": {"attention": shared, "mlp": shared}})
+    assert "&id001" in text and load_yaml_text(text, "x.yaml") == {"groups": {"attention": shared, "mlp": shared}}
+    assert load_yaml_text("b: &b {x: 1}\nc: {<<: *b, y: 2}\n", "x.yaml")["c"] == {"x": 1, "y": 2}
+    assert load_yaml_text(dump_yaml(data), "again.yaml") == data and isinstance(load_yaml_text(dump_yaml(data), "y")["a"], FunctionRef)
+
+
+# --------------------------------------------------------------------------------- positive controls
+
+
+def test_a_byte_order_mark_is_accepted(world, quantize) -> None:
+    bom = b"\xef\xbb\xbf"
+    recipe = write(world, "bom-recipe.yaml", bom + (RECIPES / "w4a16.yaml").read_bytes())
+    config = write(world, "bom-config.json", bom + (DEMO_MODEL / "config.json").read_bytes())
+    code, out, err = quantize("plan", "--config", str(config), "--recipe", str(recipe), "--gpu", "T4", "--max-model-len", "512", "--json")
+    assert code == 0 and [row["scheme"] for row in json.loads(out)["rows"]] == ["16-bit", "w4a16"], err
+
+
+def test_json_errors_are_one_object_on_stdout(world, quantize) -> None:
+    policy = write(world, "json-policy.yaml", yaml_bytes(edited(POLICY, "fit.gpu", "B9000")))
+    argv = ("gate", "--artifact", str(world.base / "artifact"), "--baseline", str(DEMO_MODEL), "--policy", str(policy), "--json")
+    code, out, err = quantize(*argv)
+    document = json.loads(out)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert document["exit_code"] == 2 and document["kind"] == "input"
+    assert document["file"] == str(policy) and document["field"] == "fit.gpu" and "B9000" in document["error"]
+    code, out, _ = quantize("plan", "--config", str(DEMO_MODEL / "config.json"), "--gpu-memory-gib", "1e300", "--json")
+    assert code == 2 and json.loads(out)["kind"] == "usage"
+
+
+# --------------------------------------------------------------------------------- real processes
+
+RSS_PROBE = """
+import json, sys
+from pipelines import cli
+
+def peak_mb():
+    # VmHWM: this process's peak resident set since exec (ru_maxrss would include the forking parent's)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+cases = json.loads(sys.argv[1])
+cli.build_parser()  # imports every command module: the baseline every case starts from
+report = {"baseline_mb": peak_mb(), "cases": []}
+for name, argv in cases:
+    code = cli.main(argv)
+    report["cases"].append([name, code, peak_mb()])
+print(json.dumps(report))
+"""
+
+
+def test_hostile_yaml_keeps_memory_bounded_in_a_real_process(tmp_path: Path) -> None:
+    """The alias bomb, 3,000-deep nesting, a 50 MB recipe and 30,000 values: peak RSS stays under 200 MB."""
+    files = {
+        "alias-bomb": alias_bomb(),
+        "alias-bomb-wide": alias_bomb(levels=12, width=12),
+        "deep-flow-3000": deep_flow(),
+        "deep-flow-1mib": deep_flow(MiB // 2 - 8),
+        "many-values": YAML_PAYLOADS["many-values"],
+        "recipe-50mb": b"name: big\ndescription: " + b"a" * (50 * MiB) + b"\n",
+    }
+    cases = []
+    for name, data in files.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_bytes(data)
+        cases += [[f"recipe:{name}", ["recipe", "validate", str(path)]], [f"policy:{name}", ["--recipe", "w8a8", "--policy", str(path)]],
+                  [f"job:{name}", ["job", str(path)]]]
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts"), "QUANTGATE_REGISTRY": str(tmp_path / "r.db")}
+    result = subprocess.run([sys.executable, "-c", RSS_PROBE, json.dumps(cases)], check=False, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    errors = [line for line in result.stderr.splitlines() if not line.startswith(">")]
+    assert all(code == 2 for _, code, _ in report["cases"]), report
+    assert len(errors) == len(cases) and all(line.startswith("quantize: error: ") for line in errors), errors
+    peak = max(rss for _, _, rss in report["cases"])
+    print(f"hostile YAML: baseline {report['baseline_mb']:.0f} MB, peak {peak:.0f} MB over {len(cases)} cases")
+    assert peak < RSS_LIMIT_MB, report
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_the_entry_point_exits_2_with_one_line_for_non_utf8_and_deep_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(YAML_PAYLOADS["non-utf8"])
+    deep = tmp_path / "deep.yaml"
+    deep.write_bytes(deep_flow())
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts"), "QUANTGATE_REGISTRY": str(tmp_path / "r.db")}
+    runs = {
+        name: subprocess.Popen([sys.executable, "-m", "pipelines.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        for name, argv in {
+            "recipe": ["recipe", "validate", str(bad)],
+            "policy": ["--recipe", "w8a8", "--policy", str(deep), "--json"],
+        }.items()
+    }
+    for name, process in runs.items():
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 2, (name, err)
+        lines = [line for line in err.splitlines() if not line.startswith(">")]
+        assert len(lines) == 1 and lines[0].startswith("quantize: error: "), (name, err)
+        if name == "policy":
+            assert json.loads(out)["field"] == "line 1" and "nested deeper than 64" in json.loads(out)["error"]
+    assert not (tmp_path / "artifacts").exists()

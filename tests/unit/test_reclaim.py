@@ -1,0 +1,143 @@
+"""reclaim_stale: staging folders and shim folders of dead runs go; everything of a live run, and finished runs, stay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from pipelines import reclaim
+
+OLD = 3600.0  # seconds: well past the one-minute guard
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+@pytest.fixture
+def sleeper():
+    """A live process that is not Python (what a reused pid usually is)."""
+    process = subprocess.Popen(["sleep", "300"])
+    yield process.pid
+    process.kill()
+    process.wait()
+
+
+def stamp(seconds_ago: float = 0.0) -> str:
+    return datetime.fromtimestamp(time.time() - seconds_ago, timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def staging(runs: Path, pid: int, *, recipe: str = "w8a8", made_ago: float = 0.0, age_s: float = OLD, suffix: str = ".tmp") -> Path:
+    """A staging folder as runner.run_gate makes it (`.<stamp>-<recipe>-<pid>-<hex>.tmp`), with files, last changed `age_s` ago."""
+    folder = runs / f".{stamp(made_ago)}-{recipe}-{pid}-a1b2c3{suffix}"
+    (folder / "candidate" / "lm_eval").mkdir(parents=True)
+    (folder / "candidate-server.log").write_text("log")
+    _age(folder, age_s)
+    return folder
+
+
+def shim(tmp_root: Path, pid: int, *, age_s: float = OLD) -> Path:
+    folder = tmp_root / f"{reclaim.shim_prefix(pid)}k3j_x9"
+    folder.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text("")
+    _age(folder, age_s)
+    return folder
+
+
+def _age(folder: Path, age_s: float) -> None:
+    when = time.time() - age_s
+    os.utime(folder, (when, when))
+
+
+def test_a_dead_runs_staging_and_shim_folders_are_removed(tmp_path, dead_pid):
+    runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
+    stale = [staging(runs, dead_pid, made_ago=OLD), staging(runs, dead_pid, recipe="my-recipe-v2", made_ago=OLD), shim(tmp_root, dead_pid)]
+    removed = reclaim.reclaim_stale(runs, tmp_root)
+    assert sorted(removed) == sorted(stale)
+    assert not any(path.exists() for path in stale)
+
+
+def test_a_live_runs_folders_stay(tmp_path):
+    runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
+    # this test process started before "now": it is the live owner of folders made now (and aged by mtime only)
+    mine = [staging(runs, os.getpid()), shim(tmp_root, os.getpid())]
+    for folder in mine:
+        _age(folder, 0)
+    assert reclaim.reclaim_stale(runs, tmp_root, stale_after_s=0) == []
+    assert all(path.exists() for path in mine)
+
+
+def test_a_recent_folder_of_a_dead_pid_stays_for_a_minute(tmp_path, dead_pid):
+    runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
+    recent = [staging(runs, dead_pid, age_s=5), shim(tmp_root, dead_pid, age_s=5)]
+    assert reclaim.reclaim_stale(runs, tmp_root) == []
+    assert all(path.exists() for path in recent)
+
+
+def test_a_reused_pid_does_not_keep_a_dead_runs_folder(tmp_path, sleeper):
+    # the pid is alive, but it is `sleep`, not Python
+    runs = tmp_path / "runs"
+    folder = staging(runs, sleeper, made_ago=OLD)
+    assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == [folder]
+
+
+def test_a_python_process_started_after_the_folder_is_a_reused_pid(tmp_path):
+    # this very Python process, but the run id says the run began a day before it started
+    runs = tmp_path / "runs"
+    folder = staging(runs, os.getpid(), made_ago=86400)
+    shim_folder = shim(tmp_path / "tmp", os.getpid(), age_s=86400)
+    assert sorted(reclaim.reclaim_stale(runs, tmp_path / "tmp")) == sorted([folder, shim_folder])
+
+
+def test_finished_and_failed_runs_and_other_files_are_never_touched(tmp_path, dead_pid):
+    runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
+    identifier = f"{stamp(OLD)}-w8a8-{dead_pid}-a1b2c3"
+    keep = [runs / identifier, runs / f"{identifier}-error", runs / f".{identifier}.tmpx", tmp_root / f"quantgate-vllm-x{dead_pid}-abc", tmp_root / "other"]
+    for folder in keep:
+        folder.mkdir(parents=True)
+        _age(folder, OLD)
+    (runs / f".{identifier}.tmp").write_text("a file, not a staging folder")
+    assert reclaim.reclaim_stale(runs, tmp_root) == []
+    assert all(path.exists() for path in keep)
+
+
+def test_a_symlink_named_like_a_staging_folder_is_not_followed(tmp_path, dead_pid):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "data").write_text("keep")
+    link = runs / f".{stamp(OLD)}-w8a8-{dead_pid}-a1b2c3.tmp"
+    link.symlink_to(target)
+    assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == []
+    assert (target / "data").read_text() == "keep"
+
+
+def test_missing_folders_are_fine(tmp_path):
+    assert reclaim.reclaim_stale(tmp_path / "no-runs", tmp_path / "no-tmp") == []
+
+
+def test_owner_alive_recognises_this_process_and_not_a_dead_one(dead_pid, sleeper):
+    assert reclaim.owner_alive(os.getpid(), time.time())
+    assert not reclaim.owner_alive(dead_pid, time.time())
+    assert not reclaim.owner_alive(sleeper, time.time())
+
+
+def test_the_command_line_removes_stale_folders(tmp_path, dead_pid):
+    runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
+    folder = staging(runs, dead_pid, made_ago=OLD)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.reclaim", "stale", str(runs), "--tmp-root", str(tmp_root)],
+        capture_output=True, text=True, check=True, cwd=Path(reclaim.__file__).resolve().parents[1],
+    )
+    assert result.stdout.split() == [str(folder)]
