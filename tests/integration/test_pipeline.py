@@ -95,7 +95,8 @@ def test_the_baseline_gated_against_itself_passes_through_the_ci_script(self_gat
 
 def test_a_model_vllm_cannot_start_is_an_error_that_leaves_nothing_behind(workspace, broken_start_run, broken_model: Path, no_process_left):
     assert broken_start_run.code == 2, broken_start_run.describe()
-    assert broken_start_run.stdout == ""
+    error = broken_start_run.json  # with --json an error is a JSON object on stdout
+    assert error["exit_code"] == 2 and "NoSuchModelForCausalLM" in error["error"]
     assert "vLLM exited during start-up" in broken_start_run.error_line
     assert "NoSuchModelForCausalLM" in broken_start_run.error_line, broken_start_run.error_line
     (run_dir,) = broken_start_run.new_runs
