@@ -3,10 +3,16 @@
 The model is described by a ModelLayout (module names and Linear shapes), built from config.json by
 instantiating the architecture on the meta device: no weights are read. Every problem is reported
 before any heavy work, as an InputError naming the recipe file and the recipe field.
+
+A recipe may say `group_size: auto` (or `{auto: N}`): the compiler gives each layer the largest power of
+two up to the cap (128 by default) that divides its input size, so one recipe applies to a hidden-256
+model (group 128 everywhere) and to a hidden-576 one (64 where the input is 576, 128 on down_proj's 1536).
+A fixed group size that does not divide a layer is refused with the sizes that would and the line to write.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
 from pipelines.manifest import read_model_config
-from pipelines.recipe import GroupScheme, Override, Recipe, WeightScheme, load_recipe
+from pipelines.recipe import GroupScheme, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
 
 Kind = Literal["attention", "mlp"]
 
@@ -56,6 +62,8 @@ class ModelLayout(BaseModel):
     linears: list[LinearInfo]
     embeddings: list[str]
     lm_head: str | None
+    # The lm_head's shape when known (a quantized lm_head's group size is checked against its input size).
+    lm_head_linear: LinearInfo | None = None
 
     def of_kind(self, kind: Kind) -> list[LinearInfo]:
         return [info for info in self.linears if info.kind == kind]
@@ -113,6 +121,7 @@ def layout_from_config(config: dict[str, Any], source: Path | str = "config.json
         ],
         embeddings=[name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)],
         lm_head=names.get(lm_head) if lm_head is not None else None,
+        lm_head_linear=_linear_info(names[lm_head], lm_head) if isinstance(lm_head, torch.nn.Linear) and lm_head in names else None,
     )
 
 
@@ -133,9 +142,7 @@ def _linear_info(name: str, module: Any) -> LinearInfo:
 
 def compile_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> CompiledRecipe:
     """Check `recipe` against `layout` and vLLM's kernels, then build the llm-compressor recipe."""
-    check_lm_parts(recipe, layout, recipe_file)
-    plan = resolve_schemes(recipe, layout, recipe_file)
-    check_plan(plan, recipe_file)
+    plan = check_recipe(recipe, layout, recipe_file)
     modifiers = _modifiers(recipe, layout, plan)
     return CompiledRecipe(
         recipe=recipe.name,
@@ -147,8 +154,27 @@ def compile_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str)
     )
 
 
+def check_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> dict[str, ModuleScheme]:
+    """Every check compile_recipe makes, without building anything: the per-module plan with each
+    `group_size: auto` replaced by the layer's own size; an InputError (file, field) if it cannot apply."""
+    check_lm_parts(recipe, layout, recipe_file)
+    plan = concrete_schemes(resolve_schemes(recipe, layout, recipe_file), recipe_file)
+    check_plan(plan, recipe_file)
+    return plan
+
+
+def cannot_apply(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str = "recipe") -> str | None:
+    """Why `recipe` cannot apply to `layout` (one line: field and reason), or None when it can."""
+    try:
+        check_recipe(recipe, layout, recipe_file)
+    except InputError as error:
+        return f"{error.field}: {error.message}" if error.field else error.message
+    return None
+
+
 def resolve_schemes(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> dict[str, ModuleScheme]:
-    """Module name -> scheme for every attention / MLP Linear, after groups and then overrides."""
+    """Module name -> scheme for every attention / MLP Linear, after groups and then overrides (as written:
+    `group_size: auto` is resolved per layer by concrete_schemes)."""
     plan: dict[str, ModuleScheme] = {}
     for kind in ("attention", "mlp"):
         scheme = getattr(recipe.groups, kind)
@@ -207,28 +233,84 @@ def check_lm_parts(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str)
         problem = _weight_only_problem(lm_head.weights)
         if problem:
             raise InputError(problem[1], file=recipe_file, field=f"groups.lm_head.weights.{problem[0]}")
+        lm_head_weights(recipe, layout, recipe_file)
+
+
+def lm_head_weights(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> WeightScheme | None:
+    """The quantized lm_head's weight scheme with its group size resolved (None: lm_head stays 16-bit)."""
+    group = recipe.groups.lm_head
+    if not group.quantize or group.weights is None:
+        return None
+    if layout.lm_head_linear is None:
+        if group.weights.auto_group:
+            raise InputError("group_size auto needs the lm_head's input size, which this model layout does not give",
+                             file=recipe_file, field="groups.lm_head.weights.group_size")
+        return group.weights
+    entry = ModuleScheme(module=layout.lm_head_linear, scheme=GroupScheme(weights=group.weights), source="groups.lm_head")
+    (entry,) = concrete_schemes({entry.module.name: entry}, recipe_file).values()
+    _check_group_sizes([entry], recipe_file)
+    return entry.scheme.weights
+
+
+def concrete_schemes(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> dict[str, ModuleScheme]:
+    """Each `group_size: auto` replaced by the module's own size: the largest power of two up to the cap
+    that divides its input size. A layer no such size divides is refused (per channel would serve it)."""
+    concrete: dict[str, ModuleScheme] = {}
+    for name, entry in plan.items():
+        scheme = entry.scheme
+        if scheme is not None and scheme.weights.auto_group:
+            info = entry.module
+            weights = scheme.weights.for_layer(info.in_features)
+            if weights.auto_group:
+                raise InputError(
+                    f"group_size auto finds no even group size up to {scheme.weights.group_size.auto} that divides the input "
+                    f"size {info.in_features} of {info.name}; quantize it per channel (granularity: channel) or keep it 16-bit",
+                    file=recipe_file, field=f"{entry.source}.weights.group_size",
+                )
+            entry = entry.model_copy(update={"scheme": scheme.model_copy(update={"weights": weights})})
+        concrete[name] = entry
+    return concrete
 
 
 def check_plan(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> None:
-    """vLLM kernels, group sizes and fused shards, for every module as resolved."""
+    """vLLM kernels, group sizes and fused shards, for every module as resolved (group sizes concrete)."""
     for entry in plan.values():
         if entry.scheme is None:
             continue
         problem = vllm_problem(entry.scheme)
         if problem:
             raise InputError(problem[1], file=recipe_file, field=f"{entry.source}.{problem[0]}")
-        _check_shapes(entry, recipe_file)
+    _check_group_sizes([entry for entry in plan.values() if entry.scheme is not None], recipe_file)
+    for entry in plan.values():
+        if entry.scheme is not None:
+            _check_shapes(entry, recipe_file)
     _check_fused(plan, recipe_file)
 
 
-def _check_shapes(entry: ModuleScheme, recipe_file: Path | str) -> None:
-    weights, info = entry.scheme.weights, entry.module
-    if weights.granularity == "group" and info.in_features % weights.group_size:
+def _check_group_sizes(entries: list[ModuleScheme], recipe_file: Path | str) -> None:
+    """A fixed group size must divide the input size of every layer it reaches. The refusal names the
+    sizes that would divide every layer the same recipe field reaches, and the line to write instead."""
+    for entry in entries:
+        weights, info = entry.scheme.weights, entry.module
+        if weights.granularity != "group" or info.in_features % weights.group_size == 0:
+            continue
+        field = f"{entry.source}.weights.group_size"
+        inputs = sorted({e.module.in_features for e in entries if e.source == entry.source and e.scheme.weights.granularity == "group"})
+        floor = 32 if weights.group_size >= 32 else 2
+        sizes = [size for size in auto_group_sizes(math.gcd(*inputs), weights.group_size) if size >= floor][:3]
+        if sizes:
+            advice = f"{', '.join(map(str, sizes))} would; write `group_size: {sizes[0]}` or `group_size: auto`"
+        else:
+            advice = "no even size up to it would; write `granularity: channel` (one scale per output row)"
         raise InputError(
-            f"group_size {weights.group_size} does not divide the input size {info.in_features} of {info.name}",
+            f"group_size {weights.group_size} does not divide the input size {info.in_features} of {info.name}; {advice}",
             file=recipe_file,
-            field=f"{entry.source}.weights.group_size",
+            field=field,
         )
+
+
+def _check_shapes(entry: ModuleScheme, recipe_file: Path | str) -> None:
+    info = entry.module
     if entry.scheme.activations is None and (info.in_features % 32 or info.out_features % 32):
         raise InputError(
             f"vLLM's CPU 4-bit kernel needs layer sizes that are multiples of 32; {info.name} is "
@@ -329,22 +411,37 @@ def _config_groups(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleSc
         name = kind if kind not in groups else f"{kind}_{sum(key.startswith(kind) for key in groups)}"
         groups[name] = {"targets": _targets(modules, kind, layout), **_scheme_args(scheme)}
     if recipe.groups.lm_head.quantize:
-        groups["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(recipe.groups.lm_head.weights)}
+        groups["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(lm_head_weights(recipe, layout, "recipe"))}
     return groups
 
 
+def _shard_suffix(kind: Kind, shards: set[str]) -> str:
+    r"""GROUP_SUFFIX narrowed to some shards, in its own order: `mlp\.(gate|up)_proj$`."""
+    head, alternatives = GROUP_SUFFIX[kind].split("(")
+    short = [name for name in alternatives.split(")")[0].split("|") if f"{name}_proj" in shards]
+    return f"{head}{short[0]}_proj$" if len(short) == 1 else f"{head}({'|'.join(short)})_proj$"
+
+
 def _targets(modules: list[LinearInfo], kind: Kind, layout: ModelLayout) -> list[str]:
-    """The shortest readable target list for these modules: the group regex, a layer regex, or names."""
+    """The shortest readable target list for these modules: the group regex, a shard regex (every
+    layer's gate/up), a layer regex, both, or names."""
     if not modules:
         return []
     names = {info.name for info in modules}
     everything = layout.of_kind(kind)
     if names == {info.name for info in everything}:
         return [GROUP_TARGET[kind]]
+    shards = {info.shard for info in modules}
+    suffix = _shard_suffix(kind, shards)
+    if names == {info.name for info in everything if info.shard in shards}:
+        return [f"re:.*{suffix}"]
     layers = sorted({info.layer for info in modules if info.layer is not None})
-    in_layers = {info.name for info in everything if info.layer in layers}
-    if names == in_layers:
-        return [rf"re:.*\.layers\.({'|'.join(map(str, layers))})\.{GROUP_SUFFIX[kind]}"]
+    in_layers = [info for info in everything if info.layer in layers]
+    layer_regex = rf"re:.*\.layers\.({'|'.join(map(str, layers))})\."
+    if names == {info.name for info in in_layers}:
+        return [layer_regex + GROUP_SUFFIX[kind]]
+    if names == {info.name for info in in_layers if info.shard in shards}:
+        return [layer_regex + suffix]
     return sorted(names)
 
 
@@ -400,7 +497,12 @@ def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
         return SIXTEEN_BIT
     weights = scheme if isinstance(scheme, WeightScheme) else scheme.weights
     activations = None if isinstance(scheme, WeightScheme) else scheme.activations
-    granularity = f"group{weights.group_size}" if weights.granularity == "group" else weights.granularity
+    if weights.granularity != "group":
+        granularity = weights.granularity
+    elif weights.auto_group:
+        granularity = f"group auto (up to {weights.group_size.auto})"
+    else:
+        granularity = f"group{weights.group_size}"
     left = f"w{weights.bits} {granularity} {'sym' if weights.symmetric else 'asym'}"
     if activations is None:
         return f"{left} / a16"
@@ -415,8 +517,7 @@ def _layer_table(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleSche
         entry = plan.get(info.name)
         table[info.name] = scheme_summary(entry.scheme if entry else None)
     if layout.lm_head:
-        lm_head = recipe.groups.lm_head
-        table[layout.lm_head] = scheme_summary(lm_head.weights if lm_head.quantize else None)
+        table[layout.lm_head] = scheme_summary(lm_head_weights(recipe, layout, "recipe"))
     return table
 
 

@@ -74,8 +74,9 @@ async def _post(client: httpx.AsyncClient, server: RunningServer, path: str, pay
     return response.json()
 
 
-async def _reference_one(client, server, doc_id: int, prompt: str) -> Reference:
-    prompt_ids = (await _post(client, server, "/tokenize", {"prompt": prompt}))["tokens"]
+async def _reference_one(client, server, doc_id: int, prompt: str, add_special_tokens: bool) -> Reference:
+    # A chat-templated prompt already carries its BOS: the tokenizer must not add another.
+    prompt_ids = (await _post(client, server, "/tokenize", {"prompt": prompt, "add_special_tokens": add_special_tokens}))["tokens"]
     body = await _post(
         client, server, "/v1/completions",
         {"prompt": prompt_ids, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "logprobs": TOP_K,
@@ -110,10 +111,12 @@ async def _gather(coroutines, timeout_s: float):
     return await asyncio.gather(*(limited(c) for c in coroutines))
 
 
-def baseline_references(server: RunningServer, prompts: list[tuple[int, str]]) -> list[Reference]:
+def baseline_references(server: RunningServer, prompts: list[tuple[int, str]], *, add_special_tokens: bool = True) -> list[Reference]:
     async def run():
         async with httpx.AsyncClient(timeout=server.request_timeout_s) as client:
-            return await _gather([_reference_one(client, server, i, text) for i, text in prompts], server.request_timeout_s)
+            return await _gather(
+                [_reference_one(client, server, i, text, add_special_tokens) for i, text in prompts], server.request_timeout_s
+            )
 
     return asyncio.run(run())
 

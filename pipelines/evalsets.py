@@ -10,6 +10,16 @@ InputError naming the file and the line or field, the most fundamental first.
 
 The task YAML is parsed once, here: an EvalSet carries the config, the task name and the primary metric
 (the first entry of `metric_list`, with its direction and aggregation) that scoring and the gate use.
+
+Two things live in the task's `metadata` (free-form in lm-eval's TaskConfig, so plain lm-eval accepts the YAML):
+`chat_template: true` asks for the model's chat template (lm-eval's --apply_chat_template) and
+`system_instruction: "..."` for a system message (--system_instruction); sets are scored in one lm-eval
+run per distinct pair.
+
+`custom_dataset: !function pipelines.evalsets.set_data` (SET_DATA_LOADER) makes lm-eval read `data_files`
+relative to the YAML's folder, so that the folder runs in plain lm-eval from any working directory;
+lm-eval 0.4.13 itself resolves them against the working directory. The product does not need it: it
+hands lm-eval a copy of the YAML with the data path made absolute (materialize_task).
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ PRODUCED_METRICS = {
 NO_FILTER = "none"  # the filter name lm-eval gives a task without filter_list
 SET_FILE = "set.yaml"
 DATA_FILE = "data.jsonl"
+# The one `custom_dataset` a set may name: the set's own data_files, read relative to the task YAML's folder.
+SET_DATA_LOADER = "pipelines.evalsets.set_data"
+# Keys of the task's `metadata` the product reads (anything else there is lm-eval's or the author's).
+CHAT_TEMPLATE_KEY = "chat_template"
+SYSTEM_INSTRUCTION_KEY = "system_instruction"
 
 # The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
@@ -111,6 +126,17 @@ class EvalSet(_Frozen):
     metric: MetricSpec  # the primary metric: the first of metric_list (lm-eval's default without one)
     num_items: int
     sha256: str  # of the task YAML and the data file together: the identity cached scores are keyed by
+    # lm-eval's --apply_chat_template / --system_instruction for this set (metadata.chat_template, .system_instruction)
+    chat_template: bool = False
+    system_instruction: str | None = None
+    # The requests lm-eval sends for the set (one per item, one per choice for multiple choice, ...);
+    # None when it depends on the model (rolling windows)
+    num_requests: int | None = None
+
+    @property
+    def lm_eval_options(self) -> tuple[bool, str | None]:
+        """What the lm-eval run scoring this set is started with: sets that differ are scored in separate runs."""
+        return self.chat_template, self.system_instruction
 
     @property
     def filter_name(self) -> str:
@@ -328,6 +354,44 @@ def _check_config(config: dict, yaml_path: Path) -> None:
     if config["task"] != yaml_path.stem:
         raise InputError(f"the task name must be the folder's name {yaml_path.stem!r} (got {config['task']!r})", file=where, field="task")
     _check_filters(config.get("filter_list"), where)
+    _check_custom_dataset(config, where)
+    _chat_options(config, where)
+
+
+def _check_custom_dataset(config: dict, where: str) -> None:
+    """Only the product's own loader (the set's data_files, beside the YAML): the data stays the set's JSONL file."""
+    loader = config.get("custom_dataset")
+    if loader is None:
+        return
+    if not isinstance(loader, FunctionRef) or str(loader).strip() != SET_DATA_LOADER:
+        raise InputError(
+            f"only `!function {SET_DATA_LOADER}` (reads data_files relative to this folder) may load a set's data (got {loader!r})",
+            file=where, field="custom_dataset",
+        )
+
+
+def _chat_options(config: dict, where: str) -> tuple[bool, str | None]:
+    """metadata.chat_template (lm-eval's --apply_chat_template) and metadata.system_instruction (--system_instruction)."""
+    metadata = config.get("metadata")
+    if metadata is None:
+        return False, None
+    if not isinstance(metadata, dict):
+        raise InputError("a mapping (lm-eval's free-form task metadata)", file=where, field="metadata")
+    chat = metadata.get(CHAT_TEMPLATE_KEY, False)
+    if not isinstance(chat, bool):
+        raise InputError(f"must be true or false (got {chat!r})", file=where, field=f"metadata.{CHAT_TEMPLATE_KEY}")
+    if chat and config["output_type"] == ROLLING:
+        raise InputError(
+            f"a {ROLLING} set scores its text without a prompt: a chat template does not apply to it",
+            file=where, field=f"metadata.{CHAT_TEMPLATE_KEY}",
+        )
+    instruction = metadata.get(SYSTEM_INSTRUCTION_KEY)
+    if instruction is not None and (not isinstance(instruction, str) or not instruction.strip()):
+        raise InputError(f"must be a non-empty string (got {instruction!r})", file=where, field=f"metadata.{SYSTEM_INSTRUCTION_KEY}")
+    if instruction is not None and config["output_type"] == ROLLING:
+        raise InputError(f"a {ROLLING} set scores its text without a prompt: a system instruction does not apply to it",
+                         file=where, field=f"metadata.{SYSTEM_INSTRUCTION_KEY}")
+    return chat, instruction
 
 
 def _require(config: dict, key: str, where: str) -> None:
@@ -444,7 +508,8 @@ def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
 # ---------------------------------------------------------------- data items
 
 
-def _check_items(config: dict, data: Path, yaml_path: Path) -> int:
+def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | None]:
+    """The number of items (every one checked) and of the requests lm-eval sends for them."""
     where = _display(yaml_path)
     needs: dict[str, set[str]] = {
         "doc_to_text": _template_fields(config["doc_to_text"], bare_is_field=False, where=where, key="doc_to_text"),
@@ -455,8 +520,10 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> int:
     static_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
     target_field = config["doc_to_target"] if config["doc_to_target"] in needs["doc_to_target"] else None
     count = 0
+    requests: int | None = 0
     for number, item in iter_jsonl(data):
         count += 1
+        requests = None if requests is None else _add_requests(requests, config, compiled, item)
         for key, fields in needs.items():
             missing = sorted(fields - set(item))
             if missing:
@@ -467,7 +534,32 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> int:
             raise InputError(f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=_display(data), field=f"line {number}")
     if count == 0:
         raise InputError("no items", file=_display(data))
-    return count
+    return count, requests
+
+
+def _add_requests(so_far: int, config: dict, compiled: dict[str, jinja2.Template], item: dict) -> int | None:
+    """How many requests lm-eval sends for one item (lm_eval/api/task.py: construct_requests); None when
+    that depends on the model (rolling windows) or on code (a `!function` doc_to_choice)."""
+    output_type = config["output_type"]
+    repeats = config.get("repeats", 1) if isinstance(config.get("repeats", 1), int) else 1
+    if output_type == ROLLING:
+        return None
+    if output_type != "multiple_choice":
+        return so_far + max(1, repeats)
+    choices = config.get("doc_to_choice")
+    if isinstance(choices, list):
+        number = len(choices)
+    elif isinstance(choices, str) and choices in item and isinstance(item[choices], list):
+        number = len(item[choices])
+    elif "doc_to_choice" in compiled:
+        try:
+            number = len(ast.literal_eval(compiled["doc_to_choice"].render(**item).strip()))
+        except Exception:  # noqa: BLE001 - already checked by _render_item; a count is only a progress hint
+            return None
+    else:
+        return None
+    metrics = [entry.get("metric") for entry in config.get("metric_list") or [] if isinstance(entry, dict)]
+    return so_far + number * (2 if "acc_mutual_info" in metrics else 1)
 
 
 # ---------------------------------------------------------------- public API
@@ -491,6 +583,8 @@ def validate_eval_set(folder: Path) -> EvalSet:
     metric = _metric_spec(config, _display(yaml_path))
     if not data.is_file():
         raise InputError(f"data file {_display(data)} not found", file=_display(yaml_path), field="dataset_kwargs.data_files")
+    chat_template, system_instruction = _chat_options(config, _display(yaml_path))
+    num_items, num_requests = _check_items(config, data, yaml_path)
     return EvalSet(
         name=folder.name,
         folder=folder,
@@ -500,8 +594,11 @@ def validate_eval_set(folder: Path) -> EvalSet:
         task_name=config["task"],
         output_type=config["output_type"],
         metric=metric,
-        num_items=_check_items(config, data, yaml_path),
+        num_items=num_items,
         sha256=_set_hash(yaml_path, data),
+        chat_template=chat_template,
+        system_instruction=system_instruction,
+        num_requests=num_requests,
     )
 
 
@@ -538,18 +635,59 @@ def validate_folder(folder: Path) -> EvalSet | CalibrationSet:
     return validate_calibration_set(folder) if is_calibration_folder(folder) else validate_eval_set(folder)
 
 
-def discover_eval_sets(root: Path = EVAL_SETS_DIR) -> list[EvalSet]:
-    """Every eval set under root, validated; the first broken one raises InputError."""
-    return [validate_eval_set(folder) for folder in set_folders(root) if not is_calibration_folder(folder)]
+class DiscoveredSets(list):
+    """The eval sets under a folder that validate, in name order; `broken` maps each other set's name to
+    its error (a broken set blocks only the runs that select it)."""
+
+    def __init__(self, sets: list[EvalSet], broken: dict[str, InputError]) -> None:
+        super().__init__(sets)
+        self.broken = broken
+
+
+def discover_eval_sets(root: Path = EVAL_SETS_DIR) -> DiscoveredSets:
+    """Every eval set under root, validated; a broken one is left out and its error kept in `.broken`."""
+    sets: list[EvalSet] = []
+    broken: dict[str, InputError] = {}
+    for folder in set_folders(root):
+        if is_calibration_folder(folder):
+            continue
+        try:
+            sets.append(validate_eval_set(folder))
+        except InputError as error:
+            broken[folder.name] = error
+    return DiscoveredSets(sets, broken)
+
+
+def set_data(config_source: str | None = None, data_files: dict | str | None = None, **_metadata: Any):
+    """lm-eval's `custom_dataset` for a set (`custom_dataset: !function pipelines.evalsets.set_data`): the
+    set's data_files read relative to the folder of the task YAML, whatever the working directory.
+
+    lm-eval calls it with the task's metadata and dataset_kwargs as keyword arguments (lm_eval/api/task.py:
+    ConfigurableTask.download); `config_source` is the YAML's path, which lm-eval adds to the metadata
+    (lm_eval/tasks/_factory.py). The paths are held to the folder as the validator holds them."""
+    import datasets
+
+    if data_files is None:
+        raise ValueError("set_data needs dataset_kwargs.data_files")
+    files = {"train": data_files} if isinstance(data_files, str) else dict(data_files)
+    source = Path(config_source) if config_source and config_source != "inline" else None
+    folder = source.parent if source is not None else Path.cwd()
+    where = str(source or folder)
+    resolved = {}
+    for split, relative in files.items():
+        resolved[split] = str(_inside(folder, str(relative), where, f"dataset_kwargs.data_files.{split}"))
+    return datasets.load_dataset("json", data_files=resolved)
 
 
 def materialize_task(eval_set: EvalSet, dest_dir: Path) -> Path:
     """Write the task YAML into dest_dir with its data path made absolute; returns lm-eval's include_path.
 
+    The copy reads its data with lm-eval's own JSON loading (no custom_dataset: the absolute path needs none).
     Python files beside the YAML (for `!function` helpers) are copied along.
     """
     data_files = {eval_set.config["test_split"]: str(eval_set.data.resolve())}
-    config = {**eval_set.config, "dataset_kwargs": {**eval_set.config["dataset_kwargs"], "data_files": data_files}}
+    config = {key: value for key, value in eval_set.config.items() if key != "custom_dataset"}
+    config = {**config, "dataset_kwargs": {**eval_set.config["dataset_kwargs"], "data_files": data_files}}
     dest_dir.mkdir(parents=True, exist_ok=True)
     for helper in eval_set.folder.glob("*.py"):
         shutil.copy2(helper, dest_dir / helper.name)

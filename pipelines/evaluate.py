@@ -9,6 +9,17 @@ server. What is read back, per eval set (the task's name and primary metric come
   (the exact task name: `payment` never reads `payment_reference`'s file), the records of the first
   filter only (lm-eval writes one record per item and filter). A mean-aggregated metric logs a number,
   a corpus metric a list ([gold, prediction], [loglikelihood, words or bytes]) that its aggregation reads.
+
+Sets that ask for the model's chat template (`metadata.chat_template: true`) or a system instruction are
+scored in an lm-eval run of their own per distinct (chat_template, system_instruction): with
+`--apply_chat_template` lm-eval renders the prompt through the tokenizer's chat template, which
+local-completions does only with `tokenized_requests=True` (lm_eval/models/api_models.py:
+TemplateAPI.apply_chat_template; with False it hands a JSON message list to /v1/completions). So a chat
+run sends token ids, tokenized without special tokens (the template writes its own BOS), for
+generate_until and for the log-likelihoods of multiple choice alike.
+
+While lm-eval runs, its log is followed for tqdm's "Requesting API: n/total" and fed to the product's
+progress bar (pipelines.progress).
 """
 
 from __future__ import annotations
@@ -26,10 +37,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from pipelines.errors import EvalError
+from pipelines.errors import EvalError, InputError
 from pipelines.evalsets import ROLLING, EvalSet, iter_jsonl, materialize_task
 from pipelines.metrics import POINTS, MetricSpec
 from pipelines.output import progress
+from pipelines.progress import Bar, track
 from pipelines.reclaim import die_with_parent
 from pipelines.serving import RunningServer
 
@@ -81,20 +93,22 @@ class LmEvalRun:
 
 def lm_eval_command(
     server: RunningServer, tokenizer_dir: Path, task_names: list[str], include_dir: Path, output_dir: Path,
-    num_concurrent: int = 16,
+    num_concurrent: int = 16, *, chat_template: bool = False, system_instruction: str | None = None,
 ) -> list[str]:
+    """lm-eval's command line. chat_template: --apply_chat_template, with token-id requests (the only way
+    local-completions applies a template); system_instruction: --system_instruction."""
     model_args = ",".join(
         [
             f"model={server.served_name}",
             f"base_url={server.base_url}/completions",
             f"tokenizer={tokenizer_dir}",
-            "tokenized_requests=False",
+            f"tokenized_requests={chat_template}",
             f"num_concurrent={num_concurrent}",
             "max_retries=3",
             f"timeout={int(server.request_timeout_s)}",
         ]
     )
-    return [
+    command = [
         sys.executable, "-m", "lm_eval", "run",
         "--model", "local-completions",
         "--model_args", model_args,
@@ -104,6 +118,11 @@ def lm_eval_command(
         "--output_path", str(output_dir),
         "--seed", "0",
     ]
+    if chat_template:
+        command.append("--apply_chat_template")  # fewshot_as_multiturn follows (lm-eval's default with it)
+    if system_instruction is not None:
+        command += ["--system_instruction", system_instruction]
+    return command
 
 
 def lm_eval_environment(server: RunningServer) -> dict[str, str]:
@@ -129,15 +148,57 @@ def materialize_tasks(eval_sets: Iterable[EvalSet], include_dir: Path) -> Path:
     return include_dir
 
 
-def load_prompts(eval_set: EvalSet, include_dir: Path) -> list[Prompt]:
-    """The text lm-eval sends per item, rendered by its own task loader so templates agree."""
+LM_EVAL_FEWSHOT_SEED = 0  # `--seed 0` seeds lm-eval's few-shot sampler too (lm_eval/config/evaluate_config.py)
+
+
+def load_prompts(eval_set: EvalSet, include_dir: Path, tokenizer_dir: Path | None = None) -> list[Prompt]:
+    """The text lm-eval sends per item, built by lm-eval's own code: the task's fewshot_context (description,
+    few-shot examples, system instruction) and, for a chat set, lm-eval's local-completions chat templating
+    with the tokenizer in `tokenizer_dir`. A rolling set sends its doc_to_target alone.
+
+    Without `tokenizer_dir` a chat set's prompts are its raw prompts (a warning says so): KL is then
+    measured on text that is not what lm-eval sent."""
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(include_dir), include_defaults=False)
     task = manager.load(eval_set.task_name)["tasks"][eval_set.task_name]
-    # A rolling set sends doc_to_target alone (lm_eval/api/task.py, construct_requests).
-    render = task.doc_to_target if eval_set.output_type == ROLLING else task.doc_to_text
-    return [Prompt(doc_id=index, text=str(render(doc))) for index, doc in enumerate(task.eval_docs)]
+    if eval_set.output_type == ROLLING:  # lm_eval/api/task.py: construct_requests
+        return [Prompt(doc_id=index, text=str(task.doc_to_target(doc))) for index, doc in enumerate(task.eval_docs)]
+    chat = None
+    if eval_set.chat_template:
+        if tokenizer_dir is None:
+            progress(f"eval set {eval_set.name}: KL is measured on the raw prompt, not the chat-templated one lm-eval sends")
+        else:
+            chat = _lm_eval_chat_template(eval_set, tokenizer_dir)
+    num_fewshot = task.get_config("num_fewshot") or 0
+    if num_fewshot:
+        task.set_fewshot_seed(seed=LM_EVAL_FEWSHOT_SEED)
+    prompts = []
+    for index, doc in enumerate(task.eval_docs):
+        context = task.fewshot_context(
+            doc, num_fewshot, system_instruction=eval_set.system_instruction, apply_chat_template=chat is not None,
+            fewshot_as_multiturn=chat is not None, chat_template=chat, gen_prefix=task.doc_to_prefix(doc),
+        )
+        prompts.append(Prompt(doc_id=index, text=str(context[0] if isinstance(context, list) else context)))
+    return prompts
+
+
+def _lm_eval_chat_template(eval_set: EvalSet, tokenizer_dir: Path):
+    """lm-eval's own apply_chat_template of local-completions as a chat run uses it (huggingface tokenizer,
+    tokenized_requests=True: the template rendered to text by the tokenizer). A model without a chat
+    template is refused here, before any server starts."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    model = LocalCompletionsAPI(
+        base_url="http://127.0.0.1:1/v1/completions", tokenizer=str(tokenizer_dir), tokenizer_backend="huggingface",
+        tokenized_requests=True,
+    )
+    if not getattr(model.tokenizer, "chat_template", None):
+        raise InputError(
+            f"eval set {eval_set.name} asks for the model's chat template (metadata.chat_template) but the tokenizer has none",
+            file=tokenizer_dir, field="chat_template",
+        )
+    return model.apply_chat_template
 
 
 def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir: Path, max_model_len: int, reserve: int) -> None:
@@ -155,30 +216,122 @@ def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir
             )
 
 
+def lm_eval_groups(eval_sets: list[EvalSet]) -> list[tuple[str, list[EvalSet]]]:
+    """The lm-eval runs that score `eval_sets`: one per distinct (chat_template, system_instruction), in the
+    order first met, each with the name of its output folder and log (`lm_eval`, `lm_eval-chat`, ...)."""
+    groups: dict[tuple[bool, str | None], list[EvalSet]] = {}
+    for eval_set in eval_sets:
+        groups.setdefault(eval_set.lm_eval_options, []).append(eval_set)
+    named, used = [], set()
+    for (chat, instruction), members in groups.items():
+        base = "lm_eval" + ("-chat" if chat else "") + ("-system" if instruction is not None else "")
+        name, number = base, 2
+        while name in used:
+            name, number = f"{base}{number}", number + 1
+        used.add(name)
+        named.append((name, members))
+    return named
+
+
 def score_eval_sets(
     server: RunningServer, tokenizer_dir: Path, eval_sets: list[EvalSet], include_dir: Path, work_dir: Path,
 ) -> dict[str, SetScore]:
-    """Run lm-eval once for all sets against `server`; return per-set scores with per-item results."""
-    output_dir = work_dir / "lm_eval"
-    log_path = work_dir / "lm_eval.log"
-    command = lm_eval_command(server, tokenizer_dir, [s.task_name for s in eval_sets], include_dir, output_dir)
-    progress(f"scoring {', '.join(s.name for s in eval_sets)} with lm-eval against {server.served_name} (log: {log_path})")
-    started = time.monotonic()
-    _run_watching_server(command, server, log_path)
-    elapsed = time.monotonic() - started
-    run = read_lm_eval_run(output_dir, log_path)
-    scores = {s.name: read_set_score(s, run, elapsed / len(eval_sets)) for s in eval_sets}
-    for score in scores.values():
-        progress(f"  {score.eval_set}: {score.metric.name} = {_shown(score)} over {score.n} items")
-    return scores
+    """Run lm-eval against `server` (once per group of sets with the same chat options); return per-set
+    scores with per-item results."""
+    scores: dict[str, SetScore] = {}
+    for name, members in lm_eval_groups(eval_sets):
+        chat, instruction = members[0].lm_eval_options
+        output_dir, log_path = work_dir / name, work_dir / f"{name}.log"
+        command = lm_eval_command(
+            server, tokenizer_dir, [s.task_name for s in members], include_dir, output_dir,
+            chat_template=chat, system_instruction=instruction,
+        )
+        how = " with the chat template" if chat else ""
+        progress(f"scoring {', '.join(s.name for s in members)} with lm-eval{how} against {server.served_name} (log: {log_path})")
+        started = time.monotonic()
+        requests = [s.num_requests for s in members]
+        total = None if None in requests else sum(requests)
+        with track(f"scoring {server.served_name}", total=total, unit="request") as bar:
+            _run_watching_server(command, server, log_path, bar=bar)
+            if total is not None:
+                bar.update(completed=total)  # lm-eval finished: every request was answered
+        elapsed = time.monotonic() - started
+        run = read_lm_eval_run(output_dir, log_path)
+        for eval_set in members:
+            scores[eval_set.name] = read_set_score(eval_set, run, elapsed / len(members))
+            score = scores[eval_set.name]
+            progress(f"  {score.eval_set}: {score.metric.name} = {_shown(score)} over {score.n} items")
+    return {s.name: scores[s.name] for s in eval_sets}
 
 
 def _shown(score: SetScore) -> str:
     return f"{100 * score.score:.1f}%" if score.metric.unit == POINTS else f"{score.score:.4g}"
 
 
-def _run_watching_server(command: list[str], server: RunningServer, log_path: Path) -> None:
+class RequestCounter:
+    """Requests lm-eval has finished, read from its log: tqdm's "Requesting API: 45%|...| 675/1500 [...]".
+
+    lm-eval (lm_eval/models/api_models.py) shows one such bar per batch of requests (the log-likelihoods,
+    then each group of generation settings), each redrawn after a carriage return and closed with a
+    newline; a bar that starts over (a smaller count or another total) or a closed one is added to the
+    finished count."""
+
+    _BAR = re.compile(r"Requesting API:\s*\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)")
+    _SEGMENT = re.compile(r"([^\r\n]*)([\r\n])")
+
+    def __init__(self) -> None:
+        self._carry = ""
+        self._finished = 0
+        self._current: tuple[int, int] | None = None
+
+    @property
+    def done(self) -> int:
+        return self._finished + (self._current[0] if self._current else 0)
+
+    def feed(self, text: str) -> int:
+        data = self._carry + text
+        cut = max(data.rfind("\r"), data.rfind("\n"))
+        complete, self._carry = data[: cut + 1], data[cut + 1 :]
+        for segment, separator in self._SEGMENT.findall(complete):
+            match = self._BAR.search(segment)
+            if match is None:
+                continue
+            count, total = int(match.group(1)), int(match.group(2))
+            if self._current is not None and (total != self._current[1] or count < self._current[0]):
+                self._finished += self._current[0]
+            self._current = (count, total)
+            if separator == "\n":  # tqdm closed the bar
+                self._finished += count
+                self._current = None
+        if len(self._carry) > 4096:  # a line that never ends is no bar
+            self._carry = self._carry[-4096:]
+        return self.done
+
+
+class _LogFollower:
+    """Reads what lm-eval appended to its log since the last call and moves the progress bar."""
+
+    def __init__(self, log_path: Path, bar: Bar | None) -> None:
+        self._path, self._bar = log_path, bar
+        self._offset = 0
+        self._counter = RequestCounter()
+
+    def poll(self) -> None:
+        if self._bar is None:
+            return
+        try:
+            with self._path.open("rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read(1 << 20)
+        except OSError:
+            return
+        self._offset += len(chunk)
+        self._bar.update(completed=self._counter.feed(chunk.decode("utf-8", errors="replace")))
+
+
+def _run_watching_server(command: list[str], server: RunningServer, log_path: Path, bar: Bar | None = None) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    follower = _LogFollower(log_path, bar)
     with log_path.open("w") as log:
         # Dies with `quantize` however it ends (SIGKILL included); it starts no lasting process (lm_eval_environment).
         process = subprocess.Popen(
@@ -190,7 +343,9 @@ def _run_watching_server(command: list[str], server: RunningServer, log_path: Pa
                 if server.process.poll() is not None:
                     process.kill()
                     server.check_alive()
+                follower.poll()
                 time.sleep(0.5)
+            follower.poll()
         finally:
             if process.poll() is None:
                 process.kill()

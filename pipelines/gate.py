@@ -18,7 +18,7 @@ from pipelines import stats
 from pipelines.atomic import write_text_atomic
 from pipelines.errors import InputError, from_validation_error
 from pipelines.metrics import MetricSpec, corpus_aggregation, value_range
-from pipelines.policy import Policy, SetPolicy
+from pipelines.policy import Policy, RecipeIdentity, SetPolicy
 
 SCHEMA_VERSION = 2
 # Float slack for threshold comparisons: a value exactly at a limit passes.
@@ -179,7 +179,7 @@ class GateReport(_Model):
     gate: GateResult
 
 
-def decide(comparisons: list[SetComparison], policy: Policy, recipe: str, fit: FitCheck | None = None) -> GateResult:
+def decide(comparisons: list[SetComparison], policy: Policy, recipe: str | RecipeIdentity, fit: FitCheck | None = None) -> GateResult:
     """Judge every eval set by its rules (policy.for_set) and the fit; promoted only if nothing fails."""
     if not comparisons:
         raise InputError("nothing to gate: no eval set was scored", field="eval_sets")
@@ -193,7 +193,7 @@ def decide(comparisons: list[SetComparison], policy: Policy, recipe: str, fit: F
         f"policy: eval_sets override {name!r} matches no scored eval set" for name in policy.eval_sets if name not in names
     ]
     return GateResult(
-        recipe=recipe,
+        recipe=RecipeIdentity.of(recipe).name,
         verdict="rejected" if reasons else "promoted",
         sets=sets,
         fit=fit,

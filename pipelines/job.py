@@ -6,7 +6,12 @@ compiled against each model by the same checks `quantize` runs (pipelines.compil
 a recipe that cannot apply to its model fails the job at plan time, naming the job file, the candidate
 and the reason, before any candidate runs.
 
-Each candidate's inputs (model content, recipe text, eval sets, policy, target) make a key; a ledger
+A candidate (or the job's `defaults`) may name its own calibration data (`calibration:` a folder with
+data.jsonl, a JSONL file, a set under eval_sets/, or `from-eval-sets`; docs/calibration.md), checked at
+plan time like everything else; without it each recipe calibrates on its own `calibration.dataset`.
+
+Each candidate's inputs (model content, recipe text, eval sets, policy, target, and its calibration data
+when it names some) make a key; a ledger
 under artifacts/jobs/ records the verdict per key after each candidate completes, so a rerun skips what
 was already decided and resumes from the first candidate that was not (an interrupted candidate left
 no ledger entry; its artifact and the baseline scores are reused from their caches). A promoted entry
@@ -33,7 +38,7 @@ from pipelines.manifest import parse_json_strict, read_bounded, verify_artifact
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import MAX_CONTEXT, FitRequirement
-from pipelines.recipe import Recipe, load_recipe
+from pipelines.recipe import FROM_EVAL_SETS, Recipe, load_recipe
 from pipelines.runner import GateSettings, load_gate_policy, quantize_and_gate, select_eval_sets
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import ServeSettings
@@ -51,6 +56,11 @@ class CandidateOptions(_Strict):
     eval_sets: list[str] | None = Field(default=None, description="eval set names; default: every set")
     policy: Path | None = Field(default=None, description="gate policy YAML; default: policies/default.yaml")
     target: FitRequirement | None = Field(default=None, description="the GPU the artifact must fit")
+    calibration: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description=f"calibration data instead of each recipe's: a folder with data.jsonl or a JSONL file (relative to the "
+                    f"job file), a set under eval_sets/, or {FROM_EVAL_SETS!r} (docs/calibration.md)",
+    )
 
 
 class CandidateSpec(CandidateOptions):
@@ -75,6 +85,7 @@ class Candidate(BaseModel):
     recipe: str
     settings: GateSettings
     key: str
+    calibration: str | None = None  # resolved: an absolute path, a set name, FROM_EVAL_SETS; None: the recipe's own
 
 
 class CandidateResult(BaseModel):
@@ -137,6 +148,7 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
             settings = _settings(job, spec, base)
         except QuantGateError as error:
             problems.append(f"{where}: {error.one_line()}")
+        calibration, calibration_hash = _calibration(job, spec, base, settings, where, problems)
         model = _resolve(base, spec.model)
         layout = None
         if not (model / "config.json").is_file():
@@ -160,7 +172,8 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
                     problems.append(f"{where} ({model.name} x {recipe}): recipe cannot apply to this model: {problem}")
         if len(problems) == found:
             candidates += [
-                Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, text, settings))
+                Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, text, settings, calibration_hash),
+                          calibration=calibration)
                 for recipe, text in recipes.items()
             ]
     if problems:
@@ -200,17 +213,40 @@ def _settings(job: JobFile, spec: CandidateSpec, base: Path) -> GateSettings:
     )
 
 
-def _key(model: Path, recipe_text: str, settings: GateSettings) -> str:
-    return sha256_json(
-        {
-            "model": folder_hash(model),
-            "recipe": recipe_text,
-            "eval_sets": {s.name: s.sha256 for s in settings.eval_sets},
-            "policy": sha256_file(settings.policy_path),
-            "fit": settings.policy.fit.model_dump() if settings.policy.fit else None,
-            "serve": settings.serve.cache_fields(),
-        }
-    )
+def _calibration(
+    job: JobFile, spec: CandidateSpec, base: Path, settings: GateSettings | None, where: str, problems: list[str],
+) -> tuple[str | None, str | None]:
+    """The candidate's `calibration:` (its own, else the job's default), resolved and checked now (data found,
+    held-out prompts render and none is scored), with its content hash for the ledger key; (None, None) when
+    the recipes' own calibration data is used."""
+    value = spec.calibration if "calibration" in spec.model_fields_set else job.defaults.calibration
+    if value is None:
+        return None, None
+    if value != FROM_EVAL_SETS and not Path(value).is_absolute() and (base / value).exists():
+        value = str((base / value).resolve())  # relative to the job file, like model and policy
+    if settings is None:
+        return value, None  # the eval sets are unknown: the settings' own problem is already reported
+    from pipelines.quantize import check_calibration_source
+
+    try:
+        return value, check_calibration_source(value, settings.eval_sets)
+    except QuantGateError as error:
+        problems.append(f"{where}.calibration: {error.one_line()}")
+        return value, None
+
+
+def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash: str | None = None) -> str:
+    inputs = {
+        "model": folder_hash(model),
+        "recipe": recipe_text,
+        "eval_sets": {s.name: s.sha256 for s in settings.eval_sets},
+        "policy": sha256_file(settings.policy_path),
+        "fit": settings.policy.fit.model_dump() if settings.policy.fit else None,
+        "serve": settings.serve.cache_fields(),
+    }
+    if calibration_hash is not None:  # absent otherwise: ledgers written before `calibration:` keep their keys
+        inputs["calibration"] = calibration_hash
+    return sha256_json(inputs)
 
 
 class Ledger:
@@ -316,7 +352,8 @@ def _run_candidate(candidate: Candidate) -> CandidateResult:
     started = time.monotonic()
     common = {"model": candidate.model.name, "recipe": candidate.recipe, "key": candidate.key}
     try:
-        outcome = quantize_and_gate(candidate.recipe, candidate.model, candidate.settings)
+        extra = {} if candidate.calibration is None else {"calibration": candidate.calibration}
+        outcome = quantize_and_gate(candidate.recipe, candidate.model, candidate.settings, **extra)
         # What the ledger will vouch for on a later skip: the artifact as the run last verified it.
         check = verify_artifact(outcome.artifact_dir, manifest_sha256=outcome.manifest_sha256, fingerprint=outcome.artifact_fingerprint)
     except QuantGateError as error:

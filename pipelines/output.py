@@ -21,7 +21,7 @@ from rich.text import Text
 # Reports are read in CI logs too, where there is no terminal to size them: give tables room there.
 _LOG_WIDTH = 160
 console = Console(stderr=False, highlight=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else _LOG_WIDTH)
-progress_console = Console(stderr=True, highlight=False, emoji=False, width=None if sys.stderr.isatty() else _LOG_WIDTH)
+progress_console = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True, width=None if sys.stderr.isatty() else _LOG_WIDTH)
 
 
 def to_jsonable(value: Any) -> Any:
@@ -72,6 +72,13 @@ def say(value: Any) -> None:
     console.print(literal(value) if isinstance(value, (str, int, float)) or value is None else value)
 
 
+# Called before each progress line (pipelines.progress: says once where library output went, when it did).
+before_progress: Callable[[], None] | None = None
+
+
 def progress(message: str) -> None:
     """A progress line on stderr, so that --json output on stdout stays clean; the message is literal."""
+    hook = before_progress
+    if hook is not None:
+        hook()
     progress_console.print(f"[dim]>[/dim] {escape(printable(str(message)))}")

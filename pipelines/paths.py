@@ -10,6 +10,8 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 EVAL_SETS_DIR = REPO_ROOT / "eval_sets"
 MODELS_DIR = REPO_ROOT / "models"
 DEMO_MODEL_DIR = MODELS_DIR / "demo-llama"
+# The demo model's business sets (eval_sets/ also holds the real model's): demo runs select these.
+DEMO_EVAL_SETS = ("ticket_routing", "payment_reference", "date_normalisation")
 ARTIFACTS_DIR = Path(os.environ.get("QUANTGATE_ARTIFACTS", REPO_ROOT / "artifacts"))
 SERVE_VENV = Path(os.environ.get("QUANTGATE_SERVE_VENV", REPO_ROOT / ".venv-serve"))
 SERVE_PYTHON = SERVE_VENV / "bin" / "python"

@@ -14,6 +14,9 @@ PLAN_COLUMNS = [
 ]
 
 
+DOES_NOT_APPLY = "does not apply"
+
+
 def gib(value: int) -> str:
     return f"{value / GiB:.2f}"
 
@@ -36,11 +39,20 @@ def plan_row_cells(row: PlanRow) -> list[str]:
         row.scheme + (" (measured)" if row.weights_source == "measured" else ""),
         size(row.weights_bytes), f"{row.kv_cache_bytes_per_token / 1024:g}", size(row.kv_cache_bytes),
         size(row.activation_bytes), size(row.overhead_bytes), size(row.total_bytes),
-        "yes" if row.fits else "NO", f"{row.max_concurrency:,}", f"{row.max_context:,}",
+        fits_cell(row), f"{row.max_concurrency:,}", f"{row.max_context:,}",
         f"{advice.gpu_memory_utilization:.2f} / {advice.max_model_len:,} / {advice.max_num_seqs}" if advice else "-",
         f"{row.decode_tokens_per_s:,.0f}" if row.decode_tokens_per_s is not None else "-",
     ]
 
 
+def fits_cell(row: PlanRow) -> str:
+    """yes / NO, or `does not apply` for a recipe the model cannot take (the reason follows the table)."""
+    if row.does_not_apply is not None:
+        return DOES_NOT_APPLY
+    return "yes" if row.fits else "NO"
+
+
 def vllm_arguments(row: PlanRow) -> str:
+    if row.does_not_apply is not None:
+        return f"{DOES_NOT_APPLY}: {row.does_not_apply}"
     return f"vllm serve ... {row.recommended.vllm_args}" if row.recommended else "does not fit at any context"

@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
+from pipelines.compiler import LinearInfo, ModelLayout, cannot_apply
 from pipelines.errors import InputError, from_validation_error
 from pipelines.gate import FitCheck
 from pipelines.recipe import GroupScheme, KeptGroup, Override, Recipe
@@ -421,7 +422,9 @@ def linear_bytes(out: int, inp: int, scheme: GroupScheme | None, param_bytes: in
     if scheme is None:
         return out * inp * param_bytes
     weights = scheme.weights
-    groups = {"tensor": 0, "channel": 1, "group": math.ceil(inp / (weights.group_size or 1))}[weights.granularity]
+    # `group_size: auto` is the layer's own size; where none divides (the recipe does not apply), the cap.
+    group_size = weights.group_size_for(inp) or (weights.group_size.auto if weights.auto_group else weights.group_size)
+    groups = {"tensor": 0, "channel": 1, "group": math.ceil(inp / (group_size or 1))}[weights.granularity]
     scales = out * groups if groups else 1
     if scheme.activations is None:  # pack-quantized; zero points packed into int32 along the output dim
         stored = out * math.ceil(inp / 32) * weights.bits * 4 + _WEIGHT_SHAPE_BYTES
@@ -561,6 +564,9 @@ class RecommendedArgs(_Model):
 
 class PlanRow(_Model):
     scheme: str
+    does_not_apply: str | None = Field(
+        default=None, description="why the recipe cannot quantize this model (the compiler's refusal); then fits is false",
+    )
     weights_source: Literal["measured", "predicted"]
     kv_cache_dtype: str
     weights_bytes: int
@@ -593,6 +599,7 @@ class _Scheme(NamedTuple):
     source: Literal["measured", "predicted"]
     kv_dtype: str
     kv_bytes: int
+    does_not_apply: str | None = None
 
 
 class _Memory(NamedTuple):
@@ -647,8 +654,10 @@ def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSetting
     context_limit = shape.max_position or 2**31 - 1
     max_concurrency = _largest(lambda seqs: fits(context, seqs), MAX_CONCURRENCY_SEARCHED)
     max_context = _largest(lambda ctx: fits(ctx, concurrency), context_limit)
+    applies = scheme.does_not_apply is None
     return PlanRow(
         scheme=scheme.label,
+        does_not_apply=scheme.does_not_apply,
         weights_source=scheme.source,
         kv_cache_dtype=scheme.kv_dtype,
         weights_bytes=memory.weights,
@@ -658,10 +667,10 @@ def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSetting
         overhead_bytes=memory.overhead,
         total_bytes=memory.total,
         available_bytes=available,
-        fits=memory.total <= available,
+        fits=applies and memory.total <= available,
         max_concurrency=max_concurrency,
         max_context=max_context,
-        recommended=_recommend(shape, scheme, gpu, settings, context, concurrency, max_concurrency, fits),
+        recommended=_recommend(shape, scheme, gpu, settings, context, concurrency, max_concurrency, fits) if applies else None,
         decode_tokens_per_s=_decode_ceiling(shape, scheme, gpu, context),
     )
 
@@ -702,7 +711,10 @@ def _schemes(
     row when the artifact is unquantized, otherwise the artifact gets its own row."""
     kv_dtype, kv_bytes = kv_element_bytes(shape, kv_cache_dtype)
     schemes = [
-        _Scheme(recipe.name if recipe else SIXTEEN_BIT, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes)
+        _Scheme(
+            recipe.name if recipe else SIXTEEN_BIT, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes,
+            recipe_problem(shape, recipe) if recipe else None,
+        )
         for recipe in recipes
     ]
     if artifact_dir is None:
@@ -716,6 +728,27 @@ def _schemes(
     if label == SIXTEEN_BIT and any(s.label == SIXTEEN_BIT for s in schemes):
         return [row if s.label == SIXTEEN_BIT else s for s in schemes]
     return schemes + [row]
+
+
+def shape_layout(shape: ModelShape) -> ModelLayout:
+    """The compiler's view of the model, built from the shape alone (no torch): the Linear layers the
+    planner counts, named as Llama-style checkpoints name them; MoE experts count once per layer."""
+    linears = [
+        LinearInfo(name=linear.name, in_features=linear.inp, out_features=linear.out, kind=linear.group, layer=layer)
+        for layer in range(shape.layers)
+        for linear in _decoder_linears(shape, layer)
+    ]
+    lm_head = LinearInfo(name="lm_head", in_features=shape.hidden, out_features=shape.vocab)
+    return ModelLayout(
+        architecture=shape.name, num_layers=shape.layers, linears=linears, embeddings=["model.embed_tokens"],
+        lm_head="lm_head", lm_head_linear=lm_head,
+    )
+
+
+def recipe_problem(shape: ModelShape, recipe: Recipe) -> str | None:
+    """Why `recipe` cannot quantize this model (the compiler's own checks: group sizes, vLLM's kernel
+    shapes, fused shards, overrides that select nothing), or None when it applies."""
+    return cannot_apply(recipe, shape_layout(shape), f"recipe {recipe.name}")
 
 
 def plan(

@@ -4,6 +4,11 @@ A policy file (policies/default.yaml) has `defaults` (every rule, explicitly), o
 `eval_sets:` overrides that name only the rules they change, and an optional `fit` requirement that the
 planner evaluates. Precedence for one (recipe, eval set): eval-set override > recipe override > defaults.
 An override that sets a threshold to null disables that rule; a rule it leaves out is inherited.
+
+A `recipes:` key is matched against the recipe's identity (RecipeIdentity): its name first, then the
+`base` it declares, then its `tags` in the order the recipe lists them; the first key that matches is the
+recipe's override (one override, never a merge of several), so a user's variant of w4a16 that says
+`base: w4a16` keeps w4a16's rules unless the policy names the variant itself.
 """
 
 from __future__ import annotations
@@ -115,6 +120,23 @@ class RecipeOverrides(RuleOverrides):
     fit: FitRequirement | None = None
 
 
+class RecipeIdentity(_Strict):
+    """What policy `recipes:` keys match: the recipe's name, then its base, then its tags (in order)."""
+
+    name: str
+    base: str | None = None
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, recipe: "str | RecipeIdentity") -> "RecipeIdentity":
+        return recipe if isinstance(recipe, RecipeIdentity) else cls(name=recipe)
+
+    def keys(self) -> list[str]:
+        """The policy keys that may match, in precedence order, without repeats."""
+        ordered = [self.name, *([self.base] if self.base else []), *self.tags]
+        return list(dict.fromkeys(ordered))
+
+
 class Policy(_Strict):
     schema_version: Literal[1] = 1
     description: str = ""
@@ -123,18 +145,28 @@ class Policy(_Strict):
     eval_sets: dict[str, RuleOverrides] = {}
     fit: FitRequirement | None = None
 
-    def for_set(self, recipe: str, eval_set: str) -> SetPolicy:
-        """Rules for one eval set under one recipe: eval-set override > recipe override > defaults."""
+    def recipe_key(self, recipe: str | RecipeIdentity) -> str | None:
+        """The `recipes:` key that applies to a recipe (a name, or its identity): name > base > tags."""
+        return next((key for key in RecipeIdentity.of(recipe).keys() if key in self.recipes), None)
+
+    def recipe_override(self, recipe: str | RecipeIdentity) -> RecipeOverrides | None:
+        key = self.recipe_key(recipe)
+        return None if key is None else self.recipes[key]
+
+    def for_set(self, recipe: str | RecipeIdentity, eval_set: str) -> SetPolicy:
+        """Rules for one eval set under one recipe: eval-set override > recipe override > defaults.
+
+        `recipe` is a name or a RecipeIdentity (name, base, tags): see recipe_key for which override applies."""
         rules = self.defaults.model_dump()
-        recipe_rules = self.recipes.get(recipe, RecipeOverrides()).explicit()
+        recipe_rules = (self.recipe_override(recipe) or RecipeOverrides()).explicit()
         recipe_rules.pop("fit", None)
         rules.update(recipe_rules)
         rules.update(self.eval_sets.get(eval_set, RuleOverrides()).explicit())
         return SetPolicy.model_validate(rules)
 
-    def fit_for(self, recipe: str) -> FitRequirement | None:
-        """The fit requirement for a recipe: its own `fit` if it names one, else the top-level one."""
-        override = self.recipes.get(recipe)
+    def fit_for(self, recipe: str | RecipeIdentity) -> FitRequirement | None:
+        """The fit requirement for a recipe: its override's `fit` if it names one, else the top-level one."""
+        override = self.recipe_override(recipe)
         if override is not None and "fit" in override.model_fields_set:
             return override.fit
         return self.fit

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
+from pipelines.policy import RecipeIdentity
 from pipelines.yamlio import parse_yaml_model, read_user_text
 
 
@@ -29,14 +30,75 @@ MAX_SAMPLES = 1_000_000
 MAX_SEQ_LENGTH = 2**24
 MAX_LAYER_INDEX = 100_000
 MAX_SEED = 2**63 - 1
+MAX_TAGS = 32
+DEFAULT_AUTO_GROUP_CAP = 128  # `group_size: auto` means `group_size: {auto: 128}`
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# A calibration dataset (recipe, --calibration, a job's `calibration:`) naming no data but the held-out
+# prompts (calibration.jsonl) of the eval sets the run scores: pipelines.quantize.held_out_prompts.
+FROM_EVAL_SETS = "from-eval-sets"
+GROUP_SIZE_HELP = (
+    "group_size is an even number of input columns per scale, `auto` (per layer: the largest power of two up to "
+    f"{DEFAULT_AUTO_GROUP_CAP} that divides the layer's input size) or `{{auto: N}}` (the same, up to N, a power of two)"
+)
+
+
+def _power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+class AutoGroupSize(_Strict):
+    """`group_size: auto` / `group_size: {auto: N}`: chosen per layer by the compiler (see group_size_for)."""
+
+    auto: int = Field(default=DEFAULT_AUTO_GROUP_CAP, ge=2, le=MAX_GROUP_SIZE, description="the largest group size allowed")
+
+    @field_validator("auto", mode="before")
+    @classmethod
+    def _integer(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"the cap of `group_size: {{auto: N}}` is an integer, a power of two (got {value!r})")
+        return value
+
+    @field_validator("auto")
+    @classmethod
+    def _cap_is_a_power_of_two(cls, value: int) -> int:
+        if not _power_of_two(value):
+            raise ValueError(f"the cap of `group_size: {{auto: N}}` must be a power of two, e.g. 64 or 128 (got {value})")
+        return value
+
+
+def auto_group_sizes(in_features: int, cap: int) -> list[int]:
+    """The group sizes `auto` may choose for a layer, largest first: powers of two from `cap` down to 2
+    that divide `in_features`. Powers of two because every vLLM 4-bit kernel takes them (CPUWNA16 any even
+    size; CUDA Marlin and Machete 32, 64, 128); another even divisor (96 for 576) serves on the CPU only."""
+    sizes, size = [], 2
+    while size <= cap:
+        if in_features % size == 0:
+            sizes.append(size)
+        size *= 2
+    return sorted(sizes, reverse=True)
 
 
 class WeightScheme(_Strict):
     bits: Literal[2, 3, 4, 8] = 8
     type: Literal["int"] = "int"
     granularity: Literal["channel", "group", "tensor"] = "channel"
-    group_size: int | None = Field(default=None, gt=0, le=MAX_GROUP_SIZE)
+    group_size: int | AutoGroupSize | None = Field(default=None, description=GROUP_SIZE_HELP)
     symmetric: bool = True
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _auto_or_number(cls, value: object) -> object:
+        if value is None or isinstance(value, AutoGroupSize):
+            return value
+        if value == "auto":
+            return AutoGroupSize()
+        if isinstance(value, dict) and set(value) == {"auto"}:
+            return AutoGroupSize.model_validate(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{GROUP_SIZE_HELP}; got {value!r}")
+        if not 0 < value <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be from 2 to {MAX_GROUP_SIZE} (got {value})")
+        return value
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> "WeightScheme":
@@ -44,9 +106,28 @@ class WeightScheme(_Strict):
             raise ValueError("granularity 'group' needs group_size")
         if self.granularity != "group" and self.group_size is not None:
             raise ValueError(f"group_size is only meaningful with granularity 'group', not {self.granularity!r}")
-        if self.group_size is not None and self.group_size % 2:
+        if isinstance(self.group_size, int) and self.group_size % 2:
             raise ValueError(f"group_size must be even (got {self.group_size})")
         return self
+
+    @property
+    def auto_group(self) -> bool:
+        return isinstance(self.group_size, AutoGroupSize)
+
+    def group_size_for(self, in_features: int) -> int | None:
+        """The group size this scheme gives a layer with `in_features` inputs (None: not grouped, or
+        `auto` finds no size that divides it). A fixed size is returned as written, dividing or not."""
+        if isinstance(self.group_size, AutoGroupSize):
+            sizes = auto_group_sizes(in_features, self.group_size.auto)
+            return sizes[0] if sizes else None
+        return self.group_size
+
+    def for_layer(self, in_features: int) -> "WeightScheme":
+        """This scheme with `auto` replaced by the layer's group size (unchanged when there is none)."""
+        if not self.auto_group:
+            return self
+        size = self.group_size_for(in_features)
+        return self if size is None else self.model_copy(update={"group_size": size})
 
 
 class ActivationScheme(_Strict):
@@ -157,20 +238,39 @@ class SmoothQuant(_Strict):
 
 
 class Calibration(_Strict):
-    dataset: str = Field(default="calibration", max_length=4096, description="folder under eval_sets/ or a JSONL path with a 'text' field")
+    dataset: str = Field(
+        default="calibration", max_length=4096,
+        description=f"a set under eval_sets/, a folder with data.jsonl, a JSONL path with a 'text' field, or {FROM_EVAL_SETS!r} "
+                    "(the held-out prompts of the scored eval sets; docs/calibration.md). --calibration replaces it per run",
+    )
     num_samples: int = Field(default=64, gt=0, le=MAX_SAMPLES)
     max_seq_length: int = Field(default=256, gt=0, le=MAX_SEQ_LENGTH)
     seed: int = Field(default=0, ge=-MAX_SEED, le=MAX_SEED)
 
 
 class Recipe(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)
+    name: str = Field(pattern=NAME_PATTERN, max_length=64)
     description: str = ""
+    base: str | None = Field(
+        default=None, pattern=NAME_PATTERN, max_length=64,
+        description="the recipe family this one varies (e.g. w4a16): gate policy overrides for it apply when none names this recipe",
+    )
+    tags: list[Annotated[str, Field(pattern=NAME_PATTERN, max_length=64)]] = Field(
+        default=[], max_length=MAX_TAGS, description="labels gate policy overrides can match (after the name and the base)",
+    )
     algorithm: Algorithm = Algorithm()
     smoothquant: SmoothQuant | None = None
     calibration: Calibration | None = None
     groups: Groups
     overrides: list[Override] = Field(default=[], max_length=10_000)
+
+    @field_validator("tags")
+    @classmethod
+    def _distinct_tags(cls, value: list[str]) -> list[str]:
+        repeated = sorted({tag for tag in value if value.count(tag) > 1})
+        if repeated:
+            raise ValueError(f"tag {repeated[0]!r} is given twice")
+        return value
 
     @model_validator(mode="after")
     def _something_to_do(self) -> "Recipe":
@@ -194,6 +294,23 @@ class Recipe(_Strict):
         schemes = [self.groups.attention, self.groups.mlp] + [s for o in self.overrides for s in (o.attention, o.mlp)]
         static = any(s and s.activations and not s.activations.dynamic for s in schemes)
         return self.algorithm.method == "gptq" or self.smoothquant is not None or static
+
+    @property
+    def identity(self) -> RecipeIdentity:
+        """What gate policy overrides are matched by: the name, then the base, then the tags."""
+        return RecipeIdentity(name=self.name, base=self.base, tags=tuple(self.tags))
+
+
+def identity_from_text(text: str | None, name: str) -> RecipeIdentity:
+    """The identity of a recipe as written (a manifest's `recipe_text`), named `name` (the run's recipe
+    name, which may differ: `--recipe-name`). Text that no longer parses gives the name alone."""
+    if text:
+        try:
+            recipe = parse_recipe(text, "manifest.json: recipe_text")
+        except InputError:
+            return RecipeIdentity(name=name)
+        return recipe.identity.model_copy(update={"name": name})
+    return RecipeIdentity(name=name)
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:

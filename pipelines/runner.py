@@ -38,17 +38,19 @@ from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, mat
 from pipelines.evalsets import EvalSet, discover_eval_sets
 from pipelines.gate import FitCheck, GateReport, decide
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
-from pipelines.manifest import MANIFEST_NAME, ArtifactCheck, verify_artifact
+from pipelines.manifest import MANIFEST_NAME, ArtifactCheck, read_manifest_json, verify_artifact
 from pipelines.output import progress
 from pipelines.pairing import pair_set
 from pipelines.paths import ARTIFACTS_DIR
-from pipelines.policy import DEFAULT_POLICY, Policy, load_policy
+from pipelines.policy import DEFAULT_POLICY, Policy, RecipeIdentity, load_policy
+from pipelines.progress import library_log
 from pipelines.reclaim import reclaim_stale
 from pipelines.report import render_markdown
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
 
 RUNS_DIR = ARTIFACTS_DIR / "runs"
+LIBRARY_LOG = "library.log"  # a run's library output (llm-compressor, transformers, lm-eval in-process), unless --verbose
 ANSWER_RESERVE_TOKENS = 32
 EXIT_CODES = {"promoted": 0, "rejected": 1}
 
@@ -115,12 +117,14 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
         stages[name] = round(stages.get(name, 0.0) + time.monotonic() - started, 2)
 
 
-def quantize_and_gate(recipe: str, model_dir: Path, settings: GateSettings, *, force: bool = False) -> RunOutcome:
+def quantize_and_gate(
+    recipe: str, model_dir: Path, settings: GateSettings, *, force: bool = False, calibration: str | None = None
+) -> RunOutcome:
     """The whole job for one (model, recipe): quantize (or reuse the identical artifact), then gate."""
     from pipelines.quantize import quantize_model  # heavy (torch, llm-compressor): only when quantizing
 
     _require_model_dir(model_dir, "--model")
-    result = quantize_model(recipe, model_dir, force=force)
+    result = quantize_model(recipe, model_dir, force=force, calibration=calibration, eval_sets=settings.eval_sets)
     manifest = result.manifest
     job = GateJob(
         artifact_dir=result.artifact_dir, baseline_dir=model_dir, recipe_name=manifest.recipe, settings=settings,
@@ -131,8 +135,18 @@ def quantize_and_gate(recipe: str, model_dir: Path, settings: GateSettings, *, f
 
 
 def select_eval_sets(names: list[str] | None) -> list[EvalSet]:
-    available = {s.name: s for s in discover_eval_sets()}
+    """The sets a run scores: `names`, or every set. A broken set fails only a run that selects it (its own
+    error, exit 2); otherwise it is skipped with one warning line naming it."""
+    found = discover_eval_sets()
+    broken: dict[str, InputError] = getattr(found, "broken", {})
+    available = {s.name: s for s in found}
+    for name in (n for n in names or [] if n in broken):
+        raise broken[name]
+    for name, error in broken.items():
+        progress(f"eval set {name} skipped: {error.one_line()}")
     if not names:
+        if broken and not available:  # nothing left to score: the first broken set is the error
+            raise next(iter(broken.values()))
         return list(available.values())
     unknown = [n for n in names if n not in available]
     if unknown:
@@ -169,7 +183,8 @@ def run_gate(job: GateJob) -> RunOutcome:
     except OSError as error:
         raise storage_error(error, staging) from error
     try:
-        report = _gate_in(staging, job, check)
+        with library_log(staging / LIBRARY_LOG):  # this run's library output beside its other logs
+            report = _gate_in(staging, job, check)
         final = _finish(staging, runs_dir / identifier)
     except BaseException as error:
         _keep_failed(staging, runs_dir / f"{identifier}-error", error)
@@ -239,7 +254,7 @@ def _require_model_dir(folder: Path, field: str) -> None:
 def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateReport:
     stages = dict(job.stages)
     include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
-    prompts = {s.name: load_prompts(s, include_dir) for s in job.settings.eval_sets}
+    prompts = {s.name: load_prompts(s, include_dir, job.baseline_dir) for s in job.settings.eval_sets}
     for eval_set in job.settings.eval_sets:
         check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
     baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
@@ -249,8 +264,9 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
             pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
             for s in job.settings.eval_sets
         ]
-        fit, plan = _fit_and_plan(job)
-        gate = decide(comparisons, job.settings.policy, job.recipe_name, fit)
+        identity = recipe_identity(job, check)
+        fit, plan = _fit_and_plan(job, identity)
+        gate = decide(comparisons, job.settings.policy, identity, fit)
         if check is not None:  # nothing changed while it was served: the verdict is about these bytes
             verify_artifact(job.artifact_dir, manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint)
     report = GateReport(
@@ -285,7 +301,9 @@ def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> di
     keys = {s.name: baseline_cache.cache_key(model_hash, s, job.settings.serve) for s in job.settings.eval_sets}
 
     def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.BaselineEntry:
-        references = baseline_references(server, [(p.doc_id, p.text) for p in prompts[eval_set.name]])
+        references = baseline_references(
+            server, [(p.doc_id, p.text) for p in prompts[eval_set.name]], add_special_tokens=not eval_set.chat_template
+        )
         return baseline_cache.BaselineEntry(key=keys[eval_set.name], model_hash=model_hash, score=score, references=references)
 
     return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages)
@@ -328,8 +346,18 @@ def _cached_or_served(
     return entries
 
 
-def _fit_and_plan(job: GateJob) -> tuple[FitCheck | None, dict | None]:
-    requirement = job.settings.policy.fit_for(job.recipe_name)
+def recipe_identity(job: GateJob, check: ArtifactCheck | None) -> RecipeIdentity:
+    """The recipe's name, base and tags (policy overrides match them), from the verified manifest's recipe text."""
+    from pipelines.recipe import identity_from_text
+
+    if check is None:
+        return RecipeIdentity(name=job.recipe_name)
+    text = read_manifest_json(job.artifact_dir / MANIFEST_NAME)[0].get("recipe_text")
+    return identity_from_text(text if isinstance(text, str) else None, job.recipe_name)
+
+
+def _fit_and_plan(job: GateJob, identity: RecipeIdentity) -> tuple[FitCheck | None, dict | None]:
+    requirement = job.settings.policy.fit_for(identity)
     if requirement is None:
         return None, None
     from pipelines.planner import fit_of, gpu_spec, plan

@@ -32,6 +32,7 @@ from pipelines.divergence import TOP_K
 from pipelines.errors import InputError, ServeError
 from pipelines.output import progress
 from pipelines.paths import SERVE_PYTHON
+from pipelines.progress import track
 from pipelines.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
 
 LOOPBACK = "127.0.0.1"
@@ -325,11 +326,11 @@ def vllm_server(
         env = _environment(settings, _write_shim(Path(shim.name)), api_key)
         process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
         try:
-            _wait_until_healthy(
-                process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
-            )
+            with track(f"starting vLLM ({served_name})", total=None, unit="s"):
+                _wait_until_healthy(
+                    process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
+                )
             startup_s = time.monotonic() - started
-            progress(f"vLLM ready in {startup_s:.1f} s")
             yield RunningServer(
                 model_dir=model_dir, served_name=served_name, port=port,
                 log_path=log_path, process=process, startup_s=startup_s,

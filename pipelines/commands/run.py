@@ -7,13 +7,20 @@ from pathlib import Path
 
 from pipelines.commands.gate import add_gate_options, gate_settings, print_outcome, library_output_on_stderr
 from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.recipe import FROM_EVAL_SETS
 from pipelines.runner import quantize_and_gate
 
 
 def handle(args: argparse.Namespace) -> int:
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
+    extra = {}
+    if args.calibration is not None:  # without it, the recipe's own calibration data (the call as it always was)
+        from pipelines.quantize import check_calibration_source
+
+        check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
+        extra["calibration"] = args.calibration
     with library_output_on_stderr():
-        outcome = quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force)
+        outcome = quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force, **extra)
     return print_outcome(outcome, args.json)
 
 
@@ -21,6 +28,11 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("run", help="quantize, serve, score and gate one model with one recipe (the default command)")
     parser.add_argument("--recipe", required=True, help="a shipped recipe (w8a8, w4a16, gptq, aggressive) or a YAML path")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="16-bit source model folder (default: the demo model)")
+    parser.add_argument(
+        "--calibration", metavar="DATA",
+        help="calibration data instead of the recipe's: a folder with data.jsonl, a JSONL file of {\"text\": ...} lines, "
+             f"or {FROM_EVAL_SETS} (the prompts of each scored set's held-out calibration.jsonl; docs/calibration.md)",
+    )
     parser.add_argument("--force", action="store_true", help="re-quantize even if an identical artifact exists")
     add_gate_options(parser)
     parser.set_defaults(handler=handle)

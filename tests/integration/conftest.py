@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from pipelines.evalsets import discover_eval_sets
-from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
+from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR, REPO_ROOT
 from pipelines.registry import Registry
 
 MARKER = "QUANTGATE_TEST_COMMAND"
@@ -151,7 +151,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
 
 @pytest.fixture(scope="session")
 def eval_set_names() -> list[str]:
-    return [s.name for s in discover_eval_sets()]
+    return list(DEMO_EVAL_SETS)
 
 
 @pytest.fixture(scope="session")
@@ -164,13 +164,13 @@ def smallest_set(eval_set_names: list[str]) -> str:
 @pytest.fixture(scope="session")
 def w8a8_run(workspace: Workspace) -> CommandRun:
     """The first run of the session: quantizes, scores the 16-bit baseline on every set (cold cache)."""
-    return workspace.quantize("--recipe", "w8a8", "--json")
+    return workspace.quantize("--recipe", "w8a8", "--eval-sets", ",".join(DEMO_EVAL_SETS), "--json")
 
 
 @pytest.fixture(scope="session")
 def aggressive_run(workspace: Workspace, w8a8_run: CommandRun) -> CommandRun:
     """The negative control under the default policy, after w8a8: a warm run (the baseline's scores are cached)."""
-    return workspace.quantize("--recipe", "aggressive", "--json")
+    return workspace.quantize("--recipe", "aggressive", "--eval-sets", ",".join(DEMO_EVAL_SETS), "--json")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -31,8 +32,9 @@ def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
 
 
 @pytest.fixture(autouse=True)
-def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(runner, "discover_eval_sets", lambda: [])
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "library-logs-root"))  # library logs stay out of the repository
 
 
 @pytest.fixture(autouse=True)
@@ -82,11 +84,15 @@ import os, sys
 from pathlib import Path
 from pipelines import cli, runner
 from pipelines.commands import run as run_command
+from pipelines.output import progress
 from pipelines.runner import RunOutcome
 
 def noisy(*args, **kwargs):
     os.write(1, b"2026 | get_main_device | WARNING - No accelerator available!\\n")  # like llm-compressor's logger
     print("a library print")
+    print("a library warning", file=sys.stderr)
+    os.write(2, b"C code on fd 2\\n")
+    progress("quantizing")  # the product's next line says where library output went
     folder = Path(sys.argv[1])
     return RunOutcome(verdict="promoted", exit_code=0, run_dir=folder, gate_json=folder / "gate.json",
                       report_md=folder / "report.md", artifact_dir=folder, reasons=[], stages={})
@@ -95,24 +101,67 @@ runner.discover_eval_sets = lambda: []
 run_command.quantize_and_gate = noisy
 sys.exit(cli.main(["--recipe", "w8a8", "--no-registry", *sys.argv[2:]]))
 """
+LIBRARY_TEXT = ("No accelerator available", "a library print", "a library warning", "C code on fd 2")
 
 
-def test_json_stays_parseable_when_libraries_print_to_stdout(tmp_path):
-    # A real process, so that file descriptor 1 is real: with --json only the JSON document lands on stdout.
-    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)
+def noisy_run(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """The CLI in a real process (file descriptors 1 and 2 are real), its artifacts root in tmp_path."""
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    return subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path), *options], capture_output=True, text=True, timeout=60, env=env)
+
+
+def library_log_of(result: subprocess.CompletedProcess) -> Path:
+    (line,) = [line for line in result.stderr.splitlines() if "library output" in line]
+    return Path(re.search(r"goes to (\S+\.log);", line).group(1))
+
+
+def test_json_stays_parseable_and_library_output_goes_to_a_log(tmp_path):
+    result = noisy_run(tmp_path, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["verdict"] == "promoted"
-    assert "No accelerator available" in result.stderr and "a library print" in result.stderr
+    assert not any(text in result.stderr for text in LIBRARY_TEXT), result.stderr
+    log = library_log_of(result)
+    assert log.parent == tmp_path / "artifacts" / "logs"
+    assert all(text in log.read_text() for text in LIBRARY_TEXT)
 
 
 def test_library_output_stays_off_the_result_on_stdout(tmp_path):
     from test_report import make_report
 
     (tmp_path / "gate.json").write_text(make_report().model_dump_json())
-    result = subprocess.run([sys.executable, "-c", NOISY_RUN, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    result = noisy_run(tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "No accelerator available" not in result.stdout and "a library print" not in result.stdout
-    assert "No accelerator available" in result.stderr and "Model: models/demo-llama" in result.stdout
+    assert not any(text in result.stdout or text in result.stderr for text in LIBRARY_TEXT)
+    assert "Model: models/demo-llama" in result.stdout and "verdict: PROMOTED" in result.stderr
+    assert result.stderr.index("library output") < result.stderr.index("> quantizing")
+
+
+def test_a_refused_run_leaves_no_library_log_and_prints_its_error_alone(tmp_path):
+    result = noisy_run(tmp_path, "--policy", str(tmp_path / "missing.yaml"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_verbose_shows_library_output_on_stderr_never_on_stdout(tmp_path):
+    result = noisy_run(tmp_path, "--json", "--verbose")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["verdict"] == "promoted"
+    assert all(text in result.stderr for text in LIBRARY_TEXT) and "library output" not in result.stderr
+    assert result.stderr.index("C code on fd 2") < result.stderr.index("> quantizing")
+    assert not (tmp_path / "artifacts" / "logs").exists()
+
+
+def test_the_library_log_path_is_printed_whole_on_one_line(tmp_path):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 8)  # the path is wider than the 160 columns of a log
+    deep.mkdir()
+    result = noisy_run(deep, "--json")
+    log = library_log_of(result)
+    assert log.is_file() and len(str(log)) > 160
+
+
+def error_lines(err: str) -> list[str]:
+    """What stderr holds besides the product's progress lines ("> ...", e.g. where library output goes)."""
+    return [line for line in err.strip().splitlines() if not line.startswith("> ")]
 
 
 def test_a_rejected_run_exits_1_and_reports_its_reasons_as_json(capsys, recorded, tmp_path):
@@ -154,7 +203,7 @@ def test_a_serving_failure_exits_2_with_one_line(capsys, monkeypatch):
     monkeypatch.setattr(run_command, "quantize_and_gate", failing)
     code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
     assert code == 2 and out == ""
-    assert err.strip() == "quantize: error: run/candidate-server.log: vLLM exited during start-up (exit code 1): ValueError: unknown architecture"
+    assert error_lines(err) == ["quantize: error: run/candidate-server.log: vLLM exited during start-up (exit code 1): ValueError: unknown architecture"]
 
 
 def test_gate_takes_the_recipe_name_from_the_manifest(capsys, recorded, tmp_path):
@@ -256,7 +305,7 @@ def crash_with(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
 def test_an_unexpected_exception_exits_2_with_one_line_and_the_traceback_in_a_log(capsys, monkeypatch, logs_root):
     crash_with(monkeypatch, RuntimeError("disk on\nfire"))
     code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
-    (line,) = err.strip().splitlines()
+    (line,) = error_lines(err)
     assert code == 2 and out == ""
     assert line.startswith("quantize: internal error: RuntimeError: disk on fire (traceback in ")
     log = Path(line.rsplit("traceback in ", 1)[1].removesuffix(")"))
@@ -271,7 +320,7 @@ def test_an_internal_error_with_json_is_one_object_on_stdout(capsys, monkeypatch
     document = json.loads(out)
     assert code == 2 and document["exit_code"] == 2 and document["kind"] == "internal"
     assert document["error"] == "KeyError: 'x'" and Path(document["traceback"]).is_file()
-    assert len(err.strip().splitlines()) == 1
+    assert len(error_lines(err)) == 1
 
 
 def test_the_traceback_goes_to_the_temporary_folder_when_the_artifacts_root_is_not_writable(capsys, monkeypatch, tmp_path):
@@ -293,7 +342,8 @@ def test_the_traceback_goes_to_the_temporary_folder_when_the_artifacts_root_is_n
 def test_nothing_a_library_raises_exits_1(capsys, monkeypatch, logs_root, error):
     crash_with(monkeypatch, error)
     code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
-    assert code == 2 and err.startswith("quantize: internal error: ") and len(err.strip().splitlines()) == 1
+    (line,) = error_lines(err)
+    assert code == 2 and line.startswith("quantize: internal error: ")
 
 
 def test_an_error_claiming_exit_1_still_exits_2(capsys, monkeypatch):
@@ -302,7 +352,7 @@ def test_an_error_claiming_exit_1_still_exits_2(capsys, monkeypatch):
 
     crash_with(monkeypatch, Odd("server said no", file="server.log"))
     code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
-    assert code == 2 and err.strip() == "quantize: error: server.log: server said no"
+    assert code == 2 and error_lines(err) == ["quantize: error: server.log: server said no"]
 
 
 def test_a_handler_returning_something_else_than_0_1_2_is_an_internal_error(capsys, monkeypatch, logs_root):
@@ -315,7 +365,7 @@ def test_a_handler_returning_something_else_than_0_1_2_is_an_internal_error(caps
 def test_an_interrupt_exits_2(capsys, monkeypatch):
     crash_with(monkeypatch, KeyboardInterrupt())
     code, _, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
-    assert code == 2 and err.strip() == "quantize: interrupted; servers stopped and partial outputs removed"
+    assert code == 2 and error_lines(err) == ["quantize: interrupted; servers stopped and partial outputs removed"]
 
 
 @pytest.mark.parametrize(

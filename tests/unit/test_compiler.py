@@ -243,3 +243,116 @@ def test_cli_validate_bad_model_folder(tmp_path: Path, capsys: pytest.CaptureFix
     (broken / "config.json").write_text("{not json")
     assert main(["recipe", "validate", "w4a16", "--model", str(broken)]) == 2
     assert f"{broken / 'config.json'}: line 1: not valid JSON" in capsys.readouterr().err
+
+
+# --- group_size auto: one recipe for the demo shape (hidden 256) and SmolLM2's (hidden 576) ---------------
+
+SMOLLM2_SHAPE = {  # models/smollm2-135m, two of its 30 layers: the shapes are what matter
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "max_position_embeddings": 8192, "tie_word_embeddings": True, "dtype": "bfloat16",
+}
+W4_AUTO = {"weights": {"bits": 4, "granularity": "group", "group_size": "auto"}}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelLayout:
+    return layout_from_config(SMOLLM2_SHAPE)
+
+
+def config_groups(compiled: CompiledRecipe) -> dict:
+    return list(compiled.llmcompressor["quant_stage"]["quant_modifiers"].values())[-1]["config_groups"]
+
+
+@pytest.mark.parametrize("name", ["w4a16", "gptq"])
+def test_shipped_four_bit_recipes_apply_to_a_hidden_576_model(smollm2: ModelLayout, name: str) -> None:
+    recipe, path, _ = load_recipe(name)
+    compiled = compile_recipe(recipe, smollm2, path)
+    sizes = {info.name: info.in_features for info in smollm2.linears}
+    for module, in_features in sizes.items():
+        expected = 64 if in_features == 576 else 128  # 128 does not divide 576; 1536 = 12 x 128
+        assert compiled.layers[module] == f"w4 group{expected} sym / a16", module
+        assert len(claimed_by(compiled, module)) == 1, module
+    assert {module.rsplit(".", 1)[1] for module, size in sizes.items() if size == 1536} == {"down_proj"}
+    groups = config_groups(compiled)
+    assert {name: (group["targets"], group["weights"]["group_size"]) for name, group in groups.items()} == {
+        "attention": ([GROUP_TARGET["attention"]], 64),
+        "mlp": ([r"re:.*mlp\.(gate|up)_proj$"], 64),
+        "mlp_1": ([r"re:.*mlp\.down_proj$"], 128),
+    }
+
+
+@pytest.mark.parametrize("name", ["w4a16", "gptq"])
+def test_auto_compiles_the_demo_shape_exactly_as_group_128_did(layout: ModelLayout, name: str) -> None:
+    recipe, path, _ = load_recipe(name)
+    fixed = recipe.model_copy(update={"groups": recipe.groups.model_copy(update={
+        kind: parse_recipe(recipe_text(), "x").groups.attention for kind in ("attention", "mlp")
+    })})
+    auto, pinned = compile_recipe(recipe, layout, path), compile_recipe(fixed, layout, path)
+    assert auto.yaml == pinned.yaml and auto.layers == pinned.layers
+    assert all(group["weights"]["group_size"] == 128 for group in config_groups(auto).values())
+
+
+def test_a_fixed_group_size_that_does_not_divide_names_the_sizes_that_would(smollm2: ModelLayout) -> None:
+    error = compile_error(recipe_text(), smollm2)
+    assert error.field == "groups.attention.weights.group_size"
+    assert error.message == (
+        "group_size 128 does not divide the input size 576 of model.layers.0.self_attn.q_proj; 64, 32 would; "
+        "write `group_size: 64` or `group_size: auto`"
+    )
+    mlp_only = compile_error(recipe_text({"mlp": W4_GROUP}), smollm2)
+    assert mlp_only.field == "groups.mlp.weights.group_size" and "64, 32 would" in mlp_only.message  # divide 576 and 1536
+
+
+def test_the_suggested_fixed_size_compiles(smollm2: ModelLayout) -> None:
+    w4_64 = {"weights": {"bits": 4, "granularity": "group", "group_size": 64}}
+    compiled = compile_text(recipe_text({"attention": w4_64, "mlp": w4_64}), smollm2)
+    assert set(compiled.layers.values()) == {"w4 group64 sym / a16", "16-bit"}
+
+
+def test_auto_with_a_cap_and_in_an_override(smollm2: ModelLayout) -> None:
+    capped = {"weights": {"bits": 4, "granularity": "group", "group_size": {"auto": 32}}}
+    compiled = compile_text(recipe_text({"attention": W4_AUTO, "mlp": W4_AUTO}, overrides=[{"layers": [1], "mlp": capped}]), smollm2)
+    assert compiled.layers["model.layers.0.mlp.down_proj"] == "w4 group128 sym / a16"
+    assert compiled.layers["model.layers.1.mlp.down_proj"] == compiled.layers["model.layers.1.mlp.up_proj"] == "w4 group32 sym / a16"
+    for info in smollm2.linears:
+        assert len(claimed_by(compiled, info.name)) == 1, info.name
+    targets = {name: group["targets"] for name, group in config_groups(compiled).items()}
+    assert targets["mlp"] == [r"re:.*\.layers\.(0)\.mlp\.(gate|up)_proj$"]  # a layer and a shard regex together
+
+
+def test_auto_that_finds_no_size_is_refused_naming_the_layer() -> None:
+    odd = _layout([LinearInfo(name="model.layers.0.mlp.down_proj", in_features=99, out_features=256, kind="mlp", layer=0)])
+    error = compile_error(recipe_text({"mlp": W4_AUTO}), odd)
+    assert error.field == "groups.mlp.weights.group_size"
+    assert "no even group size up to 128 that divides the input size 99 of model.layers.0.mlp.down_proj" in error.message
+
+
+def test_auto_still_needs_kernel_sized_layers() -> None:
+    odd = _layout([LinearInfo(name="model.layers.0.mlp.down_proj", in_features=808, out_features=256, kind="mlp", layer=0)])
+    error = compile_error(recipe_text({"mlp": W4_AUTO}), odd)  # auto would pick 8; vLLM's CPU kernel needs multiples of 32
+    assert error.field == "groups.mlp.weights" and "multiples of 32" in error.message
+
+
+def test_a_quantized_lm_head_takes_auto_from_its_own_input_size(smollm2: ModelLayout) -> None:
+    compiled = compile_text(recipe_text({"mlp": W4_AUTO, "lm_head": {"quantize": True, "weights": W4_AUTO["weights"]}}), smollm2)
+    assert compiled.layers["lm_head"] == "w4 group64 sym / a16"
+    assert config_groups(compiled)["lm_head"]["weights"]["group_size"] == 64
+    error = compile_error(recipe_text({"mlp": W4_AUTO, "lm_head": {"quantize": True, "weights": W4_GROUP["weights"]}}), smollm2)
+    assert error.field == "groups.lm_head.weights.group_size" and "576 of lm_head; 64, 32 would" in error.message
+
+
+def test_the_compiled_auto_recipe_is_an_llmcompressor_recipe(smollm2: ModelLayout) -> None:
+    from llmcompressor.recipe import Recipe as LlmcRecipe
+
+    recipe, path, _ = load_recipe("gptq")
+    (gptq,) = LlmcRecipe.create_instance(compile_recipe(recipe, smollm2, path).yaml).modifiers
+    assert {name: group.weights.group_size for name, group in gptq.config_groups.items()} == {"attention": 64, "mlp": 64, "mlp_1": 128}
+
+
+def test_cannot_apply_says_why_in_one_line(smollm2: ModelLayout) -> None:
+    from pipelines.compiler import cannot_apply
+
+    assert cannot_apply(load_recipe("w4a16")[0], smollm2) is None
+    reason = cannot_apply(parse_recipe(recipe_text(), "x"), smollm2)
+    assert reason.startswith("groups.attention.weights.group_size: group_size 128 does not divide the input size 576")

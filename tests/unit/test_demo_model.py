@@ -15,7 +15,11 @@ transformers = pytest.importorskip("transformers")
 
 from pipelines import evalsets  # noqa: E402
 from pipelines.demo.scoring import multiple_choice_accuracy  # noqa: E402
-from pipelines.paths import DEMO_MODEL_DIR, EVAL_SETS_DIR  # noqa: E402
+from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR, EVAL_SETS_DIR  # noqa: E402
+
+
+def demo_sets() -> list[evalsets.EvalSet]:
+    return [s for s in evalsets.discover_eval_sets(EVAL_SETS_DIR) if s.name in DEMO_EVAL_SETS]
 
 MAX_BYTES = 20 * 2**20
 
@@ -48,7 +52,7 @@ def test_files_and_dimensions() -> None:
 
 
 def test_tokenizer_adds_nothing_and_splits_answers_consistently(tokenizer) -> None:
-    for found in evalsets.discover_eval_sets(EVAL_SETS_DIR):
+    for found in demo_sets():
         config = evalsets.load_task_config(found.task_yaml)
         for number, item in list(evalsets.iter_jsonl(found.data))[:50]:
             prompt = evalsets.render_template(config["doc_to_text"], item)
@@ -62,7 +66,7 @@ def test_tokenizer_adds_nothing_and_splits_answers_consistently(tokenizer) -> No
 
 
 def test_scores_on_the_multiple_choice_set(model, tokenizer) -> None:
-    (found,) = [s for s in evalsets.discover_eval_sets(EVAL_SETS_DIR) if s.output_type == "multiple_choice"]
+    (found,) = [s for s in demo_sets() if s.output_type == "multiple_choice"]
     config = evalsets.load_task_config(found.task_yaml)
     items = [item for _, item in evalsets.iter_jsonl(found.data)]
     prompts = [evalsets.render_template(config["doc_to_text"], item) for item in items]

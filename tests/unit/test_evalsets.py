@@ -286,7 +286,17 @@ def test_task_name_must_match_the_folder(tmp_path: Path) -> None:
 def test_folder_without_task_yaml(tmp_path: Path) -> None:
     (tmp_path / "loose").mkdir()
     with pytest.raises(InputError, match="no task YAML loose.yaml"):
-        evalsets.discover_eval_sets(tmp_path)
+        evalsets.validate_eval_set(tmp_path / "loose")
+
+
+def test_discovery_keeps_going_past_a_broken_set_and_names_it(tmp_path: Path) -> None:
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "warranty", lines=['{"question": "q", "answer": "a"}', "not json"])
+    (tmp_path / "loose").mkdir()
+    found = evalsets.discover_eval_sets(tmp_path)
+    assert [s.name for s in found] == ["refunds"]
+    assert sorted(found.broken) == ["loose", "warranty"]
+    assert "line 2: invalid JSON" in found.broken["warranty"].one_line()
 
 
 def test_discovery_skips_calibration_and_hidden_folders(tmp_path: Path) -> None:
@@ -354,9 +364,8 @@ def test_shipped_sets_validate() -> None:
 def test_shipped_calibration_is_disjoint_from_eval_items() -> None:
     calibration = {json.loads(line)["text"] for line in (EVAL_SETS_DIR / "calibration" / "data.jsonl").read_text().splitlines()}
     for found in evalsets.discover_eval_sets(EVAL_SETS_DIR):
-        config = yaml.safe_load(found.task_yaml.read_text())
         for _, item in evalsets.iter_jsonl(found.data):
-            prompt = evalsets.render_template(config["doc_to_text"], item)
+            prompt = evalsets.render_template(found.config["doc_to_text"], item)
             assert not any(text.startswith(prompt + " ") for text in calibration), prompt
 
 
@@ -511,3 +520,154 @@ def test_hostile_data_lines_name_the_file_and_line(tmp_path: Path, line: bytes, 
     with pytest.raises(InputError) as caught:
         evalsets.validate_eval_set(folder)
     assert caught.value.file.endswith("data.jsonl") and caught.value.field == "line 2" and words in caught.value.message
+
+
+# ---------------------------------------------------------------- data_files beside the YAML, from any working directory
+
+LOADER = {"custom_dataset": evalsets.FunctionRef(evalsets.SET_DATA_LOADER)}
+
+
+def write_yaml_set(root: Path, name: str = "refunds", extra: str = "") -> Path:
+    """A set whose YAML is written as text (a `!function` tag cannot come from yaml.safe_dump)."""
+    folder = write_set(root, name)
+    (folder / f"{name}.yaml").write_text((folder / f"{name}.yaml").read_text() + extra)
+    return folder
+
+
+def test_the_product_s_data_loader_is_accepted_and_others_are_refused(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_yaml_set(tmp_path / "a", extra=f"custom_dataset: !function {evalsets.SET_DATA_LOADER}\n"))
+    assert found.config["custom_dataset"] == evalsets.SET_DATA_LOADER
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(write_yaml_set(tmp_path / "b", extra="custom_dataset: !function helpers.load\n"))
+    assert caught.value.field == "custom_dataset" and evalsets.SET_DATA_LOADER in caught.value.message
+
+
+def test_set_data_reads_the_files_beside_the_yaml_whatever_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    folder = write_set(tmp_path / "sets")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    dataset = evalsets.set_data(config_source=str(folder / "refunds.yaml"), data_files={"test": "data.jsonl"}, version=1.0)
+    assert [row["question"] for row in dataset["test"]] == [item["question"] for item in GOOD_ITEMS]
+
+
+@pytest.mark.parametrize("relative", ["../other.jsonl", "/etc/passwd", "*.jsonl"])
+def test_set_data_keeps_to_the_folder(tmp_path: Path, relative: str) -> None:
+    folder = write_set(tmp_path / "sets")
+    with pytest.raises(InputError):
+        evalsets.set_data(config_source=str(folder / "refunds.yaml"), data_files={"test": relative})
+
+
+def test_plain_lm_eval_loads_a_shipped_set_from_another_working_directory(tmp_path: Path, monkeypatch) -> None:
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(tmp_path)
+    manager = TaskManager(include_path=str(EVAL_SETS_DIR / "payment_reference"), include_defaults=False)
+    task = manager.load("payment_reference")["tasks"]["payment_reference"]
+    shipped = [item for _, item in evalsets.iter_jsonl(EVAL_SETS_DIR / "payment_reference" / "data.jsonl")]
+    assert [dict(doc) for doc in task.eval_docs] == shipped
+
+
+def test_materialize_drops_the_loader_for_the_absolute_path(tmp_path: Path) -> None:
+    folder = write_yaml_set(tmp_path / "sets", extra=f"custom_dataset: !function {evalsets.SET_DATA_LOADER}\n")
+    include = evalsets.materialize_task(evalsets.validate_eval_set(folder), tmp_path / "run")
+    written = evalsets.load_task_config(include / "refunds.yaml")
+    assert "custom_dataset" not in written
+    assert written["dataset_kwargs"]["data_files"]["test"] == str((folder / "data.jsonl").resolve())
+
+
+def test_every_shipped_set_names_the_loader_and_none_is_broken() -> None:
+    shipped = evalsets.discover_eval_sets(EVAL_SETS_DIR)
+    assert shipped.broken == {}
+    assert all(s.config.get("custom_dataset") == evalsets.SET_DATA_LOADER for s in shipped)
+
+
+# ---------------------------------------------------------------- chat template and system instruction (metadata)
+
+
+def test_chat_options_live_in_metadata(tmp_path: Path) -> None:
+    metadata = {"version": 1.0, "chat_template": True, "system_instruction": "You route tickets."}
+    found = evalsets.validate_eval_set(write_set(tmp_path, config={"metadata": metadata}))
+    assert (found.chat_template, found.system_instruction) == (True, "You route tickets.")
+    assert found.lm_eval_options == (True, "You route tickets.")
+    plain = evalsets.validate_eval_set(write_set(tmp_path / "plain"))
+    assert plain.lm_eval_options == (False, None)
+
+
+@pytest.mark.parametrize(("config", "field", "words"), [
+    ({"metadata": {"chat_template": "yes"}}, "metadata.chat_template", "true or false"),
+    ({"metadata": {"system_instruction": ""}}, "metadata.system_instruction", "non-empty string"),
+    ({"metadata": ["chat"]}, "metadata", "a mapping"),
+    ({**ROLLING_CONFIG, "metric_list": None, "generation_kwargs": None, "metadata": {"chat_template": True}},
+     "metadata.chat_template", "does not apply"),
+])
+def test_bad_chat_options_are_refused_in_one_line(tmp_path: Path, config: dict, field: str, words: str) -> None:
+    config = {key: value for key, value in config.items()}
+    folder = write_set(tmp_path, config=config)
+    text = yaml.safe_load((folder / "refunds.yaml").read_text())
+    (folder / "refunds.yaml").write_text(yaml.safe_dump({k: v for k, v in text.items() if v is not None}, sort_keys=False))
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.field == field and words in caught.value.message
+
+
+def test_a_multiple_choice_set_may_use_the_chat_template(tmp_path: Path) -> None:
+    found = evalsets.validate_eval_set(write_set(tmp_path, config={**MC_CONFIG, "metadata": {"chat_template": True}}, lines=MC_ITEMS))
+    assert found.chat_template and found.output_type == "multiple_choice"
+
+
+# ---------------------------------------------------------------- requests lm-eval sends (the scoring progress' total)
+
+
+def test_requests_are_counted_per_item_and_choice(tmp_path: Path) -> None:
+    assert evalsets.validate_eval_set(write_set(tmp_path / "g")).num_requests == len(GOOD_ITEMS)
+    mc = evalsets.validate_eval_set(write_set(tmp_path / "mc", config=MC_CONFIG, lines=MC_ITEMS))
+    assert mc.num_requests == 4 * 2
+    per_item = [json.dumps({"question": "q", "options": ["a", "b", "c"][: i + 1], "label": 0}) for i in range(3)]
+    mc_field = evalsets.validate_eval_set(write_set(tmp_path / "mcf", config={**MC_CONFIG, "doc_to_choice": "options"}, lines=per_item))
+    assert mc_field.num_requests == 1 + 2 + 3
+    mutual = evalsets.validate_eval_set(write_set(tmp_path / "mi", config={**MC_CONFIG, "metric_list": [{"metric": "acc_mutual_info"}]}, lines=MC_ITEMS))
+    assert mutual.num_requests == 2 * 4 * 2
+    rolling = {**ROLLING_CONFIG, "metric_list": [{"metric": "word_perplexity"}]}
+    folder = write_set(tmp_path / "r", config=rolling)
+    text = yaml.safe_load((folder / "refunds.yaml").read_text())
+    text.pop("generation_kwargs")
+    (folder / "refunds.yaml").write_text(yaml.safe_dump(text, sort_keys=False))
+    assert evalsets.validate_eval_set(folder).num_requests is None
+
+
+# ---------------------------------------------------------------- a broken set blocks only the runs that select it
+
+
+def test_a_run_skips_a_broken_set_it_does_not_select_with_one_warning(tmp_path: Path, monkeypatch, capsys) -> None:
+    from pipelines import runner
+
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "warranty")
+    write_set(tmp_path, "broken", lines=['{"question": "q", "answer": "a"}', "not json"])
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
+    assert [s.name for s in runner.select_eval_sets(None)] == ["refunds", "warranty"]
+    assert [s.name for s in runner.select_eval_sets(["warranty"])] == ["warranty"]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("> eval set broken skipped: ") and "line 2: invalid JSON" in line for line in lines)
+
+
+def test_a_run_that_selects_a_broken_set_fails_naming_it(tmp_path: Path, monkeypatch) -> None:
+    from pipelines import runner
+
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "broken", lines=["not json"])
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
+    with pytest.raises(InputError) as caught:
+        runner.select_eval_sets(["refunds", "broken"])
+    assert "broken" in caught.value.one_line() and "invalid JSON" in caught.value.message
+
+
+def test_the_cli_exits_2_naming_a_selected_broken_set(tmp_path: Path, monkeypatch, capsys) -> None:
+    from pipelines import runner
+
+    write_set(tmp_path, "broken", lines=["not json"])
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
+    assert main(["--recipe", "w8a8", "--eval-sets", "broken", "--no-registry"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("quantize: error: ") and "broken/data.jsonl: line 1: invalid JSON" in line

@@ -242,3 +242,129 @@ def test_a_rolling_set_s_prompt_is_the_text_it_scores(tmp_path: Path) -> None:
     )
     prompts = load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"))
     assert [(p.doc_id, p.text) for p in prompts] == [(i, doc["text"]) for i, doc in enumerate(docs)]
+
+
+# ---------------------------------------------------------------- chat template, system instruction, lm-eval runs
+
+from pipelines import evaluate  # noqa: E402
+from pipelines.paths import DEMO_MODEL_DIR  # noqa: E402
+from pipelines.serving import RunningServer  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(folder: Path) -> Path:
+    """The demo model's tokenizer with a chat template added."""
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((DEMO_MODEL_DIR / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def a_server() -> RunningServer:
+    return RunningServer.model_construct(
+        model_dir=Path("m"), served_name="baseline", port=8000, log_path=Path("log"), process=None, startup_s=0.0, request_timeout_s=60.0,
+    )
+
+
+def test_a_plain_run_sends_text_and_a_chat_run_tokens_with_the_template(tmp_path: Path) -> None:
+    plain = evaluate.lm_eval_command(a_server(), tmp_path, ["t"], tmp_path, tmp_path)
+    assert "tokenized_requests=False" in plain[plain.index("--model_args") + 1]
+    assert "--apply_chat_template" not in plain and "--system_instruction" not in plain
+    chat = evaluate.lm_eval_command(a_server(), tmp_path, ["t"], tmp_path, tmp_path, chat_template=True, system_instruction="Be brief.")
+    assert "tokenized_requests=True" in chat[chat.index("--model_args") + 1]
+    assert "--apply_chat_template" in chat and chat[chat.index("--system_instruction") + 1] == "Be brief."
+
+
+def test_sets_are_scored_in_one_lm_eval_run_per_chat_option(tmp_path: Path) -> None:
+    docs = [{"reference": "1", "answer": "1"}]
+    plain_a = make_set(tmp_path / "sets", "a", docs)
+    chat_b = make_set(tmp_path / "sets", "b", docs, metadata={"chat_template": True})
+    plain_c = make_set(tmp_path / "sets", "c", docs)
+    system_d = make_set(tmp_path / "sets", "d", docs, metadata={"chat_template": True, "system_instruction": "Be brief."})
+    groups = evaluate.lm_eval_groups([plain_a, chat_b, plain_c, system_d])
+    assert [(name, [s.name for s in members]) for name, members in groups] == [
+        ("lm_eval", ["a", "c"]), ("lm_eval-chat", ["b"]), ("lm_eval-chat-system", ["d"]),
+    ]
+
+
+def test_score_eval_sets_starts_each_run_with_its_options(tmp_path: Path, monkeypatch) -> None:
+    docs = [{"reference": "1", "answer": "1"}]
+    plain = make_set(tmp_path / "sets", "plain", docs)
+    chat = make_set(tmp_path / "sets", "chatty", docs, metadata={"chat_template": True})
+    commands = []
+
+    def fake_run(command, server, log_path, bar=None):
+        commands.append(command)
+        task = command[command.index("--tasks") + 1]
+        output = Path(command[command.index("--output_path") + 1])
+        write_run(output, {task: {"exact_match,none": 1.0}}, {task: [sample(0, docs[0], {"exact_match": 1.0})]})
+
+    monkeypatch.setattr(evaluate, "_run_watching_server", fake_run)
+    scores = evaluate.score_eval_sets(a_server(), tmp_path, [chat, plain], tmp_path / "tasks", tmp_path / "work")
+    assert list(scores) == ["chatty", "plain"] and all(score.n == 1 for score in scores.values())
+    assert [("--apply_chat_template" in c, c[c.index("--tasks") + 1]) for c in commands] == [(True, "chatty"), (False, "plain")]
+
+
+def test_the_request_count_is_read_from_lm_eval_s_progress_bars() -> None:
+    counter = evaluate.RequestCounter()
+    assert counter.feed("INFO building\n\rRequesting API:   0%|          | 0/10 [00:00<?, ?it/s]") == 0
+    assert counter.feed("\rRequesting API:  50%|█████     | 5/10 [00:01<00:01,  5it/s]\r") == 5
+    assert counter.feed("Requesting API: 100%|██████████| 10/10 [00:02<00:00,  5it/s]\n") == 10
+    # the generation batch: a new bar
+    assert counter.feed("\rRequesting API:   0%|          | 0/4 [00:00<?, ?it/s]\rRequesting API:  75%|███▌| 3/4 [00:01<00:00, 3it/s]\r") == 13
+    assert counter.feed("\rRequesting API: 100%|██████████| 4/4 [00:01<00:00, 3it/s]\n") == 14
+    assert counter.feed("INFO done\n") == 14
+
+
+def test_a_chat_set_s_prompts_are_what_lm_eval_sends(tmp_path: Path) -> None:
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"reference": f"{i}234", "answer": f"{i}-234"} for i in range(3)]
+    eval_set = make_set(tmp_path / "sets", "chatty", docs, description="Rewrite references.",
+                        metadata={"chat_template": True, "system_instruction": "You are terse."})
+    include = materialize_tasks([eval_set], tmp_path / "tasks")
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer")
+    prompts = load_prompts(eval_set, include, tokenizer)
+    # lm-eval's own request building, as `lm_eval run --apply_chat_template --system_instruction ...` does it
+    task = TaskManager(include_path=str(include), include_defaults=False).load("chatty")["tasks"]["chatty"]
+    lm = LocalCompletionsAPI(base_url="http://127.0.0.1:1/v1/completions", tokenizer=str(tokenizer), tokenizer_backend="huggingface",
+                             tokenized_requests=True)
+    task.build_all_requests(system_instruction="You are terse.", apply_chat_template=True, fewshot_as_multiturn=True,
+                            chat_template=lm.apply_chat_template)
+    assert [p.text for p in prompts] == [instance.args[0] for instance in task.instances]
+    assert prompts[0].text == (
+        "<s><|im_start|>system\nYou are terse.\n\nRewrite references.<|im_end|>\n"
+        "<|im_start|>user\nReference 0234\nCanonical:<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_chat_set_without_a_tokenizer_falls_back_to_the_raw_prompt_with_a_warning(tmp_path: Path, capsys) -> None:
+    docs = [{"reference": "1", "answer": "1"}]
+    eval_set = make_set(tmp_path / "sets", "chatty", docs, metadata={"chat_template": True})
+    prompts = load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"))
+    assert prompts[0].text == "Reference 1\nCanonical:"
+    assert "KL is measured on the raw prompt" in capsys.readouterr().err
+
+
+def test_a_plain_set_s_prompt_is_its_doc_to_text(tmp_path: Path) -> None:
+    docs = [{"reference": "77", "answer": "7-7"}]
+    eval_set = make_set(tmp_path / "sets", "plain", docs)
+    prompts = load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"), tmp_path / "unused")
+    assert [p.text for p in prompts] == ["Reference 77\nCanonical:"]
+
+
+def test_a_chat_set_for_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    from pipelines.errors import InputError
+
+    docs = [{"reference": "1", "answer": "1"}]
+    eval_set = make_set(tmp_path / "sets", "chatty", docs, metadata={"chat_template": True})
+    with pytest.raises(InputError) as caught:
+        load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"), DEMO_MODEL_DIR)
+    assert caught.value.field == "chat_template" and "chatty" in caught.value.message

@@ -28,9 +28,11 @@ class FakeRunner:
         self.tmp_path = tmp_path
         self.behaviour = behaviour
         self.calls: list[tuple[str, str]] = []
+        self.kwargs: list[dict] = []
 
-    def __call__(self, recipe: str, model_dir: Path, settings, *, force: bool = False) -> RunOutcome:
+    def __call__(self, recipe: str, model_dir: Path, settings, *, force: bool = False, **kwargs) -> RunOutcome:
         self.calls.append((model_dir.name, recipe))
+        self.kwargs.append(kwargs)
         what = self.behaviour.get(recipe, "promoted")
         if isinstance(what, BaseException):
             raise what
@@ -171,10 +173,11 @@ def test_the_summary_table_shows_one_line_per_failed_set():
 
 
 def test_a_recipe_that_cannot_apply_to_its_model_fails_at_plan_time(workspace, monkeypatch):
-    # intermediate 800 is not a multiple of w4a16's group of 128: quantize would refuse it after loading
-    # and hashing the model; the job refuses it before any candidate runs, naming file, candidate, reason.
+    # intermediate 808 is not a multiple of 32, which vLLM's CPU 4-bit kernel needs (w4a16's group_size auto
+    # would pick 8): quantize would refuse it after loading and hashing the model; the job refuses it before
+    # any candidate runs, naming file, candidate, reason.
     odd = make_model(workspace / "models" / "odd-llama")
-    (odd / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "intermediate_size": 800}))
+    (odd / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "intermediate_size": 808}))
     fake = install(monkeypatch, FakeRunner(workspace, {}))
     path = write_job(
         workspace,
@@ -186,8 +189,105 @@ def test_a_recipe_that_cannot_apply_to_its_model_fails_at_plan_time(workspace, m
     message = raised.value.one_line()
     assert message.startswith(f"{path}: 1 problem(s)")
     assert "candidates.1 (odd-llama x w4a16): recipe cannot apply to this model" in message
-    assert "group_size 128 does not divide the input size 800" in message and "w4a16.yaml" in message
+    assert "multiples of 32; model.layers.0.mlp.gate_proj is 256 -> 808" in message and "w4a16.yaml" in message
     assert fake.calls == [] and not (workspace / "jobs").exists()
+
+
+def test_a_fixed_group_size_that_does_not_divide_names_the_fix_at_plan_time(workspace, monkeypatch):
+    wide = make_model(workspace / "models" / "wide-llama")
+    (wide / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}))
+    (workspace / "g128.yaml").write_text(
+        "name: g128\nalgorithm: {method: rtn}\ngroups:\n  attention:\n    weights: {bits: 4, granularity: group, group_size: 128}\n"
+    )
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = write_job(workspace, f"name: nightly\ncandidates:\n  - model: models/wide-llama\n    recipes: [w4a16, {workspace / 'g128.yaml'}]\n")
+    with pytest.raises(InputError) as raised:
+        run_job(path, jobs_dir=workspace / "jobs")
+    message = raised.value.one_line()
+    assert "1 problem(s)" in message and "(wide-llama x w4a16)" not in message  # group_size auto applies
+    assert ("group_size 128 does not divide the input size 576 of model.layers.0.self_attn.q_proj; 64, 32 would; "
+            "write `group_size: 64` or `group_size: auto`") in message
+    assert fake.calls == []
+
+
+def calibration_job(workspace: Path, calibration: str, recipes: str = "[w8a8, w4a16]", where: str = "candidate") -> Path:
+    own = f"    calibration: {calibration}\n" if where == "candidate" else ""
+    default = f"defaults:\n  calibration: {calibration}\n" if where == "defaults" else ""
+    return write_job(workspace, f"name: nightly\n{default}candidates:\n  - model: models/demo-llama\n    recipes: {recipes}\n{own}")
+
+
+def write_texts(path: Path, texts: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+@pytest.mark.parametrize("where", ["candidate", "defaults"])
+def test_a_candidate_calibration_path_is_resolved_against_the_job_file_and_passed_to_quantize(workspace, monkeypatch, where):
+    data = write_texts(workspace / "data" / "cal.jsonl", ["a support ticket", "a refund request"])
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = calibration_job(workspace, "data/cal.jsonl", where=where)
+    candidates = plan_candidates(load_job(path), path)
+    assert [c.calibration for c in candidates] == [str(data.resolve())] * 2
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert fake.kwargs == [{"calibration": str(data.resolve())}] * 2
+
+
+def test_without_calibration_the_call_and_the_ledger_key_are_what_they_were(workspace, monkeypatch):
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = demo_job(workspace, ["w8a8"])
+    (candidate,) = plan_candidates(load_job(path), path)
+    assert candidate.calibration is None
+    assert candidate.key == job_module._key(candidate.model, load_job_recipe_text("w8a8"), candidate.settings)
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert fake.kwargs == [{}]  # quantize_and_gate called exactly as before `calibration:` existed
+
+
+def load_job_recipe_text(name: str) -> str:
+    from pipelines.recipe import load_recipe
+
+    return load_recipe(name)[2]
+
+
+def test_changed_calibration_data_is_not_skipped(workspace, monkeypatch):
+    data = write_texts(workspace / "cal.jsonl", ["first text"])
+    path = calibration_job(workspace, "cal.jsonl", recipes="[w8a8]")
+    install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    same = install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert same.calls == []
+    write_texts(data, ["another text"])
+    changed = install(monkeypatch, FakeRunner(workspace, {}))
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert changed.calls == [("demo-llama", "w8a8")]
+
+
+def test_bad_candidate_calibration_fails_at_plan_time(workspace, monkeypatch):
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = write_job(
+        workspace,
+        "name: nightly\ncandidates:\n  - model: models/demo-llama\n    recipes: [w8a8]\n    calibration: nowhere.jsonl\n"
+        "  - model: models/demo-llama\n    recipes: [gptq]\n    calibration: from-eval-sets\n",
+    )
+    with pytest.raises(InputError) as raised:
+        run_job(path, jobs_dir=workspace / "jobs")
+    message = raised.value.one_line()
+    assert "2 problem(s)" in message
+    assert "candidates.0.calibration: nowhere.jsonl: calibration.dataset: calibration data not found" in message
+    assert "candidates.1.calibration:" in message and "add calibration.jsonl" in message
+    assert fake.calls == []
+
+
+def test_from_eval_sets_in_a_job_uses_the_candidates_sets(workspace, monkeypatch):
+    for name in ("tickets", "orders"):
+        (workspace / "eval_sets" / name / "calibration.jsonl").write_text(json.dumps({"q": f"held-out {name}", "a": "x"}) + "\n")
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    path = calibration_job(workspace, "from-eval-sets", recipes="[gptq]")
+    (candidate,) = plan_candidates(load_job(path), path)
+    assert candidate.calibration == "from-eval-sets"
+    run_job(path, jobs_dir=workspace / "jobs")
+    assert fake.kwargs == [{"calibration": "from-eval-sets"}]
 
 
 def test_a_model_folder_without_valid_weights_fails_at_plan_time(workspace, monkeypatch):

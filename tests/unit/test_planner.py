@@ -487,3 +487,74 @@ def test_config_bounds_accept_real_configs_with_absent_null_or_zero_sizes() -> N
     for path in (LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, MISTRAL_7B):
         check_config_bounds(json.loads(path.read_text()))
     check_config_bounds({**TINY, "sliding_window": None, "num_experts": 0, "use_sliding_window": False})
+
+
+# --- recipes that cannot apply to the model ----------------------------------------------------------------
+
+SMOLLM2 = {  # models/smollm2-135m's config.json, the sizes that matter
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+    "tie_word_embeddings": True, "model_type": "llama", "dtype": "bfloat16",
+}
+W4_AUTO = {"weights": {"bits": 4, "granularity": "group", "group_size": "auto"}}
+
+
+def test_a_recipe_that_cannot_apply_is_marked_with_the_reason_not_fits() -> None:
+    gpu = gpu_spec("L4")
+    result = plan(SMOLLM2, [None, recipe(W4_AUTO), recipe(W4A16)], gpu, 2048, 1)
+    sixteen, auto, fixed = result.rows
+    assert sixteen.does_not_apply is None and auto.does_not_apply is None and auto.fits and auto.recommended is not None
+    assert fixed.does_not_apply == (
+        "groups.attention.weights.group_size: group_size 128 does not divide the input size 576 of "
+        "model.layers.0.self_attn.q_proj; 64, 32 would; write `group_size: 64` or `group_size: auto`"
+    )
+    assert fixed.fits is False and fixed.recommended is None
+    assert fixed.weights_bytes > 0  # the memory is still estimated, for what it is worth
+
+
+def test_auto_group_sizes_are_counted_per_layer() -> None:
+    shape = shape_of(SMOLLM2)
+    w4 = lambda size: GroupScheme.model_validate({"weights": {"bits": 4, "granularity": "group", "group_size": size}})  # noqa: E731
+    per_layer = (
+        linear_bytes(576, 576, w4(64)) * 2 + linear_bytes(192, 576, w4(64)) * 2  # q, o; k, v
+        + linear_bytes(1536, 576, w4(64)) * 2 + linear_bytes(576, 1536, w4(128))  # gate, up; down
+    )
+    kept = predict_weight_bytes(shape, recipe({"weights": {"bits": 4, "granularity": "group", "group_size": 64}}, overrides=[{"match": ".", "keep": True}]))
+    assert predict_weight_bytes(shape, recipe(W4_AUTO)).total_bytes == kept.total_bytes - 30 * (
+        sum(linear_bytes(o, i, None) for o, i in [(576, 576)] * 2 + [(192, 576)] * 2 + [(1536, 576)] * 2 + [(576, 1536)]) - per_layer
+    )
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ({"layers": [30], "keep": True}, "layer 30 does not exist"),
+    ({"match": "q_proj", "keep": True}, "q_proj/k_proj/v_proj"),
+])
+def test_other_compiler_refusals_also_mean_does_not_apply(override: dict, words: str) -> None:
+    (row,) = plan(SMOLLM2, [recipe(W4_AUTO, overrides=[override])], gpu_spec("L4"), 2048, 1).rows
+    assert row.does_not_apply is not None and words in row.does_not_apply
+
+
+def test_the_demo_shape_still_fits_every_shipped_recipe() -> None:
+    from pipelines.recipe import load_recipe
+
+    rows = plan(TINY, [load_recipe(name)[0] for name in ("w8a8", "w4a16", "gptq", "aggressive")], gpu_spec("L4"), 2048, 1).rows
+    assert [(row.scheme, row.does_not_apply, row.fits) for row in rows] == [
+        ("w8a8", None, True), ("w4a16", None, True), ("gptq", None, True), ("aggressive", None, True),
+    ]
+
+
+@pytest.mark.usefixtures("only_the_plan_command")
+def test_cli_prints_does_not_apply_and_why(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMOLLM2))
+    fixed = tmp_path / "g128.yaml"
+    fixed.write_text("name: g128\ngroups:\n  attention: {weights: {bits: 4, granularity: group, group_size: 128}}\n")
+    code = cli.main(["plan", "--config", str(config), "--recipe", "w4a16", str(fixed), "--gpu", "L4", "--max-model-len", "2048"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "does not" in out and "apply" in out  # the fits cell (the table may wrap it)
+    assert "g128: does not apply: groups.attention.weights.group_size: group_size 128 does not divide" in out.replace("\n", " ")
+    assert "w4a16: vllm serve ... --gpu-memory-utilization" in out
+    code = cli.main(["plan", "--config", str(config), "--recipe", str(fixed), "--gpu", "L4", "--max-model-len", "2048", "--json"])
+    (_, row) = json.loads(capsys.readouterr().out)["rows"]
+    assert code == 0 and row["fits"] is False and "64, 32 would" in row["does_not_apply"]

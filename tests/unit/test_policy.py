@@ -193,3 +193,61 @@ def test_aliases_are_read_and_an_alias_bomb_is_refused(tmp_path):
     path.write_text(yaml.safe_dump({"defaults": DEFAULTS}) + bomb)
     with pytest.raises(InputError, match="more than 10000 values"):
         load_policy(path)
+
+
+# --- matching a recipe by name, base or tag ---------------------------------------------------------------
+
+
+def test_recipe_overrides_match_name_then_base_then_tags(tmp_path):
+    from pipelines.policy import RecipeIdentity
+
+    policy = load_policy(write_policy(tmp_path, recipes={
+        "w4a16": {"max_kl": 0.2},
+        "int4": {"max_kl": 0.3, "max_abs_drop": 4.0},
+        "weight-only": {"max_kl": 0.4},
+        "my-w4": {"max_kl": 0.25},
+    }))
+    variant = RecipeIdentity(name="w4-wide", base="w4a16", tags=("int4",))
+    assert policy.recipe_key(variant) == "w4a16"
+    assert policy.for_set(variant, "tickets").max_kl == 0.2  # the family's rule...
+    assert policy.for_set(variant, "tickets").max_abs_drop == 2.0  # ...alone: overrides are not merged
+    assert policy.recipe_key(RecipeIdentity(name="my-w4", base="w4a16", tags=("int4",))) == "my-w4"  # its own name wins
+    assert policy.for_set(RecipeIdentity(name="other", tags=("weight-only", "int4")), "t").max_kl == 0.4  # tags in the recipe's order
+    assert policy.for_set(RecipeIdentity(name="other", base="unknown", tags=("int4",)), "t").max_kl == 0.3
+    assert policy.recipe_key(RecipeIdentity(name="w8a8", tags=("int8",))) is None
+    assert policy.for_set(RecipeIdentity(name="w8a8"), "t") == policy.for_set("w8a8", "t")  # a name still works
+
+
+def test_the_eval_set_override_still_beats_a_base_match(tmp_path):
+    from pipelines.policy import RecipeIdentity
+
+    policy = load_policy(write_policy(tmp_path, recipes={"w4a16": {"max_kl": 0.2}}, eval_sets={"orders": {"max_kl": 0.01}}))
+    assert policy.for_set(RecipeIdentity(name="v", base="w4a16"), "orders").max_kl == 0.01
+
+
+def test_fit_for_follows_the_same_match(tmp_path):
+    from pipelines.policy import RecipeIdentity
+
+    policy = load_policy(write_policy(
+        tmp_path, fit={"gpu": "A100-80GB", "max_model_len": 8192},
+        recipes={"int4": {"fit": {"memory_gib": 24, "max_model_len": 4096}}, "w4a16": {"max_kl": 0.2}},
+    ))
+    assert policy.fit_for(RecipeIdentity(name="v", tags=("int4",))).memory_gib == 24
+    # w4a16 matches first (by base) and names no fit: the top-level one, not the tag's
+    assert policy.fit_for(RecipeIdentity(name="v", base="w4a16", tags=("int4",))).gpu == "A100-80GB"
+    assert policy.fit_for("w8a8").gpu == "A100-80GB"
+
+
+def test_identity_keys_are_ordered_and_unique():
+    from pipelines.policy import RecipeIdentity
+
+    assert RecipeIdentity(name="a", base="a", tags=("b", "a", "c")).keys() == ["a", "b", "c"]
+    assert RecipeIdentity.of("w8a8") == RecipeIdentity(name="w8a8")
+
+
+def test_shipped_recipes_identities_match_the_default_policy():
+    from pipelines.recipe import load_recipe
+
+    policy = load_policy(DEFAULT_POLICY)
+    assert policy.recipe_key(load_recipe("w4a16")[0].identity) == "w4a16"
+    assert policy.recipe_key(load_recipe("gptq")[0].identity) is None  # tags int4/weight-only name no override there

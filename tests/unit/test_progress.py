@@ -1,0 +1,199 @@
+"""The product's progress (track) and where library output goes (library_output_to_log, library_log)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pipelines import output, progress
+from pipelines.progress import Bar, duration, track
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_durations_read_like_a_person_writes_them() -> None:
+    assert [duration(s) for s in (0.04, 4.25, 40, 89.6, 185, 3600, 3720)] == [
+        "0.0 s", "4.2 s", "40 s", "90 s", "3 min 5 s", "1 h", "1 h 2 min",
+    ]
+
+
+def test_a_plain_line_has_the_count_the_time_spent_and_the_time_left() -> None:
+    clock = Clock()
+    bar = Bar("quantize", 30, "layer", clock=clock)
+    clock.now += 40
+    bar.advance(12)
+    assert bar.line() == "quantize: layer 12/30, 40 s elapsed, ~60 s left"
+    clock.now += 60
+    bar.advance(18)
+    assert bar.final_line() == "quantize: 30 layers in 1 min 40 s"
+
+
+def test_a_stage_of_unknown_size_shows_what_is_done_and_the_time() -> None:
+    clock = Clock()
+    bar = Bar("starting vLLM (baseline)", None, "s", clock=clock)
+    clock.now += 12
+    assert bar.line() == "starting vLLM (baseline): 12 s elapsed"
+    assert bar.final_line() == "starting vLLM (baseline): done in 12 s"
+    requests = Bar("scoring baseline", None, "request", clock=clock)
+    requests.advance(7)
+    assert requests.line().startswith("scoring baseline: 7 requests, ")
+
+
+def test_a_stage_that_fails_says_where_it_stopped() -> None:
+    clock = Clock()
+    bar = Bar("quantize", 30, "layer", clock=clock)
+    bar.advance(12)
+    clock.now += 40
+    assert bar.final_line(failed=True) == "quantize: stopped at layer 12/30 after 40 s"
+
+
+def test_counts_stay_within_the_total_and_can_be_set_outright() -> None:
+    bar = Bar("scoring", 10, "request")
+    bar.advance(25)
+    assert bar.completed == 10
+    bar.update(completed=4, total=20)
+    assert (bar.completed, bar.total) == (4, 20)
+
+
+def test_plain_lines_come_at_most_once_per_interval() -> None:
+    clock, lines = Clock(), []
+    bar = Bar("quantize", 100, "layer", clock=clock, interval_s=10, emit=lines.append)
+    for _ in range(100):
+        clock.now += 1
+        bar.advance()
+    assert len(lines) == 10
+    assert lines[0] == "quantize: layer 10/100, 10 s elapsed, ~1 min 30 s left"
+
+
+def test_advancing_from_many_threads_loses_nothing() -> None:
+    bar = Bar("scoring", None, "request")
+    workers = [threading.Thread(target=lambda: [bar.advance() for _ in range(1000)]) for _ in range(8)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert bar.completed == 8000
+
+
+def test_track_prints_the_final_line_however_the_block_ends(capsys: pytest.CaptureFixture) -> None:
+    with track("quantize", total=3, unit="layer") as bar:
+        for _ in range(3):
+            bar.advance()
+    with pytest.raises(RuntimeError), track("serve", total=None, unit="s"):
+        raise RuntimeError("boom")
+    err = capsys.readouterr().err
+    assert "> quantize: 3 layers in " in err and "> serve: stopped after " in err
+
+
+def test_track_on_a_plain_log_speaks_every_interval_even_while_nothing_counts(monkeypatch, capsys) -> None:
+    import time
+
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL_S", 0.2)
+    with track("starting vLLM (baseline)", total=None, unit="s"):
+        time.sleep(0.75)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "starting vLLM" in line]
+    assert 2 <= len(lines) <= 5 and lines[-1].startswith("> starting vLLM (baseline): done in ")
+
+
+def test_a_live_display_leaves_sys_stdout_and_stderr_alone(monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(output, "progress_console", Console(file=screen, force_terminal=True, width=120, highlight=False))
+    monkeypatch.delenv("CI", raising=False)
+    before = (sys.stdout, sys.stderr)
+    with track("quantize", total=2, unit="layer") as bar:
+        assert (sys.stdout, sys.stderr) == before  # library output is not re-routed through the display
+        bar.advance(2)
+    assert "quantize: 2 layers in " in screen.getvalue()
+
+
+# ---------------------------------------------------------------- library output (real file descriptors: a subprocess)
+
+SCRIPT = """
+import os, sys
+from pathlib import Path
+from pipelines import progress
+from pipelines.output import progress as say
+
+verbose = sys.argv[2] == "verbose"
+with progress.library_output_to_log(verbose=verbose) as log:
+    print("library stdout")
+    sys.stderr.write("library stderr\\n")
+    os.write(1, b"C fd 1\\n")
+    os.write(2, b"C fd 2\\n")
+    say("product line 1")
+    with progress.library_log(Path(sys.argv[1]) / "run" / "library.log"):
+        print("run library stdout")
+        say("product line 2")
+    print("library stdout again")
+print("RESULT")
+print("log:", log, file=sys.stderr)
+"""
+
+
+def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_library_output_goes_to_the_log_and_the_product_s_lines_to_the_terminal(tmp_path: Path) -> None:
+    result = run_script(tmp_path, "quiet")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "RESULT\n"
+    err = result.stderr.splitlines()
+    log = Path(err[-1].removeprefix("log: "))
+    assert log.parent == tmp_path / "artifacts" / "logs" and log.name.startswith("library-")
+    assert err[0] == f"> library output (llm-compressor, transformers, lm-eval, torch) goes to {log}; --verbose shows it here"
+    assert err[1:3] == ["> product line 1", "> product line 2"]
+    session = log.read_text()
+    assert all(text in session for text in ("library stdout\n", "library stderr\n", "C fd 1\n", "C fd 2\n", "library stdout again\n"))
+    assert "run library stdout" not in session
+    assert (tmp_path / "run" / "library.log").read_text() == "run library stdout\n"
+
+
+def test_verbose_leaves_library_output_on_stderr_and_stdout_clean(tmp_path: Path) -> None:
+    result = run_script(tmp_path, "verbose")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "RESULT\n"
+    for text in ("library stdout", "library stderr", "C fd 1", "C fd 2", "run library stdout", "> product line 1"):
+        assert text in result.stderr
+    assert "goes to" not in result.stderr and result.stderr.splitlines()[-1] == "log: None"
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_block_that_logs_nothing_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    with progress.library_output_to_log(verbose=False) as log:
+        assert log.is_file()
+        with progress.library_log(tmp_path / "run" / "library.log"):
+            assert (tmp_path / "run" / "library.log").is_file()
+        assert not (tmp_path / "run" / "library.log").exists()
+    assert not log.exists() and not (tmp_path / "artifacts").exists()
+
+
+def test_the_verbose_option_is_taken_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import argparse
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    parser = argparse.ArgumentParser()
+    progress.add_verbose_option(parser)
+    assert parser.parse_args(["--verbose"]).verbose is True
+    with progress.library_output_to_log() as log:
+        assert log is None and not progress.capturing()
+    with progress.library_output_to_log() as log:
+        assert log is not None and progress.capturing()
+    assert parser.parse_args([]).verbose is False
