@@ -38,8 +38,9 @@ def job_file(workspace, aggressive_run) -> Path:
 
 
 def _second_candidate_is_being_scored(stderr: str) -> bool:
+    """The second candidate's server is up (its start-up progress line ended) and lm-eval is scoring."""
     second = stderr.find("[2/")
-    return second >= 0 and "vLLM ready" in stderr[second:]
+    return second >= 0 and "starting vLLM (candidate): done" in stderr[second:] and "scoring " in stderr[second:]
 
 
 @pytest.fixture(scope="module")
