@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel, ConfigDict
 
@@ -41,6 +41,7 @@ from pipelines.manifest import (
 )
 from pipelines.output import progress
 from pipelines.paths import ARTIFACTS_DIR, DEMO_MODEL_DIR, EVAL_SETS_DIR
+from pipelines.progress import Bar, track
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, Recipe, load_recipe
 from pipelines.yamlio import FunctionRef
 from pipelines.safepath import ensure_inside, safe_component
@@ -342,11 +343,46 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> float:
                 "max_seq_length": inputs.calibration.max_seq_length,
             }
         progress(f"running llm-compressor oneshot ({len(inputs.texts)} calibration samples, {'GPU' if torch.cuda.is_available() else 'CPU'})")
-        oneshot(model=model, recipe=inputs.compiled.yaml, **kwargs)
+        layers = decoder_layers(model)
+        with track("quantize", total=len(layers) or None, unit="layer") as bar, counting_layers(layers, bar):
+            oneshot(model=model, recipe=inputs.compiled.yaml, **kwargs)
+            bar.update(completed=len(layers))
         progress("saving the compressed model")
         model.save_pretrained(out_dir, save_compressed=True)
         tokenizer.save_pretrained(out_dir)
     return time.perf_counter() - started
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's stack of decoder layers: the ModuleList as long as config.num_hidden_layers (empty if none)."""
+    import torch
+
+    count = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return list(module)
+    return []
+
+
+@contextmanager
+def counting_layers(layers: list[Any], bar: Bar) -> Iterator[None]:
+    """Advance `bar` to layer k when layer k's forward first runs.
+
+    llm-compressor's sequential pipeline calibrates (and GPTQ compresses) one layer's subgraph at a time, so
+    the first forward of layer k means layers before it are done; data-free recipes (RTN) run no forward
+    and the bar jumps to the end when oneshot returns."""
+    def reached(index: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if index > bar.completed:
+                bar.update(completed=index)
+        return hook
+
+    handles = [layer.register_forward_pre_hook(reached(index)) for index, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager
