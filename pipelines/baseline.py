@@ -12,19 +12,17 @@ from __future__ import annotations
 import json
 from importlib.metadata import version
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from pydantic import BaseModel, ValidationError
 
 from pipelines.atomic import write_json_atomic
 from pipelines.divergence import KL_METHOD, Reference
-from pipelines.evaluate import SetScore, lm_eval_command
 from pipelines.evalsets import EvalSet
+from pipelines.evaluate import SetScore, lm_eval_command
 from pipelines.hashing import folder_hash, sha256_json
-from pipelines.paths import ARTIFACTS_DIR
 from pipelines.serving import RunningServer, ServeSettings, serve_versions
 
-BASELINE_CACHE_DIR = ARTIFACTS_DIR / "cache" / "baseline"
 # Bump when the scoring code (evaluate, divergence, pairing of items) changes what a cached entry means.
 SCORING_VERSION = 2
 PROJECT_PACKAGES = ("lm-eval", "datasets", "transformers")
@@ -50,7 +48,8 @@ Entry = TypeVar("Entry", BaselineEntry, CandidateEntry)
 def lm_eval_arguments() -> list[str]:
     """lm-eval's command line with placeholders for the server, paths and tasks: any other argument is keyed."""
     server = RunningServer.model_construct(
-        model_dir=Path("model"), served_name="model", port=0, log_path=Path("log"), process=None, startup_s=0.0,
+        model_dir=Path("model"), served_name="model", port=0, log_path=Path("log"), process=None,  # type: ignore[arg-type]  # no process: only the name, URL and timeout reach the command
+        startup_s=0.0,
         request_timeout_s=0.0,
     )
     command = lm_eval_command(server, Path("tokenizer"), ["task"], Path("tasks"), Path("output"))
@@ -90,15 +89,20 @@ def _entry_path(key: str, cache_dir: Path) -> Path:
     return cache_dir / f"{key}.json"
 
 
-def load_cached(key: str, cache_dir: Path = BASELINE_CACHE_DIR, entry_type: type[Entry] = BaselineEntry) -> Entry | None:
+@overload
+def load_cached(key: str, cache_dir: Path) -> BaselineEntry | None: ...
+@overload
+def load_cached(key: str, cache_dir: Path, entry_type: type[Entry]) -> Entry | None: ...
+def load_cached(key: str, cache_dir: Path, entry_type: type[BaseModel] = BaselineEntry) -> BaseModel | None:
+    """The cached entry under `key`, or None (none, or a corrupt one: recomputed, never trusted)."""
     path = _entry_path(key, cache_dir)
     if not path.is_file():
         return None
     try:
         return entry_type.model_validate_json(path.read_text())
     except (ValidationError, json.JSONDecodeError):
-        return None  # a corrupt entry is recomputed, never trusted
+        return None
 
 
-def store(entry: BaselineEntry | CandidateEntry, cache_dir: Path = BASELINE_CACHE_DIR) -> None:
+def store(entry: BaselineEntry | CandidateEntry, cache_dir: Path) -> None:
     write_json_atomic(_entry_path(entry.key, cache_dir), entry.model_dump(mode="json"))

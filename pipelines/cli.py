@@ -12,6 +12,11 @@ internal error: ...` naming the traceback's log file); with `--json` the same er
 object on stdout: {"error", "exit_code", "file", "field", "kind"}.
 
 `quantize --recipe NAME` (no sub-command) runs the whole job: quantize, serve, score, gate, promote.
+
+Commands are a lazy table (COMMANDS: name -> module, summary): `quantize --help` lists them all from the
+table and only the chosen command's module is imported. A command whose module cannot be imported, or
+does not register its name, is an internal error (exit 2, the traceback in a log), never a missing entry.
+Adding a command is one table entry and a module with `register(subparsers)`.
 """
 
 from __future__ import annotations
@@ -28,16 +33,36 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
-from pipelines.errors import QuantGateError
+from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.output import printable
+from pipelines.settings import current as current_settings
 
-COMMAND_MODULES = ("run", "gate", "recipe", "eval_sets", "plan", "job", "registry", "models")
+
+class Command(NamedTuple):
+    module: str  # imported only when the command is chosen; it has `register(subparsers)`
+    summary: str  # the line `quantize --help` shows
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("pipelines.commands.run", "quantize, serve, score and gate one model with one recipe (the default command)"),
+    "gate": Command("pipelines.commands.gate", "gate an existing artifact against its 16-bit baseline"),
+    "recipe": Command("pipelines.commands.recipe", "list, show and validate quantization recipes"),
+    "eval-sets": Command("pipelines.commands.eval_sets", "list and validate the business eval sets"),
+    "plan": Command("pipelines.commands.plan", "memory plan: weights, KV cache, activations, overhead; does it fit the GPU?"),
+    "job": Command("pipelines.commands.job", "run a job file: many models x recipes, continue past failures, one summary"),
+    "registry": Command("pipelines.commands.registry", "the model registry: versions, status, aliases, history"),
+    "models": Command("pipelines.commands.models", "add a real pretrained model (from a GGUF) under models/, list them"),
+    "loadtest": Command("pipelines.commands.loadtest", "load-test a model (and a candidate against it) with vLLM bench serve"),
+    "repair": Command("pipelines.commands.repair", "repair a rejected run: move its most sensitive modules up a fallback ladder until it passes"),
+}
 DEFAULT_COMMAND = "run"
 
-EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
-LOGS_FOLDER = "logs"  # under the artifacts root: tracebacks of internal errors
+
+class CommandLoadError(Exception):
+    """A command in COMMANDS whose module cannot be imported or does not register it: a bug, exit 2."""
 
 
 class UsageError(Exception):
@@ -91,34 +116,49 @@ def float_arg(low: float, high: float, *, low_open: bool = False) -> Callable[[s
 # --- the parser -------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """`quantize`'s parser: every command listed, only `chosen`'s module imported to add its arguments."""
     parser = _Parser(
         prog="quantize",
         description="Quantize an LLM, serve it on vLLM, gate it on business test sets, promote it.",
         epilog="Exit codes: 0 promoted / success, 1 rejected by the gate, 2 error (docs/exit-codes.md).",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"pipelines.commands.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"pipelines.commands.{name}":
-                raise
-            continue
-        module.register(subparsers)
+    for name, command in COMMANDS.items():
+        if name == chosen:
+            _register(name, subparsers)
+        else:  # listed by --help; never parsed (argv names another command)
+            subparsers.add_parser(name, help=command.summary, add_help=False)
     return parser
 
 
-def _with_default_command(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    known = set(parser._subparsers._group_actions[0].choices) if parser._subparsers else set()  # noqa: SLF001
-    if argv and (argv[0] in known or argv[0] in ("-h", "--help")):
+def load_command(name: str) -> ModuleType:
+    """The module of command `name`; one that cannot be imported is a CommandLoadError naming it."""
+    module = COMMANDS[name].module
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # whatever stops the import (ImportError, SyntaxError, ...) is a bug
+        raise CommandLoadError(f"command {name!r} cannot be loaded from {module}: {type(error).__name__}: {error}") from error
+
+
+def _register(name: str, subparsers: argparse._SubParsersAction) -> None:
+    register = getattr(load_command(name), "register", None)
+    if register is None:
+        raise CommandLoadError(f"command {name!r}: {COMMANDS[name].module} has no register(subparsers)")
+    register(subparsers)
+    if name not in subparsers.choices:
+        raise CommandLoadError(f"command {name!r}: {COMMANDS[name].module}.register() did not add it")
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    if argv and (argv[0] in COMMANDS or argv[0] in ("-h", "--help")):
         return argv
     return [DEFAULT_COMMAND, *argv]
 
 
 def _raise_keyboard_interrupt_on_sigterm() -> None:
     # SIGTERM takes the same clean-up path as Ctrl-C: servers stopped, temporary folders removed.
-    def handler(signum, frame):  # noqa: ARG001
+    def handler(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
@@ -147,14 +187,14 @@ def _report(line: str, as_json: bool, document: dict[str, Any]) -> int:
 def _report_error(error: QuantGateError, as_json: bool) -> int:
     document = {"error": _one_line(error.message), "file": error.file, "field": error.field, "kind": _kind(error)}
     details = getattr(error, "details", None)
-    if isinstance(details, dict):
+    if details:
         document.update({key: value for key, value in details.items() if key not in document})
     return _report(f"quantize: error: {error.one_line()}", as_json, document)
 
 
 def _kind(error: QuantGateError) -> str:
     name = type(error).__name__
-    return {"InputError": "input", "ServeError": "serve", "EvalError": "eval"}.get(name, "error")
+    return {"InputError": "input", "ServeError": "serve", "EvalError": "eval", "LoadTestError": "loadtest"}.get(name, "error")
 
 
 def _internal_error(error: BaseException, argv: list[str], as_json: bool) -> int:
@@ -168,9 +208,7 @@ def _internal_error(error: BaseException, argv: list[str], as_json: bool) -> int
 
 def log_dirs() -> list[Path]:
     """Where tracebacks of internal errors go: the artifacts root's logs/, else the temporary folder."""
-    from pipelines import paths
-
-    return [Path(paths.ARTIFACTS_DIR) / LOGS_FOLDER, Path(tempfile.gettempdir()) / "quantgate-logs"]
+    return [current_settings().logs_dir, Path(tempfile.gettempdir()) / "quantgate-logs"]
 
 
 def _write_traceback(error: BaseException, argv: list[str]) -> Path | str:
@@ -198,13 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     as_json = "--json" in arguments
     try:
-        parser = build_parser()
-        args = parser.parse_args(_with_default_command(arguments, parser))
+        argv = _with_default_command(arguments)
+        args = build_parser(argv[0] if argv[0] in COMMANDS else None).parse_args(argv)
     except UsageError as error:
         return _report(f"quantize: error: {error}", as_json, {"error": _one_line(error), "file": None, "field": None, "kind": "usage"})
     except SystemExit as done:  # --help: argparse printed it
         return done.code if isinstance(done.code, int) and done.code in (EXIT_OK, EXIT_ERROR) else EXIT_ERROR
-    except Exception as error:  # noqa: BLE001 - a command module failing to load is a bug, still exit 2
+    except Exception as error:  # a command that cannot load (CommandLoadError) is a bug, still exit 2
         return _internal_error(error, arguments, as_json)
     as_json = bool(getattr(args, "json", as_json))
     if not getattr(args, "handler", None):
@@ -218,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         line = "quantize: interrupted; servers stopped and partial outputs removed"
         return _report(line, as_json, {"error": "interrupted", "file": None, "field": None, "kind": "interrupted"})
-    except BaseException as error:  # noqa: BLE001 - the contract: nothing escapes as a traceback or as exit 1
+    except BaseException as error:  # the contract: nothing escapes as a traceback or as exit 1
         if isinstance(error, SystemExit) and error.code in (None, 0):
             return EXIT_OK
         return _internal_error(error, arguments, as_json)

@@ -1,4 +1,8 @@
-"""Recipe -> llm-compressor recipe, checked against a concrete model and against what vLLM can serve.
+"""Recipe -> llm-compressor recipe, checked against a concrete model and against what vLLM can serve on
+the serve target (pipelines.targets: the CPU build or a GPU's compute capability).
+
+What scheme a recipe gives a module (its group's, then each override that selects it) is `scheme_for`,
+the one answer the planner also counts bytes by.
 
 The model is described by a ModelLayout (module names and Linear shapes), built from config.json by
 instantiating the architecture on the meta device: no weights are read. Every problem is reported
@@ -15,16 +19,18 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from pipelines.artifact import read_model_config
 from pipelines.errors import InputError
-from pipelines.manifest import read_model_config
-from pipelines.recipe import GroupScheme, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
+from pipelines.recipe import AutoGroupSize, GroupScheme, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
+from pipelines.targets import Layer, ServeTarget, installed_target, serve_problem
 
 Kind = Literal["attention", "mlp"]
+KINDS: tuple[Kind, ...] = ("attention", "mlp")
 
 # Target regexes (compressed-tensors "re:" = re.match on the module name) per layer group.
 GROUP_SUFFIX: dict[Kind, str] = {
@@ -102,7 +108,7 @@ def layout_from_config(config: dict[str, Any], source: Path | str = "config.json
     from pipelines.planner import check_config_bounds
 
     check_config_bounds(config, str(source))  # a meta model still loops over its layers: bound them first
-    model_type = config.get("model_type")
+    model_type = str(config.get("model_type"))
     try:
         hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
         with torch.device("meta"):
@@ -140,9 +146,12 @@ def _linear_info(name: str, module: Any) -> LinearInfo:
 # ---------------------------------------------------------------------------------- compilation
 
 
-def compile_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> CompiledRecipe:
-    """Check `recipe` against `layout` and vLLM's kernels, then build the llm-compressor recipe."""
-    plan = check_recipe(recipe, layout, recipe_file)
+def compile_recipe(
+    recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget | None = None,
+) -> CompiledRecipe:
+    """Check `recipe` against `layout` and what vLLM serves on `target` (default: the installed serve
+    environment's), then build the llm-compressor recipe."""
+    plan = check_recipe(recipe, layout, recipe_file, target)
     modifiers = _modifiers(recipe, layout, plan)
     return CompiledRecipe(
         recipe=recipe.name,
@@ -154,60 +163,104 @@ def compile_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str)
     )
 
 
-def check_recipe(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> dict[str, ModuleScheme]:
+def check_recipe(
+    recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget | None = None,
+) -> dict[str, ModuleScheme]:
     """Every check compile_recipe makes, without building anything: the per-module plan with each
     `group_size: auto` replaced by the layer's own size; an InputError (file, field) if it cannot apply."""
-    check_lm_parts(recipe, layout, recipe_file)
+    target = target or installed_target()
+    check_lm_parts(recipe, layout, recipe_file, target)
     plan = concrete_schemes(resolve_schemes(recipe, layout, recipe_file), recipe_file)
-    check_plan(plan, recipe_file)
+    check_plan(plan, recipe_file, target)
     return plan
 
 
-def cannot_apply(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str = "recipe") -> str | None:
-    """Why `recipe` cannot apply to `layout` (one line: field and reason), or None when it can."""
+def cannot_apply(
+    recipe: Recipe, layout: ModelLayout, recipe_file: Path | str = "recipe", target: ServeTarget | None = None,
+) -> str | None:
+    """Why `recipe` cannot apply to `layout` on `target` (one line: field and reason), or None when it can."""
     try:
-        check_recipe(recipe, layout, recipe_file)
+        check_recipe(recipe, layout, recipe_file, target)
     except InputError as error:
         return f"{error.field}: {error.message}" if error.field else error.message
     return None
 
 
+class Module(Protocol):
+    """What a recipe's groups and overrides select a Linear by (LinearInfo here, the planner's own Linears)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> Kind | None: ...
+    @property
+    def layer(self) -> int | None: ...
+
+
+def selects(override: Override, module: Module, num_layers: int) -> bool:
+    """Whether `override` reaches `module`: an attention / MLP Linear in one of its layers (negative indices
+    count from the end) whose name its `match` regex is found in; both conditions ANDed when given."""
+    if module.kind is None:
+        return False
+    if override.layers is not None and (num_layers < 1 or module.layer not in {i % num_layers for i in override.layers}):
+        return False
+    return override.match is None or re.search(override.match, module.name) is not None
+
+
+def scheme_source(recipe: Recipe, module: Module, num_layers: int) -> tuple[GroupScheme | None, str]:
+    """The scheme `recipe` gives `module` and the recipe field it comes from: its group's, then each
+    override that selects it, in order (a later one wins; `keep` means 16-bit). `group_size: auto` as written."""
+    if module.kind is None:
+        return None, "groups"
+    scheme: GroupScheme | None = getattr(recipe.groups, module.kind)
+    source = f"groups.{module.kind}"
+    for index, override in enumerate(recipe.overrides):
+        if not selects(override, module, num_layers):
+            continue
+        if override.keep:
+            scheme, source = None, f"overrides.{index}"
+        elif getattr(override, module.kind) is not None:
+            scheme, source = getattr(override, module.kind), f"overrides.{index}.{module.kind}"
+    return scheme, source
+
+
+def scheme_for(recipe: Recipe, module: Module, num_layers: int) -> GroupScheme | None:
+    """The recipe's semantics in one place: the scheme `recipe` gives `module` (None: 16-bit). The compiler
+    and the planner both ask this."""
+    return scheme_source(recipe, module, num_layers)[0]
+
+
 def resolve_schemes(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> dict[str, ModuleScheme]:
     """Module name -> scheme for every attention / MLP Linear, after groups and then overrides (as written:
     `group_size: auto` is resolved per layer by concrete_schemes)."""
+    _check_selections(recipe, layout, recipe_file)
     plan: dict[str, ModuleScheme] = {}
-    for kind in ("attention", "mlp"):
-        scheme = getattr(recipe.groups, kind)
-        modules = layout.of_kind(kind)
-        if scheme is not None and not modules:
-            raise InputError(f"matches no module of {layout.architecture} (target {GROUP_TARGET[kind]})", file=recipe_file, field=f"groups.{kind}")
-        for info in modules:
-            plan[info.name] = ModuleScheme(module=info, scheme=scheme, source=f"groups.{kind}")
-    for index, override in enumerate(recipe.overrides):
-        field = f"overrides.{index}"
-        selected = _select(override, layout, recipe_file, field)
-        for kind in ("attention", "mlp"):
-            scheme = getattr(override, kind)
-            hits = [info for info in selected if info.kind == kind]
-            if scheme is not None and not hits:
-                raise InputError("selects no module of this group", file=recipe_file, field=f"{field}.{kind}")
-            if override.keep or scheme is not None:
-                for info in hits:
-                    plan[info.name] = ModuleScheme(module=info, scheme=scheme, source=f"{field}.{kind}" if scheme else field)
+    for kind in KINDS:
+        for info in layout.of_kind(kind):
+            scheme, source = scheme_source(recipe, info, layout.num_layers)
+            plan[info.name] = ModuleScheme(module=info, scheme=scheme, source=source)
     return plan
 
 
+def _check_selections(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> None:
+    """Every group with a scheme and every override must reach some module of this model."""
+    for kind in KINDS:
+        if getattr(recipe.groups, kind) is not None and not layout.of_kind(kind):
+            raise InputError(f"matches no module of {layout.architecture} (target {GROUP_TARGET[kind]})", file=recipe_file, field=f"groups.{kind}")
+    for index, override in enumerate(recipe.overrides):
+        field = f"overrides.{index}"
+        selected = _select(override, layout, recipe_file, field)
+        for kind in KINDS:
+            if getattr(override, kind) is not None and not any(info.kind == kind for info in selected):
+                raise InputError("selects no module of this group", file=recipe_file, field=f"{field}.{kind}")
+
+
 def _select(override: Override, layout: ModelLayout, recipe_file: Path | str, field: str) -> list[LinearInfo]:
-    candidates = [info for info in layout.linears if info.kind is not None]
-    if override.layers is not None:
-        wanted = set()
-        for index in override.layers:
-            if not -layout.num_layers <= index < layout.num_layers:
-                raise InputError(
-                    f"layer {index} does not exist (the model has {layout.num_layers} decoder layers)", file=recipe_file, field=f"{field}.layers"
-                )
-            wanted.add(index % layout.num_layers)
-        candidates = [info for info in candidates if info.layer in wanted]
+    for index in override.layers or []:
+        if not -layout.num_layers <= index < layout.num_layers:
+            raise InputError(
+                f"layer {index} does not exist (the model has {layout.num_layers} decoder layers)", file=recipe_file, field=f"{field}.layers"
+            )
     if override.match is not None:
         pattern = re.compile(override.match)
         for name in [*layout.embeddings, layout.lm_head]:
@@ -217,23 +270,29 @@ def _select(override: Override, layout: ModelLayout, recipe_file: Path | str, fi
                     file=recipe_file,
                     field=f"{field}.match",
                 )
-        candidates = [info for info in candidates if pattern.search(info.name)]
+    candidates = [info for info in layout.linears if selects(override, info, layout.num_layers)]
     if not candidates:
         raise InputError("selects no attention or MLP Linear layer of this model", file=recipe_file, field=field)
     return candidates
 
 
-def check_lm_parts(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> None:
+def check_lm_parts(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget) -> None:
     if recipe.groups.embeddings.quantize:
         raise InputError("vLLM does not load quantized input embeddings; leave them 16-bit", file=recipe_file, field="groups.embeddings.quantize")
     lm_head = recipe.groups.lm_head
-    if lm_head.quantize:
+    if lm_head.quantize and lm_head.weights is not None:
         if layout.lm_head is None:
             raise InputError("this model has no separate lm_head", file=recipe_file, field="groups.lm_head")
-        problem = _weight_only_problem(lm_head.weights)
-        if problem:
-            raise InputError(problem[1], file=recipe_file, field=f"groups.lm_head.weights.{problem[0]}")
-        lm_head_weights(recipe, layout, recipe_file)
+        _check_lm_head_served(lm_head.weights, recipe_file, target)  # as written (bits, granularity) ...
+        concrete = lm_head_weights(recipe, layout, recipe_file)
+        if concrete is not None:
+            _check_lm_head_served(concrete, recipe_file, target)  # ... then with `auto` made concrete
+
+
+def _check_lm_head_served(weights: WeightScheme, recipe_file: Path | str, target: ServeTarget) -> None:
+    problem = serve_problem(GroupScheme(weights=weights), target)
+    if problem:
+        raise InputError(problem.why, file=recipe_file, field=_field("groups.lm_head", problem.field))
 
 
 def lm_head_weights(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str) -> WeightScheme | None:
@@ -249,6 +308,12 @@ def lm_head_weights(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str
     entry = ModuleScheme(module=layout.lm_head_linear, scheme=GroupScheme(weights=group.weights), source="groups.lm_head")
     (entry,) = concrete_schemes({entry.module.name: entry}, recipe_file).values()
     _check_group_sizes([entry], recipe_file)
+    return _weights(entry)
+
+
+def _weights(entry: ModuleScheme) -> WeightScheme:
+    """The weight scheme of an entry that is quantized (the callers' lists hold only those)."""
+    assert entry.scheme is not None
     return entry.scheme.weights
 
 
@@ -258,12 +323,12 @@ def concrete_schemes(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> 
     concrete: dict[str, ModuleScheme] = {}
     for name, entry in plan.items():
         scheme = entry.scheme
-        if scheme is not None and scheme.weights.auto_group:
+        if scheme is not None and isinstance(cap := scheme.weights.group_size, AutoGroupSize):
             info = entry.module
             weights = scheme.weights.for_layer(info.in_features)
             if weights.auto_group:
                 raise InputError(
-                    f"group_size auto finds no even group size up to {scheme.weights.group_size.auto} that divides the input "
+                    f"group_size auto finds no even group size up to {cap.auto} that divides the input "
                     f"size {info.in_features} of {info.name}; quantize it per channel (granularity: channel) or keep it 16-bit",
                     file=recipe_file, field=f"{entry.source}.weights.group_size",
                 )
@@ -272,51 +337,49 @@ def concrete_schemes(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> 
     return concrete
 
 
-def check_plan(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> None:
-    """vLLM kernels, group sizes and fused shards, for every module as resolved (group sizes concrete)."""
-    for entry in plan.values():
-        if entry.scheme is None:
-            continue
-        problem = vllm_problem(entry.scheme)
-        if problem:
-            raise InputError(problem[1], file=recipe_file, field=f"{entry.source}.{problem[0]}")
-    _check_group_sizes([entry for entry in plan.values() if entry.scheme is not None], recipe_file)
-    for entry in plan.values():
-        if entry.scheme is not None:
-            _check_shapes(entry, recipe_file)
+def check_plan(plan: dict[str, ModuleScheme], recipe_file: Path | str, target: ServeTarget) -> None:
+    """vLLM kernels on `target`, group sizes and fused shards, for every module as resolved (group sizes
+    concrete): first each scheme, then that every group size divides its layers, then each layer's shape."""
+    quantized = [entry for entry in plan.values() if entry.scheme is not None]
+    for entry in quantized:
+        _check_served(entry, recipe_file, target)
+    _check_group_sizes(quantized, recipe_file)
+    for entry in quantized:
+        info = entry.module
+        _check_served(entry, recipe_file, target, Layer(info.name, info.in_features, info.out_features))
     _check_fused(plan, recipe_file)
+
+
+def _check_served(entry: ModuleScheme, recipe_file: Path | str, target: ServeTarget, layer: Layer | None = None) -> None:
+    problem = serve_problem(entry.scheme, target, layer) if entry.scheme is not None else None
+    if problem:
+        raise InputError(problem.why, file=recipe_file, field=_field(entry.source, problem.field))
+
+
+def _field(source: str, sub_field: str) -> str:
+    return f"{source}.{sub_field}" if sub_field else source
 
 
 def _check_group_sizes(entries: list[ModuleScheme], recipe_file: Path | str) -> None:
     """A fixed group size must divide the input size of every layer it reaches. The refusal names the
     sizes that would divide every layer the same recipe field reaches, and the line to write instead."""
     for entry in entries:
-        weights, info = entry.scheme.weights, entry.module
-        if weights.granularity != "group" or info.in_features % weights.group_size == 0:
+        weights, info = _weights(entry), entry.module
+        size = weights.group_size  # concrete here: `auto` was resolved or refused
+        if weights.granularity != "group" or not isinstance(size, int) or info.in_features % size == 0:
             continue
         field = f"{entry.source}.weights.group_size"
-        inputs = sorted({e.module.in_features for e in entries if e.source == entry.source and e.scheme.weights.granularity == "group"})
-        floor = 32 if weights.group_size >= 32 else 2
-        sizes = [size for size in auto_group_sizes(math.gcd(*inputs), weights.group_size) if size >= floor][:3]
+        inputs = sorted({e.module.in_features for e in entries if e.source == entry.source and _weights(e).granularity == "group"})
+        floor = 32 if size >= 32 else 2
+        sizes = [fit for fit in auto_group_sizes(math.gcd(*inputs), size) if fit >= floor][:3]
         if sizes:
             advice = f"{', '.join(map(str, sizes))} would; write `group_size: {sizes[0]}` or `group_size: auto`"
         else:
             advice = "no even size up to it would; write `granularity: channel` (one scale per output row)"
         raise InputError(
-            f"group_size {weights.group_size} does not divide the input size {info.in_features} of {info.name}; {advice}",
+            f"group_size {size} does not divide the input size {info.in_features} of {info.name}; {advice}",
             file=recipe_file,
             field=field,
-        )
-
-
-def _check_shapes(entry: ModuleScheme, recipe_file: Path | str) -> None:
-    info = entry.module
-    if entry.scheme.activations is None and (info.in_features % 32 or info.out_features % 32):
-        raise InputError(
-            f"vLLM's CPU 4-bit kernel needs layer sizes that are multiples of 32; {info.name} is "
-            f"{info.in_features} -> {info.out_features}",
-            file=recipe_file,
-            field=f"{entry.source}.weights",
         )
 
 
@@ -324,10 +387,10 @@ def _check_fused(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> None
     by_layer: dict[tuple[Kind, int | None, str], list[ModuleScheme]] = {}
     for entry in plan.values():
         info = entry.module
-        if info.shard in FUSED_SHARDS[info.kind]:
+        if info.kind is not None and info.shard in FUSED_SHARDS[info.kind]:
             prefix = info.name.rsplit(".", 1)[0]
             by_layer.setdefault((info.kind, info.layer, prefix), []).append(entry)
-    for (kind, layer, prefix), entries in by_layer.items():
+    for (kind, _layer, prefix), entries in by_layer.items():
         if len({entry.scheme for entry in entries}) > 1:
             sources = ", ".join(f"{e.module.shard} from {e.source}" for e in entries)
             raise InputError(
@@ -341,35 +404,6 @@ def _check_fused(plan: dict[str, ModuleScheme], recipe_file: Path | str) -> None
 def _override_rank(entry: ModuleScheme) -> int:
     parts = entry.source.split(".")
     return int(parts[1]) if parts[0] == "overrides" else -1
-
-
-def vllm_problem(scheme: GroupScheme) -> tuple[str, str] | None:
-    """(sub-field, why) when vLLM 0.32 (CPU build) has no kernel for this scheme, else None."""
-    weights, activations = scheme.weights, scheme.activations
-    if activations is None:
-        problem = _weight_only_problem(weights)
-        return (f"weights.{problem[0]}", problem[1]) if problem else None
-    if weights.bits != 8:
-        return "weights.bits", "quantized activations need 8-bit weights (vLLM serves int8 W8A8, not W4A8 on CPU)"
-    if weights.granularity == "group":
-        return "weights.granularity", "W8A8 weights must be per channel or per tensor in vLLM"
-    if not weights.symmetric:
-        return "weights.symmetric", "vLLM's W8A8 kernels need symmetric weights"
-    if activations.dynamic and activations.granularity == "tensor":
-        return "activations.granularity", "vLLM serves dynamic activation scales per token and static ones per tensor, not dynamic per tensor"
-    return None
-
-
-def _weight_only_problem(weights: WeightScheme) -> tuple[str, str] | None:
-    if weights.bits != 4:
-        return (
-            "bits",
-            f"vLLM CPU serves weight-only quantization at 4 bits only (CPUWNA16: uint4); {weights.bits}-bit weights "
-            "are refused at load time. Use 4 bits, or 8-bit weights with 8-bit activations",
-        )
-    if weights.granularity == "tensor":
-        return "granularity", "weight-only layers need granularity 'channel' or 'group' in vLLM (pack-quantized format)"
-    return None
 
 
 # ------------------------------------------------------------------------ llm-compressor recipe
@@ -402,16 +436,17 @@ def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme
 
 
 def _config_groups(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, Any]:
-    partitions: dict[tuple[str, GroupScheme], list[LinearInfo]] = {}
+    partitions: dict[tuple[Kind, GroupScheme], list[LinearInfo]] = {}
     for entry in plan.values():
-        if entry.scheme is not None:
+        if entry.scheme is not None and entry.module.kind is not None:
             partitions.setdefault((entry.module.kind, entry.scheme), []).append(entry.module)
     groups: dict[str, Any] = {}
     for (kind, scheme), modules in partitions.items():
         name = kind if kind not in groups else f"{kind}_{sum(key.startswith(kind) for key in groups)}"
         groups[name] = {"targets": _targets(modules, kind, layout), **_scheme_args(scheme)}
-    if recipe.groups.lm_head.quantize:
-        groups["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(lm_head_weights(recipe, layout, "recipe"))}
+    lm_head = lm_head_weights(recipe, layout, "recipe")
+    if lm_head is not None:
+        groups["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(lm_head)}
     return groups
 
 
@@ -497,9 +532,10 @@ def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
         return SIXTEEN_BIT
     weights = scheme if isinstance(scheme, WeightScheme) else scheme.weights
     activations = None if isinstance(scheme, WeightScheme) else scheme.activations
+    granularity: str
     if weights.granularity != "group":
         granularity = weights.granularity
-    elif weights.auto_group:
+    elif isinstance(weights.group_size, AutoGroupSize):
         granularity = f"group auto (up to {weights.group_size.auto})"
     else:
         granularity = f"group{weights.group_size}"
@@ -512,7 +548,7 @@ def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
 
 
 def _layer_table(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, str]:
-    table = {name: SIXTEEN_BIT for name in layout.embeddings}
+    table = dict.fromkeys(layout.embeddings, SIXTEEN_BIT)
     for info in layout.linears:
         entry = plan.get(info.name)
         table[info.name] = scheme_summary(entry.scheme if entry else None)
@@ -521,8 +557,8 @@ def _layer_table(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleSche
     return table
 
 
-def compile_file(recipe_name_or_path: str, model_dir: Path) -> CompiledRecipe:
-    """load_recipe + layout_from_model_dir + compile_recipe."""
-    recipe, path, _ = load_recipe(recipe_name_or_path)
-    return compile_recipe(recipe, layout_from_model_dir(model_dir), path)
+def compile_file(recipe_name_or_path: str, model_dir: Path, target: ServeTarget | None = None) -> CompiledRecipe:
+    """load_recipe + layout_from_model_dir + compile_recipe (for `target`, default the installed one)."""
+    loaded = load_recipe(recipe_name_or_path)
+    return compile_recipe(loaded.recipe, layout_from_model_dir(model_dir), loaded.path, target)
 

@@ -152,5 +152,5 @@ def coarse_kl(baseline: dict[str, float], candidate: dict[str, float], k: int = 
 
 def item_kl(reference: Reference, candidate: list[dict[str, float]]) -> float | None:
     """Mean over the path's positions of the per-token coarse KL; None when no position was measured."""
-    pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate) if b and c]
+    pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate, strict=False) if b and c]
     return sum(coarse_kl(b, c) for b, c in pairs) / len(pairs) if pairs else None

@@ -6,16 +6,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+# The exit contract (docs/exit-codes.md): 0 promoted / success, 1 rejected by the gate, 2 every error.
+EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
+
 
 class QuantGateError(Exception):
     """An error caused by input or environment; the CLI prints it on one line and exits with code 2."""
 
-    exit_code = 2
+    exit_code = EXIT_ERROR
 
     def __init__(self, message: str, *, file: str | Path | None = None, field: str | None = None):
         self.file = str(file) if file is not None else None
         self.field = field
         self.message = message
+        self.details: dict[str, object] | None = None  # extra fields of the --json error object (cli.main)
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
@@ -34,6 +38,10 @@ class ServeError(QuantGateError):
 
 class EvalError(QuantGateError):
     """Scoring failed."""
+
+
+class LoadTestError(QuantGateError):
+    """The load test (vLLM bench serve) failed or returned what cannot be read."""
 
 
 def from_validation_error(error: ValidationError, file: str | Path) -> InputError:

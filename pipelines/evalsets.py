@@ -38,12 +38,13 @@ from typing import Any, Literal
 import jinja2
 import jinja2.meta
 import jinja2.sandbox
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hashing import sha256_file, sha256_json
 from pipelines.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
-from pipelines.paths import EVAL_SETS_DIR
+from pipelines.schema import FrozenModel
+from pipelines.settings import current as current_settings
 from pipelines.yamlio import FunctionRef, dump_yaml, load_yaml_file
 
 __all__ = ["FunctionRef"]  # re-exported: the `!function` value type lives in pipelines.yamlio
@@ -111,11 +112,7 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 _JINJA = _Sandbox()
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EvalSet(_Frozen):
+class EvalSet(FrozenModel):
     name: str
     folder: Path
     task_yaml: Path
@@ -145,7 +142,7 @@ class EvalSet(_Frozen):
         return str(filters[0]["name"]) if filters else NO_FILTER
 
 
-class CalibrationSet(_Frozen):
+class CalibrationSet(FrozenModel):
     name: str
     folder: Path
     data: Path
@@ -153,7 +150,7 @@ class CalibrationSet(_Frozen):
     sha256: str
 
 
-class SetFile(_Frozen):
+class SetFile(FrozenModel):
     """set.yaml: marks a folder as calibration data (the only kind that has no task YAML)."""
 
     kind: Literal["calibration"]
@@ -173,10 +170,6 @@ def _display(path: Path) -> str:
 def _load_yaml(path: Path) -> Any:
     """The product's one YAML loader: bounded size and depth, no aliases, UTF-8, `!function` as FunctionRef."""
     return load_yaml_file(path, what="eval-set YAML", name=_display(path))
-
-
-def _dump_yaml(value: Any) -> str:
-    return dump_yaml(value)
 
 
 def render_template(template: str, doc: dict) -> str:
@@ -212,7 +205,8 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
-                raise InputError(f"not UTF-8 text (byte 0x{raw[error.start:error.start + 1].hex()} at column {error.start + 1})", file=_display(path), field=where) from None
+                byte = raw[error.start:error.start + 1].hex()
+                raise InputError(f"not UTF-8 text (byte 0x{byte} at column {error.start + 1})", file=_display(path), field=where) from None
             if not line.strip():
                 continue
             try:
@@ -238,13 +232,17 @@ def _set_hash(*files: Path) -> str:
 def _data_file(config: dict, folder: Path, yaml_path: Path) -> Path:
     where = _display(yaml_path)
     if config["dataset_path"] != "json":
-        raise InputError(f"only local JSONL data is supported: use `dataset_path: json` (got {config['dataset_path']!r})", file=where, field="dataset_path")
+        raise InputError(
+            f"only local JSONL data is supported: use `dataset_path: json` (got {config['dataset_path']!r})", file=where, field="dataset_path",
+        )
     kwargs = config["dataset_kwargs"]
     data_files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
     if isinstance(data_files, str):
         data_files = {"train": data_files}
     if not isinstance(data_files, dict) or not data_files:
-        raise InputError("needs `data_files: {test: data.jsonl}` (a path relative to the set's folder)", file=where, field="dataset_kwargs.data_files")
+        raise InputError(
+            "needs `data_files: {test: data.jsonl}` (a path relative to the set's folder)", file=where, field="dataset_kwargs.data_files",
+        )
     split = config["test_split"]
     if not isinstance(split, str) or split not in data_files:
         raise InputError(f"test_split {split!r} is not a key of data_files ({', '.join(map(str, data_files))})", file=where, field="test_split")
@@ -321,7 +319,7 @@ def _render_item(compiled: dict[str, jinja2.Template], config: dict, item: dict,
             problem = f"refused by the template sandbox: {error}"
         except jinja2.UndefinedError as error:
             problem = f"undefined in the template: {error.message}"
-        except Exception as error:  # noqa: BLE001 - whatever a template raises is the template's fault
+        except Exception as error:  # whatever a template raises is the template's fault
             problem = f"the template fails: {type(error).__name__}: {error}"
         else:
             if len(text) > MAX_RENDERED_CHARS:
@@ -442,7 +440,7 @@ def _metric_spec(config: dict, where: str) -> MetricSpec:
     default_aggregation, default_direction = lm_eval_metric_defaults(name)
     aggregation = entry.get("aggregation", default_aggregation)
     higher_is_better = entry.get("higher_is_better", default_direction)
-    _check_aggregation(name, aggregation, default_aggregation, where)
+    aggregation = _check_aggregation(name, aggregation, default_aggregation, where)
     if not isinstance(higher_is_better, bool):
         got = f"lm-eval has no default for {name!r}" if higher_is_better is None else f"got {higher_is_better!r}"
         raise InputError(f"must be true or false ({got})", file=where, field=f"{FIRST_METRIC}.higher_is_better")
@@ -478,7 +476,8 @@ def _check_produced(name: str, metric: str, config: dict, where: str) -> None:
         )
 
 
-def _check_aggregation(name: str, aggregation: Any, default: str | None, where: str) -> None:
+def _check_aggregation(name: str, aggregation: Any, default: str | None, where: str) -> str:
+    """The aggregation, refused unless the gate can judge it and it can aggregate the metric's per-item values."""
     field = f"{FIRST_METRIC}.aggregation"
     if aggregation is None:
         raise InputError(f"lm-eval has no default aggregation for {name!r}: give one", file=where, field=field)
@@ -490,6 +489,7 @@ def _check_aggregation(name: str, aggregation: Any, default: str | None, where: 
     # A registered metric is logged per item as a number (mean) or as a list (corpus): the other kind fails in lm-eval.
     if default is not None and (aggregation == "mean") != (default == "mean"):
         raise InputError(f"{aggregation!r} cannot aggregate {name!r}; lm-eval's own aggregation for it is {default!r}", file=where, field=field)
+    return aggregation
 
 
 def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
@@ -531,7 +531,9 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
         _render_item(compiled, config, item, where, data, number)
         label = item.get(target_field) if target_field else None
         if static_choices and isinstance(label, int) and not 0 <= label < len(static_choices):
-            raise InputError(f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=_display(data), field=f"line {number}")
+            raise InputError(
+                f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=_display(data), field=f"line {number}",
+            )
     if count == 0:
         raise InputError("no items", file=_display(data))
     return count, requests
@@ -554,7 +556,7 @@ def _add_requests(so_far: int, config: dict, compiled: dict[str, jinja2.Template
     elif "doc_to_choice" in compiled:
         try:
             number = len(ast.literal_eval(compiled["doc_to_choice"].render(**item).strip()))
-        except Exception:  # noqa: BLE001 - already checked by _render_item; a count is only a progress hint
+        except Exception:  # already checked by _render_item; a count is only a progress hint
             return None
     else:
         return None
@@ -624,8 +626,9 @@ def is_calibration_folder(folder: Path) -> bool:
     return (folder / SET_FILE).is_file()
 
 
-def set_folders(root: Path = EVAL_SETS_DIR) -> list[Path]:
-    """Every folder under root that is a set (hidden folders and those starting with '_' skipped)."""
+def set_folders(root: Path | None = None) -> list[Path]:
+    """Every folder under root (default: eval_sets/) that is a set (hidden folders and those starting with '_' skipped)."""
+    root = current_settings().eval_sets_dir if root is None else root
     if not root.is_dir():
         raise InputError("eval sets folder not found", file=_display(root))
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
@@ -644,7 +647,7 @@ class DiscoveredSets(list):
         self.broken = broken
 
 
-def discover_eval_sets(root: Path = EVAL_SETS_DIR) -> DiscoveredSets:
+def discover_eval_sets(root: Path | None = None) -> DiscoveredSets:
     """Every eval set under root, validated; a broken one is left out and its error kept in `.broken`."""
     sets: list[EvalSet] = []
     broken: dict[str, InputError] = {}
@@ -691,12 +694,13 @@ def materialize_task(eval_set: EvalSet, dest_dir: Path) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     for helper in eval_set.folder.glob("*.py"):
         shutil.copy2(helper, dest_dir / helper.name)
-    (dest_dir / eval_set.task_yaml.name).write_text(_dump_yaml(config), encoding="utf-8")
+    (dest_dir / eval_set.task_yaml.name).write_text(dump_yaml(config), encoding="utf-8")
     return dest_dir
 
 
-def resolve_calibration_data(name_or_path: str, root: Path = EVAL_SETS_DIR) -> Path:
-    """A set name under eval_sets/, a folder holding data.jsonl, or a JSONL file."""
+def resolve_calibration_data(name_or_path: str, root: Path | None = None) -> Path:
+    """A set name under eval_sets/ (or root), a folder holding data.jsonl, or a JSONL file."""
+    root = current_settings().eval_sets_dir if root is None else root
     candidate = Path(name_or_path)
     for path in (candidate, root / name_or_path):
         if path.is_file():

@@ -152,16 +152,30 @@ LM_EVAL_FEWSHOT_SEED = 0  # `--seed 0` seeds lm-eval's few-shot sampler too (lm_
 
 
 def load_prompts(eval_set: EvalSet, include_dir: Path, tokenizer_dir: Path | None = None) -> list[Prompt]:
-    """The text lm-eval sends per item, built by lm-eval's own code: the task's fewshot_context (description,
-    few-shot examples, system instruction) and, for a chat set, lm-eval's local-completions chat templating
-    with the tokenizer in `tokenizer_dir`. A rolling set sends its doc_to_target alone.
+    """The prompts of one set (load_all_prompts for several: lm-eval then reads each task YAML once)."""
+    return load_all_prompts([eval_set], include_dir, tokenizer_dir)[eval_set.name]
+
+
+def load_all_prompts(eval_sets: list[EvalSet], include_dir: Path, tokenizer_dir: Path | None = None) -> dict[str, list[Prompt]]:
+    """The text lm-eval sends per item of every set, built by lm-eval's own code: the task's fewshot_context
+    (description, few-shot examples, system instruction) and, for a chat set, lm-eval's local-completions
+    chat templating with the tokenizer in `tokenizer_dir`. A rolling set sends its doc_to_target alone.
+
+    One TaskManager for the include folder loads every set's task in one call: lm-eval reads each task YAML
+    twice (its index, then the task), not once per set it indexes for each set loaded.
 
     Without `tokenizer_dir` a chat set's prompts are its raw prompts (a warning says so): KL is then
     measured on text that is not what lm-eval sent."""
+    if not eval_sets:
+        return {}
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(include_dir), include_defaults=False)
-    task = manager.load(eval_set.task_name)["tasks"][eval_set.task_name]
+    tasks = manager.load([s.task_name for s in eval_sets])["tasks"]
+    return {s.name: _task_prompts(s, tasks[s.task_name], tokenizer_dir) for s in eval_sets}
+
+
+def _task_prompts(eval_set: EvalSet, task, tokenizer_dir: Path | None) -> list[Prompt]:
     if eval_set.output_type == ROLLING:  # lm_eval/api/task.py: construct_requests
         return [Prompt(doc_id=index, text=str(task.doc_to_target(doc))) for index, doc in enumerate(task.eval_docs)]
     chat = None
@@ -249,8 +263,8 @@ def score_eval_sets(
         how = " with the chat template" if chat else ""
         progress(f"scoring {', '.join(s.name for s in members)} with lm-eval{how} against {server.served_name} (log: {log_path})")
         started = time.monotonic()
-        requests = [s.num_requests for s in members]
-        total = None if None in requests else sum(requests)
+        requests = [s.num_requests for s in members if s.num_requests is not None]
+        total = sum(requests) if len(requests) == len(members) else None  # unknown when one set's count is
         with track(f"scoring {server.served_name}", total=total, unit="request") as bar:
             _run_watching_server(command, server, log_path, bar=bar)
             if total is not None:

@@ -12,28 +12,28 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from pipelines import stats
+from pipelines.artifact import read_json_object
 from pipelines.atomic import write_text_atomic
-from pipelines.errors import InputError, from_validation_error
+from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError, from_validation_error
+from pipelines.loadtest.results import PerformanceReport
 from pipelines.metrics import MetricSpec, corpus_aggregation, value_range
+from pipelines.planner.gpus import GiB
 from pipelines.policy import Policy, RecipeIdentity, SetPolicy
+from pipelines.schema import StrictModel
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION: Literal[2] = 2
 # Float slack for threshold comparisons: a value exactly at a limit passes.
 _EPS = 1e-9
-_GIB = 1024**3
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+MAX_REPORT_BYTES = 64 * 1024 * 1024  # a gate.json is kilobytes (megabytes with thousands of sets)
 
 
 ItemValue = float | list[Any]
 
 
-class PairedItem(_Model):
+class PairedItem(StrictModel):
     """One item scored by both models. `kl`: the item's mean per-token KL(baseline || candidate), nats.
 
     Values are the metric's per-item values as lm-eval logs them: a number for averaged metrics, a
@@ -46,14 +46,14 @@ class PairedItem(_Model):
     kl: float | None = Field(default=None, ge=0)
 
 
-class SetComparison(_Model):
+class SetComparison(StrictModel):
     eval_set: str
     metric: MetricSpec
     items: list[PairedItem] = Field(min_length=1)
     kl_method: str | None = Field(default=None, description="how per-item KL was measured")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SetComparison":
+    def _consistent(self) -> SetComparison:
         ids = [item.item_id for item in self.items]
         if len(set(ids)) != len(ids):
             duplicate = next(i for i in ids if ids.count(i) > 1)
@@ -84,7 +84,7 @@ def _check_value(metric: MetricSpec, item: PairedItem) -> None:
         raise ValueError(f"metric {metric.name!r} lies in [0, 1] but item {item.item_id!r} scores {values}")
 
 
-class FitCheck(_Model):
+class FitCheck(StrictModel):
     """The planner's answer to the policy's fit requirement."""
 
     fits: bool
@@ -93,7 +93,7 @@ class FitCheck(_Model):
     gpu: str
 
 
-class StatsSettings(_Model):
+class StatsSettings(StrictModel):
     confidence: float = stats.CONFIDENCE
     bootstrap_resamples: int = stats.RESAMPLES
     seed: int = stats.SEED
@@ -107,7 +107,7 @@ INTERVAL_METHODS: dict[str, IntervalMethod] = {
 }
 
 
-class SetVerdict(_Model):
+class SetVerdict(StrictModel):
     """One eval set, judged. Scores, deltas, CI bounds and min_detectable_drop are in `unit`s.
 
     `delta` is candidate - baseline as measured; `worsening` is the same difference signed so that
@@ -150,7 +150,7 @@ class SetVerdict(_Model):
         return -self.ci_low if self.higher_is_better else self.ci_high
 
 
-class GateResult(_Model):
+class GateResult(StrictModel):
     """The decision. `reasons` (why rejected) and `warnings` collect those of every set plus the fit."""
 
     schema_version: Literal[2] = SCHEMA_VERSION
@@ -165,10 +165,10 @@ class GateResult(_Model):
     @property
     def exit_code(self) -> int:
         """0 promoted, 1 rejected: the CLI's contract."""
-        return 0 if self.verdict == "promoted" else 1
+        return EXIT_OK if self.verdict == "promoted" else EXIT_REJECTED
 
 
-class GateReport(_Model):
+class GateReport(StrictModel):
     """gate.json: the decision plus what it was made from (hashes), how long each stage took, the plan."""
 
     schema_version: Literal[2] = SCHEMA_VERSION
@@ -177,6 +177,15 @@ class GateReport(_Model):
     stages: dict[str, float] = Field(default_factory=dict, description="wall seconds per stage, in run order")
     plan: dict[str, Any] | None = None
     gate: GateResult
+    # The load test's figures and checks (docs/loadtest.md); null when it did not run. Optional: schema 2 still.
+    performance: PerformanceReport | None = None
+
+    @property
+    def manifest_sha256(self) -> str | None:
+        """The manifest.json sha256 of the artifact judged (the runner writes inputs.artifact.manifest_sha256)."""
+        artifact = self.inputs.get("artifact")
+        value = artifact.get("manifest_sha256") if isinstance(artifact, dict) else None
+        return value if isinstance(value, str) else None
 
 
 def decide(comparisons: list[SetComparison], policy: Policy, recipe: str | RecipeIdentity, fit: FitCheck | None = None) -> GateResult:
@@ -371,7 +380,7 @@ def _fit_reasons(fit: FitCheck | None) -> list[str]:
     if fit is None or fit.fits:
         return []
     return [
-        f"fit: needs {fit.required_bytes / _GIB:.1f} GiB > {fit.available_bytes / _GIB:.1f} GiB available on {fit.gpu}"
+        f"fit: needs {fit.required_bytes / GiB:.1f} GiB > {fit.available_bytes / GiB:.1f} GiB available on {fit.gpu}"
     ]
 
 
@@ -379,11 +388,18 @@ def save_report(report: GateReport, path: Path) -> None:
     write_text_atomic(path, report.model_dump_json(indent=2) + "\n")
 
 
-def load_report(path: Path) -> GateReport:
-    """Read a gate.json back (for re-rendering); a bad file raises InputError naming it."""
+def read_report(path: Path) -> tuple[GateReport, dict[str, Any]]:
+    """A gate.json, typed, and its JSON object as written (what the registry keeps and hashes); a bad file
+    raises InputError naming it."""
     if not path.is_file():
         raise InputError("no such gate report", file=path, field="report")
+    data = read_json_object(path, what="gate report", max_bytes=MAX_REPORT_BYTES)[0]
     try:
-        return GateReport.model_validate_json(path.read_text())
+        return GateReport.model_validate(data), data
     except ValidationError as error:
         raise from_validation_error(error, path) from None
+
+
+def load_report(path: Path) -> GateReport:
+    """Read a gate.json back (to render it, register it, repair from it); a bad file raises InputError naming it."""
+    return read_report(path)[0]

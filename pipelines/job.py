@@ -23,7 +23,6 @@ read is an error naming it.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,28 +30,27 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipelines import runner
+from pipelines.artifact import check_model_dir, is_model_dir, parse_json_strict, verify_artifact
 from pipelines.atomic import write_json_atomic
 from pipelines.errors import InputError, QuantGateError
+from pipelines.evalsets import EvalSet
 from pipelines.hashing import folder_hash, sha256_file, sha256_json
-from pipelines.manifest import parse_json_strict, read_bounded, verify_artifact
+from pipelines.loadtest.results import PerformanceSummary
 from pipelines.output import progress
-from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import MAX_CONTEXT, FitRequirement
-from pipelines.recipe import FROM_EVAL_SETS, Recipe, load_recipe
+from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, load_recipe
 from pipelines.runner import GateSettings, load_gate_policy, quantize_and_gate, select_eval_sets
 from pipelines.safepath import ensure_inside, safe_component
+from pipelines.schema import StrictModel
 from pipelines.serving import ServeSettings
-from pipelines.yamlio import load_yaml_model
+from pipelines.settings import current as current_settings
+from pipelines.yamlio import load_yaml_model, read_user_bytes
 
-JOBS_DIR = ARTIFACTS_DIR / "jobs"
 MAX_LEDGER_BYTES = 64 * 1024 * 1024
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CandidateOptions(_Strict):
+class CandidateOptions(StrictModel):
     eval_sets: list[str] | None = Field(default=None, description="eval set names; default: every set")
     policy: Path | None = Field(default=None, description="gate policy YAML; default: policies/default.yaml")
     target: FitRequirement | None = Field(default=None, description="the GPU the artifact must fit")
@@ -61,6 +59,8 @@ class CandidateOptions(_Strict):
         description=f"calibration data instead of each recipe's: a folder with data.jsonl or a JSONL file (relative to the "
                     f"job file), a set under eval_sets/, or {FROM_EVAL_SETS!r} (docs/calibration.md)",
     )
+    repair: bool = Field(default=False, description="when the gate rejects a recipe, search for the smallest artifact that passes "
+                                                     "(docs/repair.md); the candidate is promoted when the repair finds one")
 
 
 class CandidateSpec(CandidateOptions):
@@ -68,9 +68,9 @@ class CandidateSpec(CandidateOptions):
     recipes: list[str] = Field(min_length=1)
 
 
-class JobFile(_Strict):
+class JobFile(StrictModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    registry: Path = ARTIFACTS_DIR / "registry.db"
+    registry: Path = Field(default_factory=lambda: current_settings().registry_path)  # $QUANTGATE_REGISTRY as run
     max_model_len: int = Field(default=ServeSettings().max_model_len, gt=0, le=MAX_CONTEXT)
     defaults: CandidateOptions = CandidateOptions()
     candidates: list[CandidateSpec] = Field(min_length=1)
@@ -82,10 +82,12 @@ class Candidate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Path
-    recipe: str
+    recipe: str  # as the job file names it
+    loaded: LoadedRecipe  # parsed once, at plan time: what the candidate quantizes with
     settings: GateSettings
     key: str
     calibration: str | None = None  # resolved: an absolute path, a set name, FROM_EVAL_SETS; None: the recipe's own
+    repair: bool = False  # run the repair search when the gate rejects (pipelines.repair)
 
 
 class CandidateResult(BaseModel):
@@ -103,6 +105,10 @@ class CandidateResult(BaseModel):
     manifest_sha256: str | None = None
     # stat of the artifact's files when it was last verified (kept in the ledger, not printed).
     fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
+    # The repair folder (repair.json, report.md) when the candidate was rejected and `repair: true` searched on.
+    repair_dir: str | None = None
+    # The load test's headline figures (RunOutcome.performance; gate.json has them all); None when it did not run.
+    performance: PerformanceSummary | None = None
 
 
 class JobSummary(BaseModel):
@@ -119,8 +125,8 @@ def load_job(path: Path) -> JobFile:
     return load_yaml_model(path, JobFile, "job")
 
 
-def _resolve(base: Path, path: Path | None) -> Path | None:
-    return None if path is None else (path if path.is_absolute() else (base / path)).resolve()
+def _resolve(base: Path, path: Path) -> Path:
+    return (path if path.is_absolute() else (base / path)).resolve()
 
 
 def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
@@ -136,6 +142,7 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
     problems: list[str] = []
     candidates: list[Candidate] = []
     layouts: dict[Path, Any] = {}  # one layout per model folder, however many candidates share it
+    discovered: list[EvalSet] | None = None  # the eval sets, discovered (each task YAML parsed) once for every candidate
     try:
         safe_component(job.name, "name", file=job_path)  # the ledger is jobs/<name>.json
     except QuantGateError as error:
@@ -145,36 +152,37 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
         found = len(problems)  # every check runs, so one pass over the file reports everything
         settings = None
         try:
-            settings = _settings(job, spec, base)
+            discovered = runner.discover_eval_sets() if discovered is None else discovered
+            settings = _settings(job, spec, base, discovered)
         except QuantGateError as error:
             problems.append(f"{where}: {error.one_line()}")
         calibration, calibration_hash = _calibration(job, spec, base, settings, where, problems)
         model = _resolve(base, spec.model)
         layout = None
-        if not (model / "config.json").is_file():
+        if not is_model_dir(model):
             problems.append(f"{where}.model: not a model folder (no config.json): {model}")
         else:
             try:
                 layout = layouts[model] if model in layouts else layouts.setdefault(model, _model_layout(model, f"{where}.model"))
             except QuantGateError as error:
                 problems.append(f"{where}.model: {error.one_line()}")
-        recipes = {}
+        recipes: dict[str, LoadedRecipe] = {}
         for recipe in spec.recipes:
             try:
-                recipe_obj, recipe_path, text = load_recipe(recipe)
+                recipes[recipe] = load_recipe(recipe)
             except QuantGateError as error:
                 problems.append(f"{where}.recipes: {error.one_line()}")
                 continue
-            recipes[recipe] = text
             if layout is not None:
-                problem = _cannot_apply(recipe_obj, recipe_path, layout)
+                problem = _cannot_apply(recipes[recipe], layout)
                 if problem:
                     problems.append(f"{where} ({model.name} x {recipe}): recipe cannot apply to this model: {problem}")
-        if len(problems) == found:
+        if len(problems) == found and settings is not None:  # settings is None only with a problem
             candidates += [
-                Candidate(model=model, recipe=recipe, settings=settings, key=_key(model, text, settings, calibration_hash),
-                          calibration=calibration)
-                for recipe, text in recipes.items()
+                Candidate(model=model, recipe=recipe, loaded=loaded, settings=settings,
+                          key=_key(model, loaded.text, settings, calibration_hash, repair=_repair(job, spec)), calibration=calibration,
+                          repair=_repair(job, spec))
+                for recipe, loaded in recipes.items()
             ]
     if problems:
         raise InputError(f"{len(problems)} problem(s): " + " | ".join(problems), file=job_path)
@@ -184,31 +192,31 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
 def _model_layout(model: Path, field: str) -> Any:
     """What `quantize` checks of a model before loading it, and its layout for the compiler."""
     from pipelines.compiler import layout_from_model_dir  # torch + transformers: only when a job is planned
-    from pipelines.manifest import check_model_dir
 
     safe_component(model.name, field, file=model)
     check_model_dir(model)
     return layout_from_model_dir(model)
 
 
-def _cannot_apply(recipe: Recipe, recipe_path: Path, layout: Any) -> str | None:
+def _cannot_apply(recipe: LoadedRecipe, layout: Any) -> str | None:
     """compile_recipe's refusal (the one `quantize` would give after minutes of set-up), or None."""
     from pipelines.compiler import compile_recipe
 
     try:
-        compile_recipe(recipe, layout, recipe_path)
+        compile_recipe(recipe.recipe, layout, recipe.path)
     except QuantGateError as error:
         return error.one_line()
     return None
 
 
-def _settings(job: JobFile, spec: CandidateSpec, base: Path) -> GateSettings:
+def _settings(job: JobFile, spec: CandidateSpec, base: Path, discovered: list[EvalSet]) -> GateSettings:
     merged = {**job.defaults.model_dump(exclude_unset=True), **spec.model_dump(exclude_unset=True)}
-    policy, policy_path = load_gate_policy(_resolve(base, merged.get("policy")))
+    policy_file = merged.get("policy")
+    policy, policy_path = load_gate_policy(_resolve(base, policy_file) if policy_file is not None else None)
     if merged.get("target") is not None:
         policy = policy.model_copy(update={"fit": FitRequirement.model_validate(merged["target"])})
     return GateSettings(
-        eval_sets=select_eval_sets(merged.get("eval_sets")), policy=policy, policy_path=policy_path,
+        eval_sets=select_eval_sets(merged.get("eval_sets"), discovered), policy=policy, policy_path=policy_path,
         serve=ServeSettings(max_model_len=job.max_model_len), registry_path=_resolve(base, job.registry),
     )
 
@@ -235,8 +243,12 @@ def _calibration(
         return value, None
 
 
-def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash: str | None = None) -> str:
-    inputs = {
+def _repair(job: JobFile, spec: CandidateSpec) -> bool:
+    return spec.repair if "repair" in spec.model_fields_set else job.defaults.repair
+
+
+def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash: str | None = None, *, repair: bool = False) -> str:
+    inputs: dict[str, Any] = {
         "model": folder_hash(model),
         "recipe": recipe_text,
         "eval_sets": {s.name: s.sha256 for s in settings.eval_sets},
@@ -246,6 +258,8 @@ def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash
     }
     if calibration_hash is not None:  # absent otherwise: ledgers written before `calibration:` keep their keys
         inputs["calibration"] = calibration_hash
+    if repair:  # absent otherwise, likewise: a repaired verdict is not the plain one
+        inputs["repair"] = True
     return sha256_json(inputs)
 
 
@@ -261,7 +275,7 @@ class Ledger:
     def _read(self) -> dict[str, CandidateResult]:
         """The ledger's entries; anything malformed is an InputError naming the file (and what to do)."""
         advice = "; fix or delete it (a deleted ledger re-runs every candidate, reusing cached artifacts and scores)"
-        raw = read_bounded(self.path, MAX_LEDGER_BYTES, "job ledger")
+        raw = read_user_bytes(self.path, what="job ledger", max_bytes=MAX_LEDGER_BYTES)
         try:
             data = parse_json_strict(raw, self.path)
         except InputError as error:
@@ -296,7 +310,7 @@ class Ledger:
 
 def default_jobs_dir() -> Path:
     """`$QUANTGATE_ARTIFACTS/jobs` as the environment says now (not only when this module was imported)."""
-    return Path(os.environ.get("QUANTGATE_ARTIFACTS") or ARTIFACTS_DIR) / "jobs"
+    return current_settings().jobs_dir
 
 
 def run_job(job_path: Path, *, jobs_dir: Path | None = None) -> JobSummary:
@@ -352,16 +366,23 @@ def _run_candidate(candidate: Candidate) -> CandidateResult:
     started = time.monotonic()
     common = {"model": candidate.model.name, "recipe": candidate.recipe, "key": candidate.key}
     try:
-        extra = {} if candidate.calibration is None else {"calibration": candidate.calibration}
-        outcome = quantize_and_gate(candidate.recipe, candidate.model, candidate.settings, **extra)
+        extra: dict[str, Any] = {} if candidate.calibration is None else {"calibration": candidate.calibration}
+        outcome = quantize_and_gate(candidate.loaded, candidate.model, candidate.settings, **extra)
+        repair_dir = None
+        if candidate.repair and outcome.verdict == "rejected":
+            from pipelines.repair.session import repair_outcome
+
+            outcome, repaired = repair_outcome(outcome, candidate.settings, candidate.calibration)
+            repair_dir = repaired.repair_dir
         # What the ledger will vouch for on a later skip: the artifact as the run last verified it.
         check = verify_artifact(outcome.artifact_dir, manifest_sha256=outcome.manifest_sha256, fingerprint=outcome.artifact_fingerprint)
     except QuantGateError as error:
         return CandidateResult(**common, status="error", reasons=[error.one_line()], wall_s=round(time.monotonic() - started, 1))
-    except Exception as error:  # noqa: BLE001 - a crashing candidate must not stop the job
+    except Exception as error:
         return CandidateResult(**common, status="error", reasons=[f"{type(error).__name__}: {error}"], wall_s=round(time.monotonic() - started, 1))
     return CandidateResult(
         **common, status=outcome.verdict, reasons=outcome.reasons, run_dir=str(outcome.run_dir),
         registry_version=outcome.registry_version, wall_s=round(time.monotonic() - started, 1),
         artifact_dir=str(outcome.artifact_dir), manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint,
+        repair_dir=repair_dir, performance=outcome.performance,
     )

@@ -16,9 +16,12 @@ or unbounded (perplexity) keep their own unit (x1).
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from pipelines.schema import FrozenModel
 
 MetricKind = Literal["binary", "continuous", "corpus"]
 
@@ -43,9 +46,7 @@ DEFAULT_METRIC = {
 }
 
 
-class MetricSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class MetricSpec(FrozenModel):
     name: str
     higher_is_better: bool = True
     aggregation: str = Field(default="mean", description="'mean' or an lm-eval corpus aggregation name")

@@ -15,13 +15,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
-from pipelines.manifest import verify_artifact
-from pipelines.paths import ARTIFACTS_DIR
-from pipelines.registry import Version, gate_result, gate_verdict
+from pipelines.gate import GateReport
+from pipelines.registry import Version, verify_version
+from pipelines.settings import current as current_settings
 
 EXPERIMENT = "quantgate"
 ARTIFACT_SUBDIR = "artifact"
-DEFAULT_TRACKING_URI = f"sqlite:///{(ARTIFACTS_DIR / 'mlflow.db').as_posix()}"
 # MLflow's tag value limit on older servers.
 _MAX_VALUE = 5000
 # Per-set numbers of pipelines.gate.SetVerdict that become tags `gate.<eval set>.<field>`.
@@ -52,20 +51,19 @@ class MlflowExport(BaseModel):
     tags: dict[str, str]
 
 
-def gate_tags(evidence: dict[str, Any] | None) -> dict[str, str]:
+def gate_tags(report: GateReport | None) -> dict[str, str]:
     """The gate's verdict and per-set numbers (delta, CI, flips, KL, ...) as flat string tags."""
-    result = gate_result(evidence)
-    verdict = gate_verdict(evidence)
-    tags = {"gate.verdict": verdict} if verdict else {}
-    for one_set in result.get("sets") or []:
-        name = one_set.get("eval_set", "?")
+    if report is None:
+        return {}
+    result = report.gate
+    tags: dict[str, str] = {"gate.verdict": result.verdict}
+    for one_set in result.sets:
+        values = {field: getattr(one_set, field) for field in SET_TAG_FIELDS}
         tags.update({
-            f"gate.{name}.{field}": str(one_set[field])[:_MAX_VALUE]
-            for field in SET_TAG_FIELDS
-            if one_set.get(field) is not None
+            f"gate.{one_set.eval_set}.{field}": str(value)[:_MAX_VALUE] for field, value in values.items() if value is not None
         })
-    if result.get("reasons"):
-        tags["gate.reasons"] = "; ".join(map(str, result["reasons"]))[:_MAX_VALUE]
+    if result.reasons:
+        tags["gate.reasons"] = "; ".join(result.reasons)[:_MAX_VALUE]
     return tags
 
 
@@ -95,7 +93,12 @@ def _artifact_location(tracking_uri: str) -> str | None:
     return (db.resolve().parent / "mlflow-artifacts").as_uri()
 
 
-def export_to_mlflow(version: Version, tracking_uri: str = DEFAULT_TRACKING_URI, alias: str | None = None) -> MlflowExport:
+def default_tracking_uri() -> str:
+    """<artifacts>/mlflow.db, as QUANTGATE_ARTIFACTS says now."""
+    return f"sqlite:///{(current_settings().artifacts_dir / 'mlflow.db').as_posix()}"
+
+
+def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: str | None = None) -> MlflowExport:
     """Register a promoted version's artifact as an MLflow model version; returns where it landed."""
     if version.status != "promoted":
         raise InputError(
@@ -103,10 +106,8 @@ def export_to_mlflow(version: Version, tracking_uri: str = DEFAULT_TRACKING_URI,
             field="version",
         )
     # The files about to be logged are the ones the registry vouches for (cheap when their stat is unchanged).
-    check = verify_artifact(Path(version.artifact_path), manifest_sha256=version.manifest_hash, fingerprint=version.fingerprint)
-    if check.artifact_hash != version.artifact_hash:
-        raise InputError(f"manifest changed since version {version.version} of {version.model!r} was registered",
-                         file=Path(version.artifact_path) / "manifest.json")
+    verify_version(version)
+    tracking_uri = default_tracking_uri() if tracking_uri is None else tracking_uri
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     try:
@@ -149,7 +150,7 @@ def _find_or_create(client: Any, version: Version, tags: dict[str, str], trackin
     try:
         client.log_artifacts(run.info.run_id, version.artifact_path, artifact_path=ARTIFACT_SUBDIR)
         if version.gate is not None:
-            client.log_dict(run.info.run_id, version.gate, "gate.json")
+            client.log_dict(run.info.run_id, version.gate.model_dump(mode="json"), "gate.json")
     except BaseException:
         client.set_terminated(run.info.run_id, status="FAILED")
         raise

@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from pipelines.artifact import CONFIG_NAME, is_model_dir, read_config_json
 from pipelines.atomic import atomic_dir
 from pipelines.errors import InputError
 from pipelines.hashing import sha256_file
@@ -135,13 +136,13 @@ def _field(reader: Any, key: str) -> Any:
         return None
     try:
         return field.contents()
-    except Exception:  # noqa: BLE001 - a malformed field reads as absent
+    except Exception:
         return None
 
 
 def _dequantizable_types() -> set[str]:
     import gguf
-    from gguf.quants import _type_traits  # noqa: PLC2701 - the types gguf.dequantize handles
+    from gguf.quants import _type_traits
 
     return {t.name for t in _type_traits} | {gguf.GGMLQuantizationType.F32.name, gguf.GGMLQuantizationType.F16.name}
 
@@ -170,7 +171,7 @@ def inspect_gguf(path: Path) -> GgufHeader:
         raise InputError("the `gguf` package is missing from the project environment; run `make setup`", file=path) from None
     try:
         reader = gguf.GGUFReader(path, "r")
-    except Exception as error:  # noqa: BLE001 - numpy/struct errors of a cut-off or corrupt header
+    except Exception as error:
         raise _refuse(path, f"truncated or corrupt GGUF file, its reader failed ({type(error).__name__}: {error})") from None
 
     architecture = _field(reader, "general.architecture")
@@ -234,7 +235,7 @@ def catalogue_gguf(entry: CatalogueModel) -> tuple[Path, str]:
 def is_complete(folder: Path) -> bool:
     """A model folder the pipeline can take: config, weights and tokenizer."""
     return (
-        (folder / "config.json").is_file()
+        is_model_dir(folder)
         and any(folder.glob("*.safetensors"))
         and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file())
     )
@@ -277,7 +278,7 @@ def _weights_summary(folder: Path) -> tuple[int, int]:
 
 
 def model_info(folder: Path) -> ModelInfo:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config_json(folder / CONFIG_NAME)
     parameters, size = _weights_summary(folder)
     source = _describe_source(read_provenance(folder))
     return ModelInfo(
@@ -333,6 +334,7 @@ def add_model(
     if gguf_file is not None:
         gguf_path = Path(gguf_file)
     else:
+        assert entry is not None  # checked above: no --gguf means a catalogue name
         gguf_path, version = catalogue_gguf(entry)
         package = (entry.distribution, version)
     header = inspect_gguf(gguf_path)  # every cheap refusal before minutes of work
@@ -354,7 +356,7 @@ def add_model(
             _convert(gguf_path, staging)
         except (InputError, KeyboardInterrupt, MemoryError):
             raise
-        except Exception as error:  # noqa: BLE001 - a GGUF the header checks let through yet transformers cannot load
+        except Exception as error:
             raise InputError(f"cannot convert: {type(error).__name__}: {error}", file=gguf_path) from None
         _write_provenance(staging, name, source)
         _readable(staging)

@@ -30,7 +30,8 @@ def plan_title(result: Plan) -> str:
     gpu = result.gpu
     bandwidth = f", {gpu.bandwidth_bytes_per_s / 1e9:g} GB/s" if gpu.bandwidth_bytes_per_s else ""
     device = f"{gpu.name} ({gib(gpu.memory_bytes)} GiB{bandwidth})" if gpu.name in known_gpus() else f"{gpu.name}{bandwidth}"
-    return f"{result.model} on {device}: {result.max_model_len:,} tokens x {result.concurrency} sequences"
+    kernels = f" (recipes checked for {result.target})" if result.target else ""
+    return f"{result.model} on {device}: {result.max_model_len:,} tokens x {result.concurrency} sequences{kernels}"
 
 
 def plan_row_cells(row: PlanRow) -> list[str]:

@@ -16,17 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipelines.loadtest.config import PerformanceOverrides, PerformancePolicy
 from pipelines.paths import REPO_ROOT
+from pipelines.schema import FrozenModel
 from pipelines.yamlio import load_yaml_model
 
 POLICIES_DIR = REPO_ROOT / "policies"
 DEFAULT_POLICY = POLICIES_DIR / "default.yaml"
 
 # Bounds: finite everywhere; sizes far beyond any real deployment refused at load, before any work.
-# (The planner's own limits, pipelines/planner.py, are the same numbers: it cannot be imported here.)
+# (The planner's own limits, in pipelines/planner/, are the same numbers: it cannot be imported here.)
 MAX_POINTS = 1e6  # drops and margins: points of a [0, 1] metric, or a BLEU / perplexity unit
 MAX_NATS = 1e6
 MAX_ITEMS = 10**9
@@ -41,11 +43,7 @@ Margin = Annotated[float, Field(gt=0, le=MAX_POINTS, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=MAX_ITEMS)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SetPolicy(_Strict):
+class SetPolicy(FrozenModel):
     """The rules one eval set is judged by. Points are percentage points of a [0, 1] metric."""
 
     max_abs_drop: Points | None = Field(description="largest allowed drop of the point estimate, in points")
@@ -57,7 +55,7 @@ class SetPolicy(_Strict):
     min_items: Count = Field(description="fewer items than this gives a warning, not a rejection")
 
 
-class RuleOverrides(_Strict):
+class RuleOverrides(FrozenModel):
     """Any subset of SetPolicy's rules. Thresholds may be null (rule off); the other fields may not."""
 
     max_abs_drop: Points | None = None
@@ -80,7 +78,7 @@ class RuleOverrides(_Strict):
         return {name: getattr(self, name) for name in self.model_fields_set}
 
 
-class FitRequirement(_Strict):
+class FitRequirement(FrozenModel):
     """The deployment the artifact must fit: a named GPU or a memory budget, a context length, a concurrency."""
 
     gpu: str | None = Field(default=None, max_length=100, description="a GPU name the planner knows, e.g. H100-80GB")
@@ -96,7 +94,7 @@ class FitRequirement(_Strict):
         """Refused at load, before any quantizing or serving: the gate's fit check needs the GPU's size."""
         if value is None:
             return value
-        # Imported here, not at the top: planner -> gate -> policy.
+        # Imported here, not at the top: planner -> compiler -> recipe -> policy.
         from pipelines.errors import InputError
         from pipelines.planner import gpu_spec, known_gpus
 
@@ -110,7 +108,7 @@ class FitRequirement(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _one_target(self) -> "FitRequirement":
+    def _one_target(self) -> FitRequirement:
         if (self.gpu is None) == (self.memory_gib is None):
             raise ValueError("give exactly one of `gpu` or `memory_gib`")
         return self
@@ -118,9 +116,10 @@ class FitRequirement(_Strict):
 
 class RecipeOverrides(RuleOverrides):
     fit: FitRequirement | None = None
+    performance: PerformanceOverrides | None = None  # the load test's block, fields named here win (docs/loadtest.md)
 
 
-class RecipeIdentity(_Strict):
+class RecipeIdentity(FrozenModel):
     """What policy `recipes:` keys match: the recipe's name, then its base, then its tags (in order)."""
 
     name: str
@@ -128,7 +127,7 @@ class RecipeIdentity(_Strict):
     tags: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, recipe: "str | RecipeIdentity") -> "RecipeIdentity":
+    def of(cls, recipe: str | RecipeIdentity) -> RecipeIdentity:
         return recipe if isinstance(recipe, RecipeIdentity) else cls(name=recipe)
 
     def keys(self) -> list[str]:
@@ -137,17 +136,18 @@ class RecipeIdentity(_Strict):
         return list(dict.fromkeys(ordered))
 
 
-class Policy(_Strict):
+class Policy(FrozenModel):
     schema_version: Literal[1] = 1
     description: str = ""
     defaults: SetPolicy
-    recipes: dict[str, RecipeOverrides] = {}
-    eval_sets: dict[str, RuleOverrides] = {}
+    recipes: dict[str, RecipeOverrides] = Field(default_factory=dict)
+    eval_sets: dict[str, RuleOverrides] = Field(default_factory=dict)
     fit: FitRequirement | None = None
+    performance: PerformancePolicy = PerformancePolicy()
 
     def recipe_key(self, recipe: str | RecipeIdentity) -> str | None:
         """The `recipes:` key that applies to a recipe (a name, or its identity): name > base > tags."""
-        return next((key for key in RecipeIdentity.of(recipe).keys() if key in self.recipes), None)
+        return next((key for key in RecipeIdentity.of(recipe).keys() if key in self.recipes), None)  # noqa: SIM118 (RecipeIdentity.keys)
 
     def recipe_override(self, recipe: str | RecipeIdentity) -> RecipeOverrides | None:
         key = self.recipe_key(recipe)
@@ -160,6 +160,7 @@ class Policy(_Strict):
         rules = self.defaults.model_dump()
         recipe_rules = (self.recipe_override(recipe) or RecipeOverrides()).explicit()
         recipe_rules.pop("fit", None)
+        recipe_rules.pop("performance", None)
         rules.update(recipe_rules)
         rules.update(self.eval_sets.get(eval_set, RuleOverrides()).explicit())
         return SetPolicy.model_validate(rules)
@@ -170,6 +171,11 @@ class Policy(_Strict):
         if override is not None and "fit" in override.model_fields_set:
             return override.fit
         return self.fit
+
+    def performance_for(self, recipe: str | RecipeIdentity) -> PerformancePolicy:
+        """The load test's block for a recipe: its override's `performance` fields over the top-level block."""
+        override = self.recipe_override(recipe)
+        return self.performance.merged(override.performance if override is not None else None)
 
 
 def resolve_policy_path(name_or_path: str | Path) -> Path:

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from rich.markup import escape
 
@@ -58,7 +58,7 @@ def duration(seconds: float) -> str:
         return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
-    minutes, secs = divmod(int(round(seconds)), 60)
+    minutes, secs = divmod(round(seconds), 60)
     if minutes < 60:
         return f"{minutes} min {secs} s" if secs else f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
@@ -180,7 +180,7 @@ class _Live:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._progress = None
+        self._progress: Any = None  # a rich Progress, imported when the first bar opens
         self._tasks: dict[int, object] = {}
 
     def add(self, bar: Bar) -> None:
@@ -326,9 +326,9 @@ def add_verbose_option(parser: argparse.ArgumentParser) -> None:
 
 def library_logs_dir() -> Path:
     """`$QUANTGATE_ARTIFACTS/logs` as the environment says now."""
-    from pipelines.paths import ARTIFACTS_DIR
+    from pipelines.settings import current
 
-    return Path(os.environ.get("QUANTGATE_ARTIFACTS") or ARTIFACTS_DIR) / "logs"
+    return current().logs_dir
 
 
 def _new_log_path(folder: Path | None) -> tuple[Path, list[Path]]:
@@ -425,7 +425,7 @@ def library_output_to_log(log_path: Path | None = None, *, verbose: bool | None 
             os.dup2(saved_stderr, 2)
             for fd in (saved_stdout, saved_stderr, *_capture.targets):
                 _close(fd)
-            output.progress_console.file = None
+            output.progress_console.file = None  # type: ignore[assignment]  # rich: None means "back to sys.stderr"
             output.before_progress = None
             _capture = None
         if owned:

@@ -16,19 +16,15 @@ from __future__ import annotations
 import random
 import resource
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pipelines.atomic import atomic_dir, write_json_atomic
-from pipelines.compiler import CompiledRecipe, compile_recipe, layout_from_model_dir
-from pipelines.errors import InputError
-from pipelines.evalsets import EvalSet, iter_jsonl, load_calibration_texts, render_template, resolve_calibration_data
-from pipelines.hashing import file_hashes, sha256_file, sha256_json
-from pipelines.manifest import (
+from pipelines.artifact import (
     MANIFEST_NAME,
     CalibrationRecord,
     Manifest,
@@ -36,15 +32,22 @@ from pipelines.manifest import (
     WeightBytes,
     artifact_file_hashes,
     check_model_dir,
+    is_model_dir,
     tensor_bytes,
     verified_manifest,
 )
+from pipelines.atomic import atomic_dir, write_json_atomic
+from pipelines.compiler import CompiledRecipe, compile_recipe, layout_from_model_dir
+from pipelines.errors import InputError
+from pipelines.evalsets import EvalSet, iter_jsonl, load_calibration_texts, render_template, resolve_calibration_data
+from pipelines.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.output import progress
-from pipelines.paths import ARTIFACTS_DIR, DEMO_MODEL_DIR, EVAL_SETS_DIR
+from pipelines.paths import DEMO_MODEL_DIR, EVAL_SETS_DIR
 from pipelines.progress import Bar, track
-from pipelines.recipe import FROM_EVAL_SETS, Calibration, Recipe, load_recipe
-from pipelines.yamlio import FunctionRef
+from pipelines.recipe import FROM_EVAL_SETS, Calibration, LoadedRecipe, load_recipe
 from pipelines.safepath import ensure_inside, safe_component
+from pipelines.settings import current as current_settings
+from pipelines.yamlio import FunctionRef
 
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 KEY_HEX = 12
@@ -66,9 +69,7 @@ class _Inputs(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    recipe: Recipe
-    recipe_path: Path
-    recipe_text: str
+    recipe: LoadedRecipe
     model_dir: Path
     compiled: CompiledRecipe
     texts: list[str]
@@ -89,14 +90,15 @@ class _Inputs(BaseModel):
 
 
 def quantize_model(
-    recipe: str, model_dir: Path, *, artifacts_root: Path = ARTIFACTS_DIR, force: bool = False,
+    recipe: str | LoadedRecipe, model_dir: Path, *, artifacts_root: Path | None = None, force: bool = False,
     calibration: str | None = None, eval_sets: list[EvalSet] | None = None,
 ) -> QuantizeResult:
-    """Quantize `model_dir` with `recipe` (shipped name or YAML path); reuse the artifact when it exists.
+    """Quantize `model_dir` with `recipe` (shipped name, YAML path, or loaded); reuse the artifact when it exists.
 
     `calibration` replaces the recipe's calibration data (a folder with data.jsonl, a JSONL file, a set
     under eval_sets/, or FROM_EVAL_SETS: the held-out prompts of `eval_sets`, the sets the run scores)."""
     started = time.perf_counter()
+    artifacts_root = current_settings().artifacts_dir if artifacts_root is None else artifacts_root
     model_name(Path(model_dir))  # refused before minutes of work, not after
     inputs = gather_inputs(recipe, Path(model_dir), calibration=calibration, eval_sets=eval_sets)
     artifact_dir = artifact_path(artifacts_root, inputs)
@@ -112,11 +114,14 @@ def quantize_model(
     return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=False)
 
 
-def gather_inputs(recipe: str, model_dir: Path, *, calibration: str | None = None, eval_sets: list[EvalSet] | None = None) -> _Inputs:
-    recipe_obj, recipe_path, recipe_text = load_recipe(recipe)
+def gather_inputs(
+    recipe: str | LoadedRecipe, model_dir: Path, *, calibration: str | None = None, eval_sets: list[EvalSet] | None = None,
+) -> _Inputs:
+    loaded = load_recipe(recipe)
+    recipe_obj = loaded.recipe
     check_model_dir(model_dir)
     progress(f"checking recipe {recipe_obj.name} against {model_dir}")
-    compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), recipe_path)
+    compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), loaded.path)
     progress(f"hashing {model_dir}")
     source_files = file_hashes(model_dir)
     if calibration is not None and not recipe_obj.needs_calibration:
@@ -127,9 +132,7 @@ def gather_inputs(recipe: str, model_dir: Path, *, calibration: str | None = Non
         source=calibration, eval_sets=eval_sets, model_dir=model_dir, source_files=source_files,
     )
     return _Inputs(
-        recipe=recipe_obj,
-        recipe_path=recipe_path,
-        recipe_text=recipe_text,
+        recipe=loaded,
         model_dir=model_dir,
         compiled=compiled,
         texts=texts,
@@ -210,7 +213,7 @@ def held_out_prompts(eval_set: EvalSet) -> list[str]:
         )
     if path.resolve() == eval_set.data.resolve():
         raise InputError(f"{HELD_OUT_FILE} is the data the gate scores; held-out prompts must be other items", file=path, field="calibration")
-    scored = {}
+    scored: dict[str, int] = {}
     for number, item in iter_jsonl(eval_set.data):
         scored.setdefault(_prompt(eval_set, item, eval_set.data, number), number)
     prompts = []
@@ -241,7 +244,7 @@ def _prompt(eval_set: EvalSet, item: dict, path: Path, number: int) -> str:
         return str(item[template])
     try:
         return render_template(template, item)
-    except Exception as error:  # noqa: BLE001 - whatever a template raises on an item is that item's problem
+    except Exception as error:
         raise InputError(f"cannot render {key}: {type(error).__name__}: {error}", file=path, field=f"line {number}") from None
 
 
@@ -266,7 +269,7 @@ def is_demo_model(model_dir: Path, source_files: dict[str, str] | None = None) -
             return True
     except OSError:
         return False
-    if not (demo / "config.json").is_file():
+    if not is_model_dir(demo):
         return False
     return (source_files if source_files is not None else file_hashes(Path(model_dir))) == file_hashes(demo)
 
@@ -303,7 +306,7 @@ def model_name(model_dir: Path) -> str:
 
 def artifact_path(artifacts_root: Path, inputs: _Inputs) -> Path:
     """artifacts/candidates/<model>/<recipe>-<12 hex>/, every part a safe component, checked to stay inside."""
-    recipe = safe_component(inputs.recipe.name, "recipe name", file=inputs.recipe_path)
+    recipe = safe_component(inputs.recipe.name, "recipe name", file=inputs.recipe.path)
     path = artifacts_root / "candidates" / model_name(inputs.model_dir) / f"{recipe}-{inputs.key[:KEY_HEX]}"
     return ensure_inside(artifacts_root, path, "model")
 
@@ -424,8 +427,8 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         model_name=inputs.model_dir.resolve().name,
         source_model=str(inputs.model_dir.resolve()),
         input_key=inputs.key,
-        recipe_file=str(inputs.recipe_path),
-        recipe_text=inputs.recipe_text,
+        recipe_file=str(inputs.recipe.path),
+        recipe_text=inputs.recipe.text,
         compiled_recipe=inputs.compiled.yaml,
         calibration=inputs.calibration,
         versions=inputs.versions,

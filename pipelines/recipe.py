@@ -14,14 +14,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.errors import InputError
+from pipelines.hashing import sha256_text
 from pipelines.paths import RECIPES_DIR
 from pipelines.policy import RecipeIdentity
+from pipelines.schema import FrozenModel
 from pipelines.yamlio import parse_yaml_model, read_user_text
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
 
 # Numeric bounds: far beyond any real recipe, so that a typo or a hostile file is refused at load.
 MAX_GROUP_SIZE = 2**16
@@ -46,7 +43,7 @@ def _power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-class AutoGroupSize(_Strict):
+class AutoGroupSize(FrozenModel):
     """`group_size: auto` / `group_size: {auto: N}`: chosen per layer by the compiler (see group_size_for)."""
 
     auto: int = Field(default=DEFAULT_AUTO_GROUP_CAP, ge=2, le=MAX_GROUP_SIZE, description="the largest group size allowed")
@@ -78,7 +75,7 @@ def auto_group_sizes(in_features: int, cap: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-class WeightScheme(_Strict):
+class WeightScheme(FrozenModel):
     bits: Literal[2, 3, 4, 8] = 8
     type: Literal["int"] = "int"
     granularity: Literal["channel", "group", "tensor"] = "channel"
@@ -101,7 +98,7 @@ class WeightScheme(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _group_size_matches_granularity(self) -> "WeightScheme":
+    def _group_size_matches_granularity(self) -> WeightScheme:
         if self.granularity == "group" and self.group_size is None:
             raise ValueError("granularity 'group' needs group_size")
         if self.granularity != "group" and self.group_size is not None:
@@ -122,7 +119,7 @@ class WeightScheme(_Strict):
             return sizes[0] if sizes else None
         return self.group_size
 
-    def for_layer(self, in_features: int) -> "WeightScheme":
+    def for_layer(self, in_features: int) -> WeightScheme:
         """This scheme with `auto` replaced by the layer's group size (unchanged when there is none)."""
         if not self.auto_group:
             return self
@@ -130,7 +127,7 @@ class WeightScheme(_Strict):
         return self if size is None else self.model_copy(update={"group_size": size})
 
 
-class ActivationScheme(_Strict):
+class ActivationScheme(FrozenModel):
     bits: Literal[8] = 8
     type: Literal["int"] = "int"
     granularity: Literal["token", "tensor"] = "token"
@@ -138,27 +135,27 @@ class ActivationScheme(_Strict):
     symmetric: bool = True
 
     @model_validator(mode="after")
-    def _static_needs_tensor(self) -> "ActivationScheme":
+    def _static_needs_tensor(self) -> ActivationScheme:
         if not self.dynamic and self.granularity == "token":
             raise ValueError("static (calibrated) activation scales cannot be per-token; use granularity 'tensor' or dynamic: true")
         return self
 
 
-class GroupScheme(_Strict):
+class GroupScheme(FrozenModel):
     """How one layer group is quantized. `activations: null` means 16-bit activations (weight-only)."""
 
     weights: WeightScheme
     activations: ActivationScheme | None = None
 
 
-class KeptGroup(_Strict):
+class KeptGroup(FrozenModel):
     """Embeddings / lm_head: floating point unless the recipe says `quantize: true` explicitly."""
 
     quantize: bool = False
     weights: WeightScheme | None = None
 
     @model_validator(mode="after")
-    def _explicit(self) -> "KeptGroup":
+    def _explicit(self) -> KeptGroup:
         if self.weights is not None and not self.quantize:
             raise ValueError("weights given but quantize is not true: say `quantize: true` to quantize this group")
         if self.quantize and self.weights is None:
@@ -166,21 +163,22 @@ class KeptGroup(_Strict):
         return self
 
 
-class Groups(_Strict):
+class Groups(FrozenModel):
     attention: GroupScheme | None = None
     mlp: GroupScheme | None = None
     embeddings: KeptGroup = KeptGroup()
     lm_head: KeptGroup = KeptGroup()
 
 
-class Override(_Strict):
+class Override(FrozenModel):
     """Re-schemes attention / MLP Linear layers selected by decoder-layer index and/or name regex.
 
     `layers` (negative counts from the end) and `match` (searched in the module name) are ANDed;
     later overrides win over earlier ones.
     """
 
-    layers: list[Annotated[int, Field(ge=-MAX_LAYER_INDEX, le=MAX_LAYER_INDEX)]] | None = Field(default=None, min_length=1, max_length=MAX_LAYER_INDEX)
+    layers: list[Annotated[int, Field(ge=-MAX_LAYER_INDEX, le=MAX_LAYER_INDEX)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_LAYER_INDEX)
     match: str | None = Field(default=None, max_length=1000, description="regular expression searched in the module name")
     keep: bool = Field(default=False, description="keep the matched Linear layers in 16-bit")
     attention: GroupScheme | None = None
@@ -197,7 +195,7 @@ class Override(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _selects_and_acts(self) -> "Override":
+    def _selects_and_acts(self) -> Override:
         if self.layers is None and self.match is None:
             raise ValueError("an override needs `layers` or `match`")
         if not self.keep and self.attention is None and self.mlp is None:
@@ -207,7 +205,7 @@ class Override(_Strict):
         return self
 
 
-class Algorithm(_Strict):
+class Algorithm(FrozenModel):
     method: Literal["rtn", "gptq"] = "rtn"
     block_size: int = Field(default=128, gt=0, le=MAX_BLOCK_SIZE)
     dampening_frac: float = Field(default=0.01, ge=0, lt=1)
@@ -226,18 +224,18 @@ class Algorithm(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _gptq_knobs_need_gptq(self) -> "Algorithm":
+    def _gptq_knobs_need_gptq(self) -> Algorithm:
         knobs = self.model_fields_set & {"block_size", "dampening_frac", "actorder"}
         if self.method == "rtn" and knobs:
             raise ValueError(f"{', '.join(sorted(knobs))} only apply to method 'gptq'")
         return self
 
 
-class SmoothQuant(_Strict):
+class SmoothQuant(FrozenModel):
     strength: float = Field(default=0.8, gt=0, lt=1)
 
 
-class Calibration(_Strict):
+class Calibration(FrozenModel):
     dataset: str = Field(
         default="calibration", max_length=4096,
         description=f"a set under eval_sets/, a folder with data.jsonl, a JSONL path with a 'text' field, or {FROM_EVAL_SETS!r} "
@@ -248,7 +246,7 @@ class Calibration(_Strict):
     seed: int = Field(default=0, ge=-MAX_SEED, le=MAX_SEED)
 
 
-class Recipe(_Strict):
+class Recipe(FrozenModel):
     name: str = Field(pattern=NAME_PATTERN, max_length=64)
     description: str = ""
     base: str | None = Field(
@@ -273,14 +271,14 @@ class Recipe(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _something_to_do(self) -> "Recipe":
+    def _something_to_do(self) -> Recipe:
         groups = self.groups
         if not (groups.attention or groups.mlp or groups.embeddings.quantize or groups.lm_head.quantize):
             raise ValueError("the recipe quantizes nothing: give groups.attention and/or groups.mlp a scheme")
         return self
 
     @model_validator(mode="after")
-    def _calibration_when_needed(self) -> "Recipe":
+    def _calibration_when_needed(self) -> Recipe:
         if self.needs_calibration and self.calibration is None:
             raise ValueError("this recipe needs calibration data (GPTQ, SmoothQuant or static activations): add `calibration:`")
         if not self.needs_calibration and self.calibration is not None:
@@ -332,13 +330,33 @@ def shipped_recipes() -> list[str]:
     return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
 
 
-def load_recipe(name_or_path: str) -> tuple[Recipe, Path, str]:
-    """Parse and validate a recipe; returns it with its path and the text as written."""
+class LoadedRecipe(BaseModel):
+    """A recipe as loaded from its file: parsed once, then passed along with where it came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: Recipe
+    path: Path
+    text: str = Field(description="the file's text as written (what a job's ledger key and a manifest record)")
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text(self.text)
+
+
+def load_recipe(name_or_path: str | LoadedRecipe) -> LoadedRecipe:
+    """Parse and validate a recipe (a shipped name or a YAML path); one already loaded is returned as it is."""
+    if isinstance(name_or_path, LoadedRecipe):
+        return name_or_path
     path = resolve_recipe_path(name_or_path)
     if not _exists(path) or not path.is_file():
         raise InputError(f"no such recipe (shipped recipes: {', '.join(shipped_recipes())})", file=path, field="recipe")
     text = read_user_text(path, what="recipe", field="recipe")  # bounded, UTF-8 (BOM accepted)
-    return parse_recipe(text, path), path, text
+    return LoadedRecipe(recipe=parse_recipe(text, path), path=path, text=text)
 
 
 def parse_recipe(text: str, path: Path | str) -> Recipe:

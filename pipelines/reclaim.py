@@ -229,8 +229,8 @@ def reclaim_stale(runs_dir: Path, tmp_root: Path | None = None, *, stale_after_s
     if runs_dir.is_dir():
         for path in runs_dir.iterdir():
             if match := _STAGING.fullmatch(path.name):
-                made = timegm(time.strptime(match["stamp"], "%Y%m%dT%H%M%SZ"))
-                candidates.append((path, int(match["pid"]), float(made)))
+                stamped = timegm(time.strptime(match["stamp"], "%Y%m%dT%H%M%SZ"))
+                candidates.append((path, int(match["pid"]), float(stamped)))
     tmp_root = Path(tempfile.gettempdir()) if tmp_root is None else tmp_root
     if tmp_root.is_dir():
         for path in tmp_root.iterdir():

@@ -12,7 +12,8 @@ The registry never points at something incomplete: an artifact is verified again
 when it is registered, promoted, given an alias, rolled back to, or resolved for serving. A version
 records its manifest.json's own sha256 and the stat fingerprint of its files at the last full
 verification, so these later checks re-hash only files whose size, mtime, ctime or inode changed
-(pipelines.manifest.verify_artifact says what that costs).
+(pipelines.artifact.verify_artifact says what that costs). gate.json is read once, into the typed
+pipelines.gate.GateReport, when a version is registered; `Version.gate` returns it.
 
 Reading (list, show, history, resolve) opens the file read-only (`file:...?mode=ro`), so a registry on
 a read-only disk, or a file the user may not write, can still be inspected.
@@ -20,21 +21,24 @@ a read-only disk, or a file the user may not write, can still be inspected.
 
 from __future__ import annotations
 
+import builtins  # Registry.list shadows the built-in inside the class
 import json
 import os
 import sqlite3
 import urllib.parse
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipelines.artifact import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck, verify_artifact  # noqa: F401 (re-exported)
 from pipelines.errors import InputError
+from pipelines.gate import GateReport, read_report
 from pipelines.hashing import sha256_json
-from pipelines.manifest import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck, load_manifest, verify_artifact  # noqa: F401 (re-exported)
-from pipelines.paths import ARTIFACTS_DIR
+from pipelines.settings import current as current_settings
 
 BUSY_TIMEOUT_S = 60.0
 # 1: the first schema. 2: versions.manifest_hash (manifest.json's own sha256) and versions.fingerprint
@@ -43,24 +47,13 @@ BUSY_TIMEOUT_S = 60.0
 SCHEMA_VERSION = 2
 
 Status = Literal["candidate", "promoted", "rejected", "error"]
-EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback"]
+# lineage: a repair (pipelines.repair) derived this version from a rejected one; the evidence names both.
+EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback", "lineage"]
 
 
 def default_registry_path() -> Path:
-    return Path(os.environ.get("QUANTGATE_REGISTRY") or ARTIFACTS_DIR / "registry.db")
-
-
-# --- artifact integrity -----------------------------------------------------------------------------
-
-
-def read_manifest_files(artifact_dir: Path) -> dict[str, str]:
-    """The manifest's {relative posix path: sha256} map; InputError if the manifest is missing or malformed."""
-    return load_manifest(Path(artifact_dir)).files
-
-
-def artifact_hash(artifact_dir: Path) -> str:
-    """The artifact's identity: the hash of its manifest's file hashes."""
-    return sha256_json(read_manifest_files(Path(artifact_dir)))
+    """$QUANTGATE_REGISTRY, else <artifacts>/registry.db, as the environment says now."""
+    return current_settings().registry_path
 
 
 # --- data ---------------------------------------------------------------------------------------------
@@ -101,7 +94,8 @@ class Version(BaseModel):
     recipe_hash: str
     eval_sets: list[EvalSetRef]
     gate_path: str | None
-    gate: dict[str, Any] | None
+    # gate.json as registered; None without evidence, or for evidence older than gate.json schema 2.
+    gate: GateReport | None
     gate_hash: str | None
     status: Status
     created_at: str
@@ -112,6 +106,11 @@ class Version(BaseModel):
     manifest_hash: str | None = None
     # stat of every file at the last full verification (internal: what makes later checks cheap).
     fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
+
+    @property
+    def verdict(self) -> str | None:
+        """The gate's verdict on this version, from its evidence."""
+        return self.gate.gate.verdict if self.gate is not None else None
 
 
 class Event(BaseModel):
@@ -205,39 +204,28 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
-def gate_result(evidence: dict[str, Any] | None) -> dict[str, Any]:
-    """The decision inside a gate.json (pipelines.gate.GateReport wraps its GateResult under `gate`)."""
-    if not evidence:
-        return {}
-    inner = evidence.get("gate", evidence)
-    return inner if isinstance(inner, dict) else {}
-
-
-def gate_verdict(evidence: dict[str, Any] | None) -> str | None:
-    verdict = gate_result(evidence).get("verdict")
-    return verdict if isinstance(verdict, str) else None
-
-
-def _read_gate(gate_path: Path) -> dict[str, Any]:
+def _stored_gate(text: str | None) -> GateReport | None:
+    """A registered gate.json, typed. Evidence registered before gate.json schema 2 does not validate:
+    its copy stays in the database (and its hash in the version's identity), `Version.gate` is None."""
+    if not text:
+        return None
     try:
-        value = json.loads(gate_path.read_text())
-    except FileNotFoundError:
-        raise InputError("gate evidence file does not exist", file=gate_path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InputError(f"gate evidence is not valid JSON ({error})", file=gate_path) from None
-    except OSError as error:
-        raise InputError(f"cannot read the gate evidence ({error.strerror or error})", file=gate_path) from None
-    if not isinstance(value, dict):
-        raise InputError("gate evidence must be a JSON object", file=gate_path)
-    return value
+        return GateReport.model_validate_json(text)
+    except ValidationError:
+        return None
 
 
-def _gate_manifest_hash(gate: dict[str, Any] | None) -> str | None:
-    """The manifest sha256 a gate.json says it judged (pipelines.runner writes inputs.artifact.manifest_sha256)."""
-    inputs = (gate or {}).get("inputs")
-    artifact = inputs.get("artifact") if isinstance(inputs, dict) else None
-    value = artifact.get("manifest_sha256") if isinstance(artifact, dict) else None
-    return value if isinstance(value, str) else None
+def verify_version(version: Version) -> ArtifactCheck:
+    """A version's artifact against what was recorded: manifest.json's own hash, then each file (re-hashed
+    only where its stat differs from the fingerprint of the last full verification)."""
+    artifact_dir = Path(version.artifact_path)
+    check = verify_artifact(artifact_dir, manifest_sha256=version.manifest_hash, fingerprint=version.fingerprint)
+    if check.artifact_hash != version.artifact_hash:
+        raise InputError(
+            f"manifest changed since version {version.version} of {version.model!r} was registered",
+            file=artifact_dir / MANIFEST_NAME,
+        )
+    return check
 
 
 def _writable(path: Path) -> bool:
@@ -366,8 +354,8 @@ class Registry:
 
         The artifact is verified first: in full, or against `verified` (an earlier check of the same
         folder, e.g. the gate's before serving: then only files whose stat changed are re-hashed, and
-        manifest.json must be the one that check saw). Gate evidence that names another manifest.json
-        (inputs.artifact.manifest_sha256) is refused.
+        manifest.json must be the one that check saw). The gate evidence must be a gate.json (a GateReport,
+        read once here); one that names another manifest.json (inputs.artifact.manifest_sha256) is refused.
         """
         artifact_dir = Path(entry.artifact_path).resolve()
         if verified is not None and Path(verified.artifact_dir).resolve() != artifact_dir:
@@ -378,8 +366,8 @@ class Registry:
             fingerprint=verified.fingerprint if verified else None,
         )
         a_hash = check.artifact_hash
-        gate = _read_gate(Path(entry.gate_path)) if entry.gate_path is not None else None
-        judged = _gate_manifest_hash(gate)
+        report, gate = read_report(Path(entry.gate_path)) if entry.gate_path is not None else (None, None)
+        judged = report.manifest_sha256 if report is not None else None
         if judged is not None and judged != check.manifest_sha256:
             raise InputError(
                 f"the gate evidence judged another manifest.json (sha256 {judged[:12]}...; {artifact_dir / MANIFEST_NAME}"
@@ -413,6 +401,7 @@ class Registry:
                 ),
             )
             self._event(db, entry.source_model, number, "registered", reason=entry.reason)
+            assert cursor.lastrowid is not None  # an INSERT into a table with an INTEGER PRIMARY KEY
             return self._version_by_id(db, cursor.lastrowid)
 
     def promote(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None, *,
@@ -423,13 +412,13 @@ class Registry:
         which is recorded in the event's evidence.
         """
         version = self.get(version_id)
-        if gate_verdict(version.gate) == "rejected" and not override_gate:
+        if version.verdict == "rejected" and not override_gate:
             raise InputError(
                 f"the gate rejected version {version.version} of {version.model!r} ({version.gate_path});"
                 " promoting it needs an explicit gate override",
                 file=self.path, field="status",
             )
-        check = self._verify_stored(version)
+        check = verify_version(version)
         if override_gate:
             evidence = {**(evidence or {}), "override_gate": True}
         return self._set_status(version_id, "promoted", reason, evidence, check=check)
@@ -448,7 +437,7 @@ class Registry:
         with self._reader() as db:
             target = self._promoted_row(db, model, version)
             stored = self._version_by_id(db, target["id"])
-        check = self._verify_stored(stored)
+        check = verify_version(stored)
         with self._transaction() as db:
             target = self._promoted_row(db, model, version)
             self._refresh_fingerprint(db, target["id"], check)
@@ -471,7 +460,7 @@ class Registry:
         with self._reader() as db:
             current, earlier = self._rollback_step(db, model, alias)
             stored = self._version_by_id(db, earlier["version_id"])
-        check = self._verify_stored(stored)
+        check = verify_version(stored)
         with self._transaction() as db:
             moved = (current["seq"], earlier["version_id"])
             current, earlier = self._rollback_step(db, model, alias)
@@ -507,7 +496,7 @@ class Registry:
         with self._reader() as db:
             return self._version_by_id(db, version_id)
 
-    def aliases(self, model: str | None = None) -> list[AliasTarget]:
+    def aliases(self, model: str | None = None) -> builtins.list[AliasTarget]:
         with self._reader() as db:
             rows = db.execute(
                 "SELECT DISTINCT model, alias FROM aliases WHERE (? IS NULL OR model = ?) ORDER BY model, alias",
@@ -516,7 +505,7 @@ class Registry:
             return [self._alias_target(db, row["model"], row["alias"]) for row in rows]
 
     def history(self, model: str | None = None, *, version: int | None = None,
-                alias: str | None = None) -> list[Event]:
+                alias: str | None = None) -> builtins.list[Event]:
         with self._reader() as db:
             if model is not None:
                 self._require_model(db, model)
@@ -527,15 +516,22 @@ class Registry:
             ).fetchall()
         return [_event_from_row(row) for row in rows]
 
+    def record_lineage(self, model: str, version: int, reason: str, evidence: dict[str, Any]) -> None:
+        """Where `version` came from (a `lineage` event): e.g. the rejected version a repair started from and the
+        overrides it added. Appended like every event; the version itself is not changed."""
+        with self._transaction() as db:
+            self._version_row(db, model, version)
+            self._event(db, model, version, "lineage", reason=reason, evidence=evidence)
+
     def resolve(self, model: str, alias_or_version: str | int) -> Version:
         """The version an alias or a version number names, with its artifact verified for serving."""
         version = self.show(model, alias_or_version)
-        self._verify_stored(version)
+        verify_version(version)
         return version
 
     # internals
 
-    def _set_status(self, version_id: int, status: Status, reason: str, evidence: dict[str, Any] | None,
+    def _set_status(self, version_id: int, status: Literal["promoted", "rejected", "error"], reason: str, evidence: dict[str, Any] | None,
                     *, check: ArtifactCheck | None = None) -> Version:
         with self._transaction() as db:
             row = self._row_by_id(db, version_id)
@@ -560,18 +556,6 @@ class Registry:
             self._refresh_fingerprint(db, version_id, check)
             self._event(db, row["model"], row["version"], status, reason=reason, evidence=evidence)
             return self._version_by_id(db, version_id)
-
-    def _verify_stored(self, version: Version) -> ArtifactCheck:
-        """The artifact against what was recorded: manifest.json's own hash, then each file (re-hashed
-        only where its stat differs from the fingerprint of the last full verification)."""
-        artifact_dir = Path(version.artifact_path)
-        check = verify_artifact(artifact_dir, manifest_sha256=version.manifest_hash, fingerprint=version.fingerprint)
-        if check.artifact_hash != version.artifact_hash:
-            raise InputError(
-                f"manifest changed since version {version.version} of {version.model!r} was registered",
-                file=artifact_dir / MANIFEST_NAME,
-            )
-        return check
 
     def _refresh_fingerprint(self, db: sqlite3.Connection, version_id: int, check: ArtifactCheck | None) -> None:
         """After a check that had to re-hash files (stat changed, content intact), remember the new stat."""
@@ -636,7 +620,7 @@ class Registry:
             artifact_path=row["artifact_path"], artifact_hash=row["artifact_hash"],
             recipe_name=row["recipe_name"], recipe_hash=row["recipe_hash"],
             eval_sets=[EvalSetRef(**ref) for ref in json.loads(row["eval_sets"])],
-            gate_path=row["gate_path"], gate=json.loads(row["gate"]) if row["gate"] else None,
+            gate_path=row["gate_path"], gate=_stored_gate(row["gate"]),
             gate_hash=row["gate_hash"] or None, status=row["status"], created_at=row["created_at"],
             updated_at=row["updated_at"], reason=row["reason"], aliases=self._aliases_of(db, version_id),
             manifest_hash=row["manifest_hash"] if "manifest_hash" in columns else None,
@@ -686,7 +670,7 @@ class Registry:
         return AliasTarget(model=model, alias=alias, version=rows[0]["version"],
                            previous=rows[1]["version"] if len(rows) > 1 else None)
 
-    def _aliases_of(self, db: sqlite3.Connection, version_id: int) -> list[str]:
+    def _aliases_of(self, db: sqlite3.Connection, version_id: int) -> builtins.list[str]:
         """Aliases whose current target is this version."""
         rows = db.execute(
             "SELECT a.alias FROM aliases a WHERE a.version_id = ? AND a.seq ="

@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from pipelines import output
 from pipelines.gate import GateReport, GateResult, SetVerdict
+from pipelines.loadtest.render import console_tables, markdown_sections
 from pipelines.plan_view import PLAN_COLUMNS, gib, plan_row_cells, plan_title, vllm_arguments
 from pipelines.planner import Plan
 from pipelines.policy import SetPolicy
@@ -122,7 +123,7 @@ def input_rows(report: GateReport) -> Rows:
 
 def stage_rows(stages: dict[str, float]) -> Rows:
     rows = [[name, f"{seconds:.1f}"] for name, seconds in stages.items()]
-    return rows + [["total", f"{sum(stages.values()):.1f}"]] if rows else []
+    return [*rows, ["total", f"{sum(stages.values()):.1f}"]] if rows else []
 
 
 def fit_rows(gate: GateResult) -> Rows:
@@ -160,6 +161,14 @@ def _md_list(items: list[str]) -> str:
     return "\n".join(f"- {item}" for item in items)
 
 
+md_table, md_list = _md_table, _md_list  # public: other reports (pipelines.repair.report) render with them
+
+
+def performance_markdown(performance) -> str:
+    """The load test's sections alone (`quantize loadtest`'s loadtest.md), as report.md renders them."""
+    return "\n\n".join(["# Load test", *markdown_sections(performance, _md_table)]) + "\n"
+
+
 def render_markdown(report: GateReport) -> str:
     """A self-contained Markdown report of one gate run."""
     gate = report.gate
@@ -177,6 +186,8 @@ def render_markdown(report: GateReport) -> str:
         parts += ["## Fit", _md_table(["GPU", "Required GiB", "Available GiB", "Fits"], fit_rows(gate))]
     for title, columns, rows in plan_tables(report.plan):
         parts += [f"## {title}", _md_table(columns, rows)]
+    if report.performance is not None:
+        parts += markdown_sections(report.performance, _md_table)
     if report.stages:
         parts += ["## Stage times", _md_table(["Stage", "Seconds"], stage_rows(report.stages))]
     if report.inputs:
@@ -212,5 +223,7 @@ def render_console(report: GateReport, console: Console | None = None) -> None:
         out.print(_table("Fit", ["GPU", "Required GiB", "Available GiB", "Fits"], fit_rows(gate)))
     for title, columns, rows in plan_tables(report.plan):
         out.print(_table(title, columns, rows))
+    if report.performance is not None:
+        console_tables(report.performance, _table, lambda value: out.print(escape(value) if isinstance(value, str) else value))
     if report.stages:
         out.print(_table("Stage times", ["Stage", "Seconds"], stage_rows(report.stages)))

@@ -23,41 +23,44 @@ import secrets
 import shutil
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines import baseline as baseline_cache
+from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, ArtifactCheck, require_model_dir, verify_artifact
 from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
 from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
-from pipelines.evaluate import SetScore, check_prompt_lengths, load_prompts, materialize_tasks, score_eval_sets
 from pipelines.evalsets import EvalSet, discover_eval_sets
-from pipelines.gate import FitCheck, GateReport, decide
+from pipelines.evaluate import SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
+from pipelines.gate import FitCheck, GateReport, decide, load_report
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
-from pipelines.manifest import MANIFEST_NAME, ArtifactCheck, read_manifest_json, verify_artifact
+from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
+from pipelines.loadtest.render import summary as performance_summary
+from pipelines.loadtest.results import PerformanceSummary
 from pipelines.output import progress
 from pipelines.pairing import pair_set
-from pipelines.paths import ARTIFACTS_DIR
 from pipelines.policy import DEFAULT_POLICY, Policy, RecipeIdentity, load_policy
 from pipelines.progress import library_log
+from pipelines.recipe import LoadedRecipe, identity_from_text
 from pipelines.reclaim import reclaim_stale
 from pipelines.report import render_markdown
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
+from pipelines.settings import current as current_settings
 
-RUNS_DIR = ARTIFACTS_DIR / "runs"
 LIBRARY_LOG = "library.log"  # a run's library output (llm-compressor, transformers, lm-eval in-process), unless --verbose
 ANSWER_RESERVE_TOKENS = 32
-EXIT_CODES = {"promoted": 0, "rejected": 1}
 
 
 def default_runs_dir() -> Path:
     """`$QUANTGATE_ARTIFACTS/runs` as the environment says now (not only when this module was imported)."""
-    return Path(os.environ.get("QUANTGATE_ARTIFACTS") or ARTIFACTS_DIR) / "runs"
+    return current_settings().runs_dir
 
 
 class RunOutcome(BaseModel):
@@ -77,6 +80,14 @@ class RunOutcome(BaseModel):
     manifest_sha256: str | None = None
     # stat of the artifact's files at the run's last verification (for the job ledger; not printed).
     artifact_fingerprint: dict[str, list[int]] | None = Field(default=None, exclude=True, repr=False)
+    # The load test's headline figures (gate.json's `performance` holds them all); None when it did not run.
+    performance: PerformanceSummary | None = None
+    # gate.json as the run wrote it (not printed: --json prints the fields above, gate.json holds the rest).
+    report: GateReport | None = Field(default=None, exclude=True, repr=False)
+
+    def gate_report(self) -> GateReport:
+        """The gate.json this outcome points at: the run's own report, else (an outcome made elsewhere) read from gate_json."""
+        return self.report if self.report is not None else load_report(self.gate_json)
 
 
 class GateSettings(BaseModel):
@@ -90,7 +101,8 @@ class GateSettings(BaseModel):
     serve: ServeSettings = ServeSettings()
     registry_path: Path | None = None
     runs_dir: Path = Field(default_factory=default_runs_dir)
-    cache_dir: Path = Field(default_factory=lambda: baseline_cache.BASELINE_CACHE_DIR)
+    cache_dir: Path = Field(default_factory=lambda: current_settings().baseline_cache_dir)
+    loadtest: bool = True  # False: --no-loadtest (the policy's performance.enabled can also turn it off)
 
 
 class GateJob(BaseModel):
@@ -118,12 +130,12 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
 
 
 def quantize_and_gate(
-    recipe: str, model_dir: Path, settings: GateSettings, *, force: bool = False, calibration: str | None = None
+    recipe: str | LoadedRecipe, model_dir: Path, settings: GateSettings, *, force: bool = False, calibration: str | None = None
 ) -> RunOutcome:
     """The whole job for one (model, recipe): quantize (or reuse the identical artifact), then gate."""
     from pipelines.quantize import quantize_model  # heavy (torch, llm-compressor): only when quantizing
 
-    _require_model_dir(model_dir, "--model")
+    require_model_dir(model_dir, "--model")
     result = quantize_model(recipe, model_dir, force=force, calibration=calibration, eval_sets=settings.eval_sets)
     manifest = result.manifest
     job = GateJob(
@@ -134,10 +146,11 @@ def quantize_and_gate(
     return run_gate(job)
 
 
-def select_eval_sets(names: list[str] | None) -> list[EvalSet]:
+def select_eval_sets(names: list[str] | None, found: list[EvalSet] | None = None) -> list[EvalSet]:
     """The sets a run scores: `names`, or every set. A broken set fails only a run that selects it (its own
-    error, exit 2); otherwise it is skipped with one warning line naming it."""
-    found = discover_eval_sets()
+    error, exit 2); otherwise it is skipped with one warning line naming it. `found`: the sets already
+    discovered (a job's candidates select from one discovery: each task YAML is parsed once per job)."""
+    found = discover_eval_sets() if found is None else found
     broken: dict[str, InputError] = getattr(found, "broken", {})
     available = {s.name: s for s in found}
     for name in (n for n in names or [] if n in broken):
@@ -170,8 +183,8 @@ def run_id(recipe_name: str) -> str:
 def run_gate(job: GateJob) -> RunOutcome:
     """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register."""
     safe_component(job.recipe_name, "recipe")  # it becomes part of the run folder's name
-    _require_model_dir(job.baseline_dir, "--baseline")
-    _require_model_dir(job.artifact_dir, "--artifact")
+    require_model_dir(job.baseline_dir, "--baseline")
+    require_model_dir(job.artifact_dir, "--artifact")
     check = verify_before_serving(job.artifact_dir, allow_unverified=job.allow_unverified)
     register = _registrable(job, check)
     runs_dir = job.settings.runs_dir
@@ -192,11 +205,12 @@ def run_gate(job: GateJob) -> RunOutcome:
             raise storage_error(error, staging) from error
         raise
     outcome = RunOutcome(
-        verdict=report.gate.verdict, exit_code=EXIT_CODES[report.gate.verdict], run_dir=final,
+        verdict=report.gate.verdict, exit_code=report.gate.exit_code, run_dir=final,
         gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
         reasons=report.gate.reasons, stages=report.stages, verified=check is not None,
         manifest_sha256=check.manifest_sha256 if check else None,
-        artifact_fingerprint=check.fingerprint if check else None,
+        artifact_fingerprint=check.fingerprint if check else None, report=report,
+        performance=performance_summary(report.performance) if report.performance is not None else None,
     )
     if register:
         outcome.registry_version = _record_in_registry(job, outcome, check)
@@ -246,27 +260,27 @@ def verify_before_serving(artifact_dir: Path, *, allow_unverified: bool = False)
     return verify_artifact(artifact_dir)
 
 
-def _require_model_dir(folder: Path, field: str) -> None:
-    if not (folder / "config.json").is_file():
-        raise InputError("not a model folder (no config.json)", file=folder, field=field)
-
-
 def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateReport:
     stages = dict(job.stages)
     include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
-    prompts = {s.name: load_prompts(s, include_dir, job.baseline_dir) for s in job.settings.eval_sets}
+    prompts = load_all_prompts(job.settings.eval_sets, include_dir, job.baseline_dir)
     for eval_set in job.settings.eval_sets:
         check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
-    baseline = _baseline_entries(staging, job, include_dir, prompts, stages)
-    candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check)
+    identity = recipe_identity(job, check)
+    loadtest = job.settings.loadtest and job.settings.policy.performance_for(identity).enabled
+    # With the load test on, servers the scoring starts stay up for it (pipelines/loadtest/gate_hook.py).
+    with server_pool(loadtest, staging, job.settings.serve, job.baseline_dir, job.artifact_dir, stages, vllm_server) as pool:
+        baseline = _baseline_entries(staging, job, include_dir, prompts, stages, pool)
+        candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, pool)
+        with timed(stages, "gate_s"):
+            comparisons = [
+                pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
+                for s in job.settings.eval_sets
+            ]
+            fit, plan = _fit_and_plan(job, identity)
+            gate = decide(comparisons, job.settings.policy, identity, fit)
+        gate, performance = after_quality_gate(gate, pool, lambda: stage_inputs(job, prompts, identity, plan, staging), stages)
     with timed(stages, "gate_s"):
-        comparisons = [
-            pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
-            for s in job.settings.eval_sets
-        ]
-        identity = recipe_identity(job, check)
-        fit, plan = _fit_and_plan(job, identity)
-        gate = decide(comparisons, job.settings.policy, identity, fit)
         if check is not None:  # nothing changed while it was served: the verdict is about these bytes
             verify_artifact(job.artifact_dir, manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint)
     report = GateReport(
@@ -275,6 +289,7 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
         stages=stages,
         plan=plan,
         gate=gate,
+        performance=performance,
     )
     write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
     write_text_atomic(staging / "report.md", _with_unverified_note(render_markdown(report), check is None))
@@ -296,7 +311,7 @@ def _with_unverified_note(markdown: str, unverified: bool) -> str:
     return f"{UNVERIFIED_NOTE}\n\n{markdown}"
 
 
-def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> dict[str, baseline_cache.BaselineEntry]:
+def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages, pool: ServerPool | None = None) -> dict[str, baseline_cache.BaselineEntry]:
     model_hash = folder_hash(job.baseline_dir)
     keys = {s.name: baseline_cache.cache_key(model_hash, s, job.settings.serve) for s in job.settings.eval_sets}
 
@@ -306,10 +321,12 @@ def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages) -> di
         )
         return baseline_cache.BaselineEntry(key=keys[eval_set.name], model_hash=model_hash, score=score, references=references)
 
-    return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages)
+    return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages, pool)
 
 
-def _candidate_entries(staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None) -> dict[str, baseline_cache.CandidateEntry]:
+def _candidate_entries(
+    staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None, pool: ServerPool | None = None,
+) -> dict[str, baseline_cache.CandidateEntry]:
     # A verified artifact's folder hash comes from its check (every file accounted for): not read again.
     artifact_hash = check.folder_hash if check is not None else folder_hash(job.artifact_dir)
     keys = {
@@ -318,56 +335,63 @@ def _candidate_entries(staging, job: GateJob, include_dir, baseline, stages, che
 
     def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.CandidateEntry:
         references = baseline[eval_set.name].references
-        kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references))}
+        kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references), strict=True)}
         return baseline_cache.CandidateEntry(key=keys[eval_set.name], model_hash=artifact_hash, score=score, kl_by_doc=kl_by_doc)
 
-    return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir, stages)
+    return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir, stages, pool)
+
+
+def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, baseline_cache.Entry]:
+    """Every set's entry, now that none is missing."""
+    return {name: entry for name, entry in entries.items() if entry is not None}
 
 
 def _cached_or_served(
     role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
     make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
-    stages: dict[str, float],
+    stages: dict[str, float], pool: ServerPool | None = None,
 ) -> dict[str, baseline_cache.Entry]:
-    """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached."""
+    """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached
+    (and, with a pool, kept up after its scoring for the load test)."""
     entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir, entry_type) for name, key in keys.items()}
     missing = [s for s in job.settings.eval_sets if entries[s.name] is None]
     if not missing:
         progress(f"{role}: all {len(entries)} eval set(s) cached; no {role} server needed")
-        return entries
+        return _complete(entries)
     progress(f"{role}: scoring {', '.join(s.name for s in missing)} on {model_dir}")
-    with vllm_server(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
+    serve = pool.serve if pool is not None else vllm_server
+    with serve(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
         stages[f"{role}_serve_start_s"] = round(server.startup_s, 2)
         with timed(stages, f"{role}_scoring_s"):
             scores = score_eval_sets(server, model_dir, missing, include_dir, staging / role)
             for eval_set in missing:
-                entries[eval_set.name] = make_entry(server, eval_set, scores[eval_set.name])
-                baseline_cache.store(entries[eval_set.name], job.settings.cache_dir)
-    return entries
+                fresh = make_entry(server, eval_set, scores[eval_set.name])
+                baseline_cache.store(fresh, job.settings.cache_dir)
+                entries[eval_set.name] = fresh
+    return _complete(entries)
 
 
 def recipe_identity(job: GateJob, check: ArtifactCheck | None) -> RecipeIdentity:
     """The recipe's name, base and tags (policy overrides match them), from the verified manifest's recipe text."""
-    from pipelines.recipe import identity_from_text
-
     if check is None:
         return RecipeIdentity(name=job.recipe_name)
-    text = read_manifest_json(job.artifact_dir / MANIFEST_NAME)[0].get("recipe_text")
-    return identity_from_text(text if isinstance(text, str) else None, job.recipe_name)
+    return identity_from_text(check.recipe_text, job.recipe_name)
 
 
 def _fit_and_plan(job: GateJob, identity: RecipeIdentity) -> tuple[FitCheck | None, dict | None]:
     requirement = job.settings.policy.fit_for(identity)
     if requirement is None:
         return None, None
-    from pipelines.planner import fit_of, gpu_spec, plan
+    from pipelines.planner import gpu_spec, plan
 
     gpu = gpu_spec(requirement.gpu, requirement.memory_gib)
     result = plan(
-        job.artifact_dir / "config.json", [], gpu, requirement.max_model_len, requirement.concurrency,
+        job.artifact_dir / CONFIG_NAME, [], gpu, requirement.max_model_len, requirement.concurrency,
         artifact_dir=job.artifact_dir,
     )
-    return fit_of(result), result.model_dump(mode="json")
+    row = result.fit_row()
+    fit = FitCheck(fits=row.fits, required_bytes=row.total_bytes, available_bytes=row.available_bytes, gpu=gpu.name)
+    return fit, result.model_dump(mode="json")
 
 
 def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
@@ -426,8 +450,5 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck 
         verified=check,
     )
     reason = "; ".join(outcome.reasons) or "gate passed"
-    if outcome.verdict == "promoted":
-        version = registry.promote(version.id, reason)
-    else:
-        version = registry.reject(version.id, reason)
-    return version.version
+    decided = registry.promote if outcome.verdict == "promoted" else registry.reject
+    return decided(version.id, reason).version

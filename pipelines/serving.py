@@ -20,20 +20,21 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipelines.artifact import require_model_dir
 from pipelines.divergence import TOP_K
-from pipelines.errors import InputError, ServeError
+from pipelines.errors import ServeError
 from pipelines.output import progress
-from pipelines.paths import SERVE_PYTHON
 from pipelines.progress import track
 from pipelines.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
+from pipelines.settings import current as current_settings
 
 LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 8
@@ -146,21 +147,22 @@ def serve_versions() -> dict[str, str]:
     )
     import json
 
-    result = subprocess.run([str(SERVE_PYTHON), "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([str(current_settings().serve_python), "-c", code], capture_output=True, text=True, check=True)
     return json.loads(result.stdout)
 
 
 def _require_serve_env() -> None:
-    if not SERVE_PYTHON.exists():
+    python = current_settings().serve_python
+    if not python.exists():
         raise ServeError(
-            f"the serve environment is missing ({SERVE_PYTHON}); run `make setup` (or scripts/setup_env.sh serve)",
-            file=SERVE_PYTHON,
+            f"the serve environment is missing ({python}); run `make setup` (or scripts/setup_env.sh serve)",
+            file=python,
         )
 
 
 def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettings) -> list[str]:
     command = [
-        str(SERVE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        str(current_settings().serve_python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir),
         "--served-model-name", served_name,
         "--host", LOOPBACK,
@@ -309,13 +311,12 @@ def vllm_server(
     """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
     including when this process is killed (parent-death signal + watchdog, pipelines/reclaim.py)."""
     settings = settings or ServeSettings()
-    _require_serve_env()
-    if not (model_dir / "config.json").is_file():
-        raise InputError("not a model folder (no config.json)", file=model_dir, field="model")
+    require_model_dir(model_dir, "model")
     if port is None:
         port = free_port()
     elif not port_is_free(port):
         raise ServeError(f"port {port} on {LOOPBACK} is already in use", field="port")
+    _require_serve_env()  # after the caller's own input: a bad model folder is reported as such on any machine
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()

@@ -15,8 +15,8 @@ Which interval a set gets (docs/gate-json.md, "Intervals"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 from statistics import NormalDist
 
 import numpy as np
@@ -157,7 +157,7 @@ def tango_interval(losses: int, gains: int, n: int, *, confidence: float = CONFI
     delta0 the score test does not reject; its bounds are found with brentq. Known answer (Fagerland,
     Lydersen and Laake 2014, Cavo et al. data): losses 16, gains 6, n 161 -> (-0.1240, -0.0054).
     """
-    if not (0 <= losses and 0 <= gains and losses + gains <= n and n > 0):
+    if not (losses >= 0 and gains >= 0 and losses + gains <= n and n > 0):
         raise ValueError(f"need 0 <= losses + gains <= n (got {losses}, {gains}, {n})")
     z = _z(confidence)
     estimate = (gains - losses) / n

@@ -1,23 +1,165 @@
-"""Fakes shared by the unit tests: real files in tmp folders, validated by the product's own code."""
+"""Fakes shared by the unit tests: real files in tmp folders, validated by the product's own code, and the
+stand-ins for vLLM, lm-eval and the KL requests (FakeStack; its fixtures are in tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
+import yaml
+
+from pipelines import runner
+from pipelines.artifact import MANIFEST_FILES_KEY
+from pipelines.divergence import Reference
 from pipelines.evalsets import EvalSet, validate_eval_set
+from pipelines.evaluate import ItemScore, SetScore
+from pipelines.hashing import file_hashes
+from pipelines.policy import DEFAULT_POLICY, load_policy
+from pipelines.serving import ServeSettings
 
 N_ITEMS = 120
+TOKEN = "token_id:7"
+
+# --------------------------------------------------------------------------------- eval sets
+
+# A valid generate_until task; write_eval_set sets `task` to the set's name.
+TASK_CONFIG = {
+    "task": "refunds",
+    "dataset_path": "json",
+    "dataset_kwargs": {"data_files": {"test": "data.jsonl"}},
+    "test_split": "test",
+    "output_type": "generate_until",
+    "doc_to_text": "Question: {{question}}\nAnswer:",
+    "doc_to_target": "answer",
+}
+
+
+def write_eval_set(
+    root: Path, name: str, task: dict | bytes | None, data: bytes | Iterable[dict | str], *, set_file: bytes | None = None,
+) -> Path:
+    """An eval-set folder as a user writes one: root/name/name.yaml (a dict is dumped, bytes written as
+    they are; None: no task YAML), set.yaml when given, and data.jsonl (objects or lines, one per line, or bytes)."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if task is not None:
+        (folder / f"{name}.yaml").write_bytes(task if isinstance(task, bytes) else yaml.safe_dump(task, sort_keys=False).encode())
+    if set_file is not None:
+        (folder / "set.yaml").write_bytes(set_file)
+    if not isinstance(data, bytes):
+        data = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in data).encode()
+    (folder / "data.jsonl").write_bytes(data)
+    return folder
 
 
 def make_eval_set(root: Path, name: str = "tickets", answers: str = "abc", items: int = N_ITEMS) -> EvalSet:
     """A real eval set folder (task YAML, data, a `!function` helper), validated by pipelines.evalsets."""
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.yaml").write_text(
-        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data.jsonl\n"
-        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
-    )
-    (folder / "data.jsonl").write_text("".join(json.dumps({"q": f"q{i}", "a": answers}) + "\n" for i in range(items)))
+    task = {**TASK_CONFIG, "task": name, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}"}
+    folder = write_eval_set(root, name, task, [{"q": f"q{i}", "a": answers} for i in range(items)])
     (folder / "utils.py").write_text("def process(doc):\n    return doc\n")
     return validate_eval_set(folder)
+
+
+# --------------------------------------------------------------------------------- model folders
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
+    "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "dtype": "bfloat16",
+}
+
+
+def make_model(folder: Path, *, manifest: bool = False) -> Path:
+    """A model folder the runner and the planner (the default policy's fit check) can read; no real weights."""
+    import numpy
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    save_file({"lm_head.weight": numpy.full((4, 4), len(folder.name), dtype=numpy.float16)}, str(folder / "model.safetensors"))
+    if manifest:
+        (folder / "manifest.json").write_text(json.dumps({MANIFEST_FILES_KEY: file_hashes(folder)}))
+    return folder
+
+
+def write_serve_python(venv: Path, script: str) -> Path:
+    """A stand-in serve environment: venv/bin/python is the shell `script` (point QUANTGATE_SERVE_VENV at venv)."""
+    python = venv / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(script)
+    python.chmod(0o755)
+    return python
+
+
+# --------------------------------------------------------------------------------- the serving stack
+
+
+class FakeStack:
+    """Stands in for vLLM + lm-eval + the KL requests; `lost` candidate items score 0, `renamed` change doc_hash."""
+
+    def __init__(self) -> None:
+        self.starts: list[str] = []
+        self.scored: list[tuple[str, list[str]]] = []
+        self.lost = 0
+        self.renamed: set[int] = set()
+        self.fail_candidate: BaseException | None = None
+
+    @contextmanager
+    def server(self, model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None):
+        self.starts.append(served_name)
+        log_path.write_text(f"fake vLLM serving {model_dir}\n")
+        yield SimpleNamespace(served_name=served_name, model_dir=model_dir, startup_s=1.5)
+
+    def score(self, server, tokenizer_dir, eval_sets, include_dir, work_dir) -> dict[str, SetScore]:
+        assert all((include_dir / s.task_yaml.name).is_file() for s in eval_sets), "tasks not materialized"
+        if server.served_name == "candidate" and self.fail_candidate is not None:
+            raise self.fail_candidate
+        self.scored.append((server.served_name, [s.name for s in eval_sets]))
+        return {s.name: self._set_score(s, server.served_name) for s in eval_sets}
+
+    def _set_score(self, eval_set: EvalSet, served_name: str) -> SetScore:
+        candidate = served_name == "candidate"
+        items = [
+            ItemScore(
+                doc_id=i, doc_hash=f"{eval_set.name}-{i}" + ("-other" if candidate and i in self.renamed else ""),
+                value=0.0 if candidate and i < self.lost else 1.0,
+            )
+            for i in range(N_ITEMS)
+        ]
+        return SetScore(
+            eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=eval_set.metric,
+            score=sum(item.value for item in items) / N_ITEMS, n=N_ITEMS, items=items, wall_s=0.1,
+        )
+
+    @staticmethod
+    def references(server, prompts, *, add_special_tokens: bool = True) -> list[Reference]:
+        return [Reference(doc_id=i, prompt_ids=[1, 2], generated_ids=[7], baseline_topk=[{TOKEN: math.log(0.9)}]) for i, _ in prompts]
+
+    @staticmethod
+    def topk(server, references) -> list[list[dict[str, float]]]:
+        return [[{TOKEN: math.log(0.9)}] for _ in references]
+
+
+def gate_workspace(root: Path) -> SimpleNamespace:
+    """A baseline, a verified artifact and an eval set under root; runs and registry paths beside them."""
+    return SimpleNamespace(
+        root=root,
+        baseline=make_model(root / "models" / "demo-llama"),
+        artifact=make_model(root / "candidates" / "w8a8-0123", manifest=True),
+        eval_set=make_eval_set(root / "eval_sets"),
+        runs=root / "runs",
+        registry=root / "registry.db",
+    )
+
+
+def gate_settings(
+    ws: SimpleNamespace, *, eval_set: EvalSet | None = None, serve: ServeSettings | None = None, registry: bool = True,
+) -> runner.GateSettings:
+    return runner.GateSettings(
+        eval_sets=[eval_set or ws.eval_set], policy=load_policy(DEFAULT_POLICY), policy_path=DEFAULT_POLICY,
+        serve=serve or ServeSettings(), registry_path=ws.registry if registry else None,
+        runs_dir=ws.runs, cache_dir=ws.root / "cache",
+    )

@@ -6,7 +6,8 @@ A candidate is described by the true drop D (points of a pass/fail metric) and t
 (the fraction of items on which it disagrees with the baseline): right->wrong with probability
 (psi + D)/2 and wrong->right with (psi - D)/2 per item. The baseline's own score is held at
 `--baseline-score` (round(score x n) items right: the gate conditions on the baseline it has), so
-losses are drawn among the baseline's right items and gains among its wrong ones. Each simulated set is judged by `pipelines.gate.judge_set` with the policy's rules
+losses are drawn among the baseline's right items and gains among its wrong ones. Each simulated set is judged by
+`pipelines.gate.judge_set` with the policy's rules
 for that set (memoised on the 2x2 table, which is all the binary rules read), so the figures are the
 gate's own, not a model of it. KL is not simulated (its rule is checked as "not measured").
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ def cell_probabilities(drop: float, discordance: float, baseline_score: float) -
     return None if (cells < -1e-12).any() else cells.clip(0.0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _promotes(rules: SetPolicy, both_right: int, lose: int, gain: int, both_wrong: int) -> bool:
     pairs = [(1.0, 1.0)] * both_right + [(1.0, 0.0)] * lose + [(0.0, 1.0)] * gain + [(0.0, 0.0)] * both_wrong
     items = [PairedItem(item_id=str(i), baseline=b, candidate=c) for i, (b, c) in enumerate(pairs)]
@@ -74,7 +75,7 @@ def promote_rate(rules: SetPolicy, n: int, drop: float, discordance: float, *, b
     if simulated is None:
         return None
     tables, counts = simulated
-    passed = sum(int(count) for table, count in zip(tables, counts) if _promotes(rules, *map(int, table)))
+    passed = sum(int(count) for table, count in zip(tables, counts, strict=True) if _promotes(rules, *map(int, table)))
     return passed / reps
 
 
@@ -84,7 +85,7 @@ def coverage(n: int, drop: float, discordance: float, *, reps: int, seed: int = 
     assert cells is not None
     tables, counts = np.unique(np.random.default_rng(seed).multinomial(n, cells, size=reps), axis=0, return_counts=True)
     hits = 0
-    for (_, lose, gain, _), count in zip(tables, counts):
+    for (_, lose, gain, _), count in zip(tables, counts, strict=True):
         low, high = stats.tango_interval(int(lose), int(gain), n)
         hits += int(count) * (low - 1e-12 <= -drop <= high + 1e-12)
     return hits / reps

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from pipelines.manifest import read_model_config
-from pipelines.planner import model_shape, predict_weight_bytes
+from pipelines.artifact import Manifest, read_manifest, read_model_config
+from pipelines.gate import GateReport, load_report
+from pipelines.planner import GiB, model_shape, predict_weight_bytes
 from pipelines.recipe import load_recipe
 
 REAL_SETS = "retail_sentiment,retail_faulty_item,retail_order_id"
@@ -33,8 +34,8 @@ class RecipeRun(BaseModel):
     exit_code: int
     stderr_lines: int
     wall_s: float
-    gate: dict | None = None
-    manifest: dict | None = None
+    gate: GateReport | None = None
+    manifest: Manifest | None = None
     error: str | None = None
 
 
@@ -52,10 +53,12 @@ def run_recipe(recipe: str, model: Path, sets: str) -> RecipeRun:
                          error=(done.stderr.strip().splitlines() or ["no output"])[-1])
     if "error" in outcome:
         return RecipeRun(recipe=recipe, exit_code=done.returncode, stderr_lines=stderr_lines, wall_s=wall_s, error=outcome["error"])
-    gate = json.loads(Path(outcome["gate_json"]).read_text())
-    manifest_path = Path(outcome["artifact_dir"]) / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-    return RecipeRun(recipe=recipe, exit_code=done.returncode, stderr_lines=stderr_lines, wall_s=wall_s, gate=gate, manifest=manifest)
+    return RecipeRun(recipe=recipe, exit_code=done.returncode, stderr_lines=stderr_lines, wall_s=wall_s,
+                     gate=load_report(Path(outcome["gate_json"])), manifest=read_manifest(Path(outcome["artifact_dir"])))
+
+
+def _or_dash(count: int | None) -> str:
+    return "-" if count is None else str(count)
 
 
 def _mb(count: int) -> str:
@@ -71,16 +74,15 @@ def table(runs: list[RecipeRun], model: Path) -> str:
             rows.append(f"| {run.recipe} | error (exit {run.exit_code}): {run.error} | | | | | {run.stderr_lines} |")
             continue
         sets = "<br>".join(
-            f"{s['eval_set']}: {s['baseline_score']:.1f} → {s['candidate_score']:.1f} "
-            f"({s.get('flips_right_to_wrong', '-')}/{s.get('flips_wrong_to_right', '-')}, "
-            f"KL {s['kl_mean']:.3f})" if s.get("kl_mean") is not None else
-            f"{s['eval_set']}: {s['baseline_score']:.1f} → {s['candidate_score']:.1f}"
-            for s in run.gate["gate"]["sets"])
-        predicted = predict_weight_bytes(shape, load_recipe(run.recipe)[0]).total_bytes
-        measured = run.manifest["weight_bytes"]["after"]
+            f"{s.eval_set}: {s.baseline_score:.1f} → {s.candidate_score:.1f} "
+            f"({_or_dash(s.flips_right_to_wrong)}/{_or_dash(s.flips_wrong_to_right)}, KL {s.kl_mean:.3f})" if s.kl_mean is not None else
+            f"{s.eval_set}: {s.baseline_score:.1f} → {s.candidate_score:.1f}"
+            for s in run.gate.gate.sets)
+        predicted = predict_weight_bytes(shape, load_recipe(run.recipe).recipe).total_bytes
+        measured = run.manifest.weight_bytes.after
         rows.append(
-            f"| {run.recipe} | {run.gate['gate']['verdict']} | {sets} | {run.manifest['wall_time_s']:.0f} s | "
-            f"{run.manifest['peak_memory']['bytes'] / 2**30:.2f} GiB | {_mb(measured)} ({_mb(predicted)}, "
+            f"| {run.recipe} | {run.gate.gate.verdict} | {sets} | {run.manifest.wall_time_s:.0f} s | "
+            f"{run.manifest.peak_memory.bytes / GiB:.2f} GiB | {_mb(measured)} ({_mb(predicted)}, "
             f"{measured / predicted - 1:+.1%}) | {run.stderr_lines} |")
     return "\n".join(rows)
 

@@ -12,7 +12,7 @@ from pipelines.paths import EVAL_SETS_DIR
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("eval-sets", help="list and validate the business eval sets")
+    parser = subparsers.add_parser("eval-sets")  # its summary: pipelines.cli.COMMANDS
     actions = parser.add_subparsers(dest="eval_sets_action", metavar="ACTION", required=True)
     for name, handler, text in (
         ("list", list_sets, "list the eval sets and calibration sets"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import library_output_on_stderr
+from pipelines.commands.common import library_output_on_stderr
 from pipelines.job import JobSummary, run_job
 from pipelines.output import console, emit, table
 from pipelines.progress import add_verbose_option
@@ -24,7 +24,8 @@ def _render(summary: JobSummary) -> None:
         [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", reasons_by_set(r.reasons)]
         for r in summary.results
     ]
-    console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", ["model", "recipe", "verdict", "registry version", "wall s", "reasons"], rows))
+    columns = ["model", "recipe", "verdict", "registry version", "wall s", "reasons"]
+    console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", columns, rows))
     if any(r.reasons for r in summary.results):
         console.print("Every reason: gate.json and report.md in each candidate's run folder (--json lists them all).")
 
@@ -37,7 +38,7 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("job", help="run a job file: many models x recipes, continue past failures, one summary")
+    parser = subparsers.add_parser("job")  # its summary: pipelines.cli.COMMANDS
     parser.add_argument("file", type=Path, help="job YAML (see jobs/demo.yaml)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_verbose_option(parser)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import library_output_on_stderr
+from pipelines.commands.common import library_output_on_stderr
 from pipelines.models import AddResult, ModelInfo, add_model, list_models
 from pipelines.output import console, emit, progress, table
 from pipelines.paths import MODELS_DIR
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("models", help="add a real pretrained model (from a GGUF) under models/, list them")
+    parser = subparsers.add_parser("models")  # its summary: pipelines.cli.COMMANDS
     actions = parser.add_subparsers(dest="models_action", metavar="ACTION", required=True)
 
     add = actions.add_parser(

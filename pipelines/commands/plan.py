@@ -37,11 +37,12 @@ from pipelines.planner import (
     plan,
 )
 from pipelines.recipe import load_recipe
+from pipelines.targets import TARGET_HELP, parse_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "plan", help="memory plan: weights, KV cache, activations, overhead; does it fit the GPU?",
+        "plan",  # its summary: pipelines.cli.COMMANDS
         description="Plan GPU memory for the 16-bit model and each recipe from config.json alone "
                     "(weights measured exactly from safetensors headers when the files are there).",
     )
@@ -70,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fixed CUDA context and workspaces (default %(default)s)")
     parser.add_argument("--max-gpu-memory-utilization", type=float_arg(0, 1, low_open=True), default=defaults.max_gpu_memory_utilization,
                         metavar="F", help="share of device memory a plan may use (default %(default)s)")
+    parser.add_argument("--target", metavar="TARGET",
+                        help=f"check recipes against this serve target's vLLM kernels: {TARGET_HELP} (default: the "
+                             "GPU's compute capability from the table, else the installed serve environment's)")
     parser.add_argument("--list-gpus", action="store_true", help="print the known GPUs and exit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=run)
@@ -83,10 +87,11 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is None and args.gpu_memory_gib is None:
         raise InputError("give --gpu NAME or --gpu-memory-gib GIB (see --list-gpus)", field="gpu")
     gpu = gpu_spec(args.gpu, args.gpu_memory_gib, args.gpu_bandwidth_gbs)
-    recipes = [None, *(load_recipe(name)[0] for name in args.recipe)]
+    recipes = [None, *(load_recipe(name).recipe for name in args.recipe)]
     result = plan(
         config, recipes, gpu, _max_model_len(args, config), args.concurrency, artifact_dir,
         settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype,
+        target=parse_target(args.target) if args.target else None,
     )
     emit(result, as_json=args.json, render=render_plan)
     return 0

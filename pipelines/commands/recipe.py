@@ -9,10 +9,11 @@ from pipelines.compiler import CompiledRecipe, compile_file
 from pipelines.output import console, emit, say, table
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import load_recipe, shipped_recipes
+from pipelines.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("recipe", help="list, show and validate quantization recipes")
+    parser = subparsers.add_parser("recipe")  # its summary: pipelines.cli.COMMANDS
     actions = parser.add_subparsers(dest="recipe_action", metavar="ACTION", required=True)
 
     listing = actions.add_parser("list", help="the shipped recipes under recipes/")
@@ -26,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         sub = actions.add_parser(name, help=text)
         sub.add_argument("recipe", help="a shipped recipe name (w8a8) or a YAML file")
         sub.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help=f"model folder (default: {DEMO_MODEL_DIR})")
+        sub.add_argument("--target", metavar="TARGET",
+                         help=f"the serve target whose vLLM kernels to check against: {TARGET_HELP} "
+                              "(default: the installed serve environment's)")
         sub.add_argument("--json", action="store_true", help="print JSON on stdout")
         sub.set_defaults(handler=handler)
 
@@ -33,13 +37,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def list_recipes(args: argparse.Namespace) -> int:
     rows = []
     for name in shipped_recipes():
-        recipe, path, _ = load_recipe(name)
+        loaded = load_recipe(name)
+        recipe = loaded.recipe
         rows.append({
-            "name": recipe.name, "file": str(path), "algorithm": recipe.algorithm.method, "description": recipe.description,
+            "name": recipe.name, "file": str(loaded.path), "algorithm": recipe.algorithm.method, "description": recipe.description,
             "base": recipe.base, "tags": recipe.tags,
         })
-    emit(rows, as_json=args.json, render=lambda r: say(table(None, ["name", "algorithm", "description"], [[x["name"], x["algorithm"], x["description"]] for x in r])))
+    emit(rows, as_json=args.json, render=_render_list)
     return 0
+
+
+def _render_list(rows: list[dict]) -> None:
+    say(table(None, ["name", "algorithm", "description"], [[row["name"], row["algorithm"], row["description"]] for row in rows]))
 
 
 def show_recipe(args: argparse.Namespace) -> int:
@@ -49,16 +58,25 @@ def show_recipe(args: argparse.Namespace) -> int:
 
 
 def validate_recipe(args: argparse.Namespace) -> int:
-    compiled = _compile(args)
-    result = {"recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "valid": True, "layers": compiled.layers}
+    target = _target(args)
+    compiled = compile_file(args.recipe, args.model, target)  # bad input is named before the target is looked up
+    result = {
+        "recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "target": str(target or installed_target()),
+        "valid": True, "layers": compiled.layers,
+    }
     emit(result, as_json=args.json, render=_render_layers)
     return 0
 
 
 def _compile(args: argparse.Namespace) -> CompiledRecipe:
-    return compile_file(args.recipe, args.model)
+    return compile_file(args.recipe, args.model, _target(args))
+
+
+def _target(args: argparse.Namespace) -> ServeTarget | None:
+    """--target, or None: the compiler then checks against the installed serve environment's."""
+    return parse_target(args.target) if args.target else None
 
 
 def _render_layers(result: dict) -> None:
-    say(f"{result['file']}: valid for {result['model']}")
+    say(f"{result['file']}: valid for {result['model']} on {result['target']}")
     say(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))

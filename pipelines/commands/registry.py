@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from pipelines.artifact import read_json_object
 from pipelines.cli import int_arg
 from pipelines.errors import InputError
 from pipelines.output import emit, say, table
-from pipelines.registry import AliasTarget, Event, Registry, Version, gate_verdict
-from pipelines.yamlio import MAX_JSON_BYTES, read_user_text
+from pipelines.registry import AliasTarget, Event, Registry, Version
+from pipelines.yamlio import MAX_JSON_BYTES
 
 MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
 version_number = int_arg(1, MAX_VERSION)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("registry", help="the model registry: versions, status, aliases, history")
+    parser = subparsers.add_parser("registry")  # its summary: pipelines.cli.COMMANDS
     actions = parser.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
 
     def action(name: str, help_text: str, handler) -> argparse.ArgumentParser:
@@ -116,11 +116,11 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _export_mlflow(args: argparse.Namespace) -> int:
-    from pipelines.mlflow_export import DEFAULT_TRACKING_URI, export_to_mlflow
+    from pipelines.mlflow_export import export_to_mlflow
 
     wanted = version_or_alias(args.version)
     version = _open(args).resolve(args.model, wanted)
-    result = export_to_mlflow(version, tracking_uri=args.tracking_uri or DEFAULT_TRACKING_URI, alias=args.alias)
+    result = export_to_mlflow(version, tracking_uri=args.tracking_uri, alias=args.alias)
 
     def render(value: Any) -> None:
         state = "already exported as" if value.reused else "exported as"
@@ -163,22 +163,8 @@ def _open(args: argparse.Namespace) -> Registry:
     return Registry(args.registry)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
 def _read_evidence(path: Path) -> dict[str, Any]:
-    text = read_user_text(path, what="evidence", field="--evidence", max_bytes=MAX_JSON_BYTES)
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as error:
-        raise InputError(f"evidence is not valid JSON ({error})", file=path, field="--evidence") from None
-    except (ValueError, RecursionError) as error:
-        reason = "nested too deep" if isinstance(error, RecursionError) else str(error)
-        raise InputError(f"evidence is not valid JSON ({reason})", file=path, field="--evidence") from None
-    if not isinstance(value, dict):
-        raise InputError("evidence must be a JSON object", file=path, field="--evidence")
-    return value
+    return read_json_object(path, what="evidence", field="--evidence", max_bytes=MAX_JSON_BYTES)[0]
 
 
 def _render_versions(versions: list[Version]) -> None:
@@ -200,9 +186,18 @@ def _render_version(version: Version) -> None:
         ["recipe", f"{version.recipe_name} ({version.recipe_hash[:12]})"],
         ["eval sets", ", ".join(f"{ref.name} ({ref.hash[:12]})" for ref in version.eval_sets) or "-"],
         ["gate evidence", version.gate_path or "-"], ["gate verdict", _verdict(version) or "-"],
+        ["load test", _performance(version)],
         ["created (UTC)", version.created_at], ["updated (UTC)", version.updated_at],
     ]
     say(table(f"{version.model} v{version.version}", ["field", "value"], rows))
+
+
+def _performance(version: Version) -> str:
+    """The load test's headline from the version's gate evidence (docs/loadtest.md), or '-'."""
+    from pipelines.loadtest.render import headline
+
+    performance = version.gate.performance if version.gate is not None else None
+    return headline(performance) if performance is not None else "-"
 
 
 def _render_alias(target: AliasTarget) -> None:
@@ -230,4 +225,4 @@ def _move(event: Event) -> str:
 
 
 def _verdict(version: Version) -> str:
-    return gate_verdict(version.gate) or ""
+    return version.verdict or ""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.commands.gate import add_gate_options, gate_settings, print_outcome, library_output_on_stderr
+from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
+from pipelines.commands.repair import add_repair_options
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import FROM_EVAL_SETS
 from pipelines.runner import quantize_and_gate
@@ -19,13 +20,19 @@ def handle(args: argparse.Namespace) -> int:
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration
+    if args.repair:  # a bad ladder or budget fails before quantizing too
+        from pipelines.commands.repair import check_ladder, repair_after
+
+        check_ladder(args)
     with library_output_on_stderr():
         outcome = quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force, **extra)
+    if args.repair and outcome.verdict == "rejected":
+        return repair_after(outcome, settings, args)
     return print_outcome(outcome, args.json)
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("run", help="quantize, serve, score and gate one model with one recipe (the default command)")
+    parser = subparsers.add_parser("run")  # its summary: pipelines.cli.COMMANDS
     parser.add_argument("--recipe", required=True, help="a shipped recipe (w8a8, w4a16, gptq, aggressive) or a YAML path")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="16-bit source model folder (default: the demo model)")
     parser.add_argument(
@@ -34,5 +41,8 @@ def register(subparsers) -> None:
              f"or {FROM_EVAL_SETS} (the prompts of each scored set's held-out calibration.jsonl; docs/calibration.md)",
     )
     parser.add_argument("--force", action="store_true", help="re-quantize even if an identical artifact exists")
+    parser.add_argument("--repair", action="store_true",
+                        help="when the gate rejects, search for the smallest artifact that passes (docs/repair.md; exit 0 found, 1 not)")
+    add_repair_options(parser)
     add_gate_options(parser)
     parser.set_defaults(handler=handle)

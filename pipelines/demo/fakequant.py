@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ def quantize_dequantize(weight: torch.Tensor, bits: int, group_size: int | None)
 
 def fake_quantized(model: nn.Module, scheme: RtnScheme) -> nn.Module:
     """A copy of `model` whose decoder-layer Linear weights went through quantize-dequantize."""
-    clone = copy.deepcopy(model)
+    clone: Any = copy.deepcopy(model)  # a transformers model: `.model.layers` is found at run time
     with torch.no_grad():
         for module in clone.model.layers.modules():
             if isinstance(module, nn.Linear):

@@ -16,14 +16,19 @@ The product is unchanged; with a power of two the rescaling is exact in bf16 and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+# A transformers module (model, decoder layer, norm): submodules and parameters are found by name at run time.
+HFModule = Any
 
 CHANNELS = slice(0, 128)  # one whole group of 128 input columns: group-wise scales are unaffected
 FACTOR = 16.0
 
 
-def _readers(layer: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
+def _readers(layer: HFModule) -> list[tuple[HFModule, list[nn.Linear]]]:
     attention, mlp = layer.self_attn, layer.mlp
     return [
         (layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
@@ -32,7 +37,7 @@ def _readers(layer: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
 
 
 @torch.no_grad()
-def add_outlier_channels(model: nn.Module, factor: float = FACTOR, channels: slice = CHANNELS) -> None:
+def add_outlier_channels(model: HFModule, factor: float = FACTOR, channels: slice = CHANNELS) -> None:
     """Rescale in place: norm gain x factor, reading weight columns / factor (the function is unchanged)."""
     for layer in model.model.layers:
         for norm, linears in _readers(layer):
@@ -42,7 +47,7 @@ def add_outlier_channels(model: nn.Module, factor: float = FACTOR, channels: sli
 
 
 @torch.no_grad()
-def column_scale_ratio(model: nn.Module, channels: slice = CHANNELS) -> float:
+def column_scale_ratio(model: HFModule, channels: slice = CHANNELS) -> float:
     """Median, over the reading Linear layers, of max|W| outside `channels` / max|W| inside them."""
     ratios = [
         float(linear.weight[:, channels.stop :].abs().max() / linear.weight[:, channels].abs().max())

@@ -47,10 +47,10 @@ def multiple_choice_accuracy(
     choices: list[list[str]],
     labels: list[int],
 ) -> list[bool]:
-    rows = [_continuation_ids(tokenizer, p, " " + c) for p, options in zip(prompts, choices) for c in options]
+    rows = [_continuation_ids(tokenizer, p, " " + c) for p, options in zip(prompts, choices, strict=True) for c in options]
     scores = iter(_sequence_logprobs(model, rows, tokenizer.pad_token_id))
     correct = []
-    for options, label in zip(choices, labels):
+    for options, label in zip(choices, labels, strict=True):
         option_scores = [next(scores) for _ in options]
         correct.append(max(range(len(options)), key=option_scores.__getitem__) == label)
     return correct
@@ -67,7 +67,7 @@ def greedy_generations(
         batch = tokenizer(
             prompts[start : start + _BATCH], add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
         )
-        generated = model.generate(
+        generated = model.generate(  # type: ignore[operator]  # GenerationMixin's, which mypy resolves through nn.Module.__getattr__
             **batch,
             max_new_tokens=max_new_tokens,
             do_sample=False,
@@ -88,4 +88,4 @@ def exact_match(
     max_new_tokens: int,
 ) -> list[bool]:
     generations = greedy_generations(model, tokenizer, prompts, max_new_tokens)
-    return [out.strip() == answer.strip() for out, answer in zip(generations, answers)]
+    return [out.strip() == answer.strip() for out, answer in zip(generations, answers, strict=True)]

@@ -9,7 +9,7 @@ No BOS is added: the server, lm-eval and the training loop all see exactly the p
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

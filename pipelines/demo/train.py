@@ -19,9 +19,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import yaml
@@ -72,7 +72,7 @@ def model_config(vocab_size: int) -> LlamaConfig:
         max_position_embeddings=512,
         tie_word_embeddings=False,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -103,7 +103,7 @@ def training_examples(
     """(prompt, answer) pairs; items whose key is held out (eval or calibration) are redrawn."""
     rng = random.Random(seed)
     names = list(weights)
-    examples = []
+    examples: list[tuple[str, str]] = []
     while len(examples) < count:
         task = workload.TASKS[rng.choices(names, weights=[weights[n] for n in names])[0]]
         item = task.make_item(rng)
@@ -134,9 +134,9 @@ def encode(tokenizer: PreTrainedTokenizerBase, examples: list[tuple[str, str]]) 
     prompts = tokenizer([p for p, _ in examples], add_special_tokens=False).input_ids
     wholes = tokenizer([f"{p} {a}\n" for p, a in examples], add_special_tokens=False).input_ids
     encoded = []
-    for context, whole in zip(prompts, wholes):
+    for context, whole in zip(prompts, wholes, strict=True):
         assert whole[: len(context)] == context, "prompt and prompt+answer tokenize inconsistently"
-        encoded.append((whole + [tokenizer.eos_token_id], len(context)))
+        encoded.append(([*whole, tokenizer.eos_token_id], len(context)))
     return encoded
 
 
@@ -355,7 +355,7 @@ def training_report(
 
 
 def save_model(model: LlamaForCausalLM, tokenizer, folder: Path) -> None:
-    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)  # type: ignore[arg-type]  # transformers' typed `to` wrapper
     model.float()
     tokenizer.save_pretrained(folder)
 

@@ -50,7 +50,7 @@ def test_predicted_weight_bytes_match_the_quantized_files(workspace, recipe_name
     # The session's artifacts root: an artifact another test (or run) already made is reused, not redone.
     artifact = quantize_model(recipe_name, DEMO_MODEL_DIR, artifacts_root=workspace.artifacts).artifact_dir
 
-    recipe, _, _ = load_recipe(recipe_name)
+    recipe = load_recipe(recipe_name).recipe
     predicted = predict_weight_bytes(model_shape(*load_config(DEMO_MODEL_DIR)), recipe).total_bytes
     measured = safetensors_bytes(artifact)
     assert abs(predicted - measured) <= 0.02 * measured, (recipe_name, predicted, measured)

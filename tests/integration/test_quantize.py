@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from pipelines.artifact import MANIFEST_NAME, artifact_file_hashes
 from pipelines.errors import InputError
 from pipelines.evalsets import load_calibration_texts
-from pipelines.manifest import MANIFEST_NAME, artifact_file_hashes
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
 from pipelines.quantize import QuantizeResult, calibration_dataset, quantize_model
 
@@ -67,7 +67,7 @@ def tensors(artifact: Path) -> dict:
     out = {}
     for path in sorted(artifact.glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:
-            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118 (a safetensors handle)
     return out
 
 

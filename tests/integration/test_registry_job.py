@@ -5,6 +5,9 @@ It shares the session's artifacts root with test_pipeline.py: the w8a8 and aggre
 baseline's scores are reused from their caches. To keep it to a few minutes it gates on one set the
 aggressive recipe failed on (one that tells the recipes apart). Each recipe's run serves its artifact on
 vLLM and scores it, which is also the check that vLLM loads and answers every shipped recipe's artifact.
+The job's policy is the default one with the load test off (`performance: {enabled: false}`): it would start
+the baseline server again for every promoted candidate, minutes of CI for what tests/integration/test_loadtest.py
+already checks on the session's w8a8 run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = pytest.mark.integration
 
@@ -27,11 +31,13 @@ def job_file(workspace, aggressive_run) -> Path:
     assert aggressive_run.code == 1, aggressive_run.describe()
     report = json.loads(Path(aggressive_run.json["gate_json"]).read_text())
     deciding = [s["eval_set"] for s in report["gate"]["sets"] if not s["passed"]]
+    policy = workspace.root / "job-policy.yaml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace("performance:\n  enabled: true", "performance:\n  enabled: false"))
     path = workspace.root / "demo-job.yaml"
     path.write_text(
         "name: integration-demo\n"
         f"registry: {workspace.registry_path}\n"
-        f"defaults:\n  eval_sets: [{deciding[0]}]\n"
+        f"defaults:\n  eval_sets: [{deciding[0]}]\n  policy: {policy}\n"
         f"candidates:\n  - model: {DEMO_MODEL_DIR}\n    recipes: [{', '.join(RECIPES)}]\n"
     )
     return path

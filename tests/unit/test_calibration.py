@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes import make_model
 
 from pipelines import cli, quantize, runner
 from pipelines.commands import run as run_command
@@ -25,8 +26,6 @@ from pipelines.quantize import (
 )
 from pipelines.recipe import Calibration
 from pipelines.runner import RunOutcome
-
-from test_runner import make_model
 
 ROUTING_YAML = """task: routing
 dataset_path: json

@@ -33,7 +33,7 @@ def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
 
 @pytest.fixture(autouse=True)
 def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [])
+    monkeypatch.setattr(runner, "discover_eval_sets", list)
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "library-logs-root"))  # library logs stay out of the repository
 
 
@@ -203,7 +203,9 @@ def test_a_serving_failure_exits_2_with_one_line(capsys, monkeypatch):
     monkeypatch.setattr(run_command, "quantize_and_gate", failing)
     code, out, err = run_cli(capsys, "--recipe", "w8a8", "--no-registry")
     assert code == 2 and out == ""
-    assert error_lines(err) == ["quantize: error: run/candidate-server.log: vLLM exited during start-up (exit code 1): ValueError: unknown architecture"]
+    assert error_lines(err) == [
+        "quantize: error: run/candidate-server.log: vLLM exited during start-up (exit code 1): ValueError: unknown architecture",
+    ]
 
 
 def test_gate_takes_the_recipe_name_from_the_manifest(capsys, recorded, tmp_path):
@@ -250,10 +252,12 @@ def fake_quantize(tmp_path: Path, code: int, verdict: str = "promoted") -> Path:
     sets = [{"eval_set": "tickets", "metric": "exact_match", "baseline_score": 90.0, "candidate_score": 80.0,
              "delta": -10.0, "ci_low": -14.0, "ci_high": -6.0, "passed": verdict == "promoted"}]
     reasons = [] if verdict == "promoted" else ["tickets: drop 10.00 points > max_abs_drop 2.0"]
-    gate_json.write_text(json.dumps({"gate": {"verdict": verdict, "reasons": reasons, "warnings": ["tickets: 120 items < min_items 200"], "sets": sets}}))
+    warnings = ["tickets: 120 items < min_items 200"]
+    gate_json.write_text(json.dumps({"gate": {"verdict": verdict, "reasons": reasons, "warnings": warnings, "sets": sets}}))
     script = tmp_path / "quantize"
     outcome = json.dumps({"verdict": verdict, "gate_json": str(gate_json)})
-    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\n" + (f"echo '{outcome}'\n" if code in (0, 1) else "echo 'quantize: error: boom' >&2\n") + f"exit {code}\n")
+    prints = f"echo '{outcome}'\n" if code in (0, 1) else "echo 'quantize: error: boom' >&2\n"
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\n" + prints + f"exit {code}\n")
     script.chmod(0o755)
     return script
 
@@ -288,10 +292,8 @@ def test_the_ci_example_script_follows_the_exit_code_and_gate_json(tmp_path, cod
 @pytest.fixture
 def logs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The artifacts root internal-error tracebacks go under (logs/), private to the test."""
-    from pipelines import paths
-
     root = tmp_path / "artifacts"
-    monkeypatch.setattr(paths, "ARTIFACTS_DIR", root)
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(root))
     return root
 
 
@@ -326,11 +328,9 @@ def test_an_internal_error_with_json_is_one_object_on_stdout(capsys, monkeypatch
 def test_the_traceback_goes_to_the_temporary_folder_when_the_artifacts_root_is_not_writable(capsys, monkeypatch, tmp_path):
     import tempfile
 
-    from pipelines import paths
-
     blocker = tmp_path / "artifacts-is-a-file"
     blocker.write_text("")
-    monkeypatch.setattr(paths, "ARTIFACTS_DIR", blocker)
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(blocker))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     crash_with(monkeypatch, RuntimeError("boom"))
@@ -389,6 +389,60 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, words):
     code, out, _ = run_cli(capsys, *with_json)
     document = json.loads(out)
     assert code == 2 and document["kind"] == "usage" and document["exit_code"] == 2 and words in document["error"]
+
+
+# --- the lazy command table ------------------------------------------------------------------------------------
+
+IMPORTED_COMMANDS = """
+import sys
+from pipelines import cli
+code = cli.main(sys.argv[1:])
+loaded = sorted(name for name, command in cli.COMMANDS.items() if command.module in sys.modules)
+print("LOADED", ",".join(loaded), code)
+"""
+
+
+def commands_loaded_by(tmp_path: Path, *argv: str) -> tuple[list[str], str]:
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    result = subprocess.run([sys.executable, "-c", IMPORTED_COMMANDS, *argv], capture_output=True, text=True, timeout=120, env=env)
+    last = result.stdout.strip().splitlines()[-1].split()
+    assert last[0] == "LOADED", result.stderr
+    return [name for name in last[1].split(",") if name] if len(last) == 3 else [], result.stdout
+
+
+def test_help_lists_every_command_of_the_table_and_imports_none(tmp_path):
+    loaded, out = commands_loaded_by(tmp_path, "--help")
+    assert loaded == [] and out.rstrip().endswith(" 0")
+    for name, command in cli.COMMANDS.items():
+        assert re.search(rf"^\s+{re.escape(name)}\s", out, re.MULTILINE), name
+        assert " ".join(command.summary.split()[:3]) in " ".join(out.split()), name
+
+
+def test_only_the_chosen_command_is_imported(tmp_path):
+    loaded, _ = commands_loaded_by(tmp_path, "eval-sets", "list", "--root", str(tmp_path))
+    assert loaded == ["eval-sets"]
+
+
+@pytest.mark.parametrize(("module", "words"), [
+    ("pipelines.commands.no_such_module", "command 'broken' cannot be loaded from pipelines.commands.no_such_module: ModuleNotFoundError"),
+    ("pipelines.output", "command 'broken': pipelines.output has no register(subparsers)"),
+])
+def test_a_command_that_cannot_load_is_an_internal_error_not_a_missing_command(capsys, monkeypatch, logs_root, module, words):
+    monkeypatch.setitem(cli.COMMANDS, "broken", cli.Command(module, "a command whose module is broken"))
+    code, out, err = run_cli(capsys, "broken")
+    (line,) = error_lines(err)
+    assert code == 2 and out == "" and line.startswith(f"quantize: internal error: CommandLoadError: {words}")
+    assert "Traceback (most recent call last)" in Path(line.rsplit("traceback in ", 1)[1].removesuffix(")")).read_text()
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and "a command whose module is broken" in out  # still listed: nothing is dropped
+
+
+def test_a_command_that_does_not_register_its_name_is_an_internal_error(capsys, monkeypatch, logs_root, tmp_path):
+    (tmp_path / "misnamed_command.py").write_text("def register(subparsers):\n    subparsers.add_parser('other-name')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "renamed", cli.Command("misnamed_command", "registers `other-name`, not `renamed`"))
+    code, _, err = run_cli(capsys, "renamed")
+    assert code == 2 and "command 'renamed': misnamed_command.register() did not add it" in err
 
 
 def test_json_input_errors_name_file_and_field(capsys, recorded, tmp_path):

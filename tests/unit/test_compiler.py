@@ -15,11 +15,13 @@ from pipelines.compiler import (
     CompiledRecipe,
     LinearInfo,
     ModelLayout,
+    cannot_apply,
     compile_recipe,
     layout_from_config,
 )
 from pipelines.errors import InputError
 from pipelines.recipe import load_recipe, parse_recipe
+from pipelines.targets import parse_target
 
 W8_DYNAMIC = {"weights": {"bits": 8}, "activations": {"granularity": "token", "dynamic": True}}
 W4_GROUP = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
@@ -64,7 +66,8 @@ def test_layout_of_the_demo_shape(layout: ModelLayout) -> None:
 
 
 def test_shipped_w8a8_compiles_to_smoothquant_then_gptq_with_mixed_activations(layout: ModelLayout) -> None:
-    recipe, path, _ = load_recipe("w8a8")
+    loaded = load_recipe("w8a8")
+    recipe, path = loaded.recipe, loaded.path
     compiled = compile_recipe(recipe, layout, path)
     modifiers = compiled.llmcompressor["quant_stage"]["quant_modifiers"]
     assert list(modifiers) == ["SmoothQuantModifier", "GPTQModifier"]
@@ -82,7 +85,8 @@ def test_shipped_w8a8_compiles_to_smoothquant_then_gptq_with_mixed_activations(l
 
 @pytest.mark.parametrize("name", ["w8a8", "w4a16", "gptq", "aggressive"])
 def test_every_shipped_recipe_claims_each_decoder_linear_once(layout: ModelLayout, name: str) -> None:
-    recipe, path, _ = load_recipe(name)
+    loaded = load_recipe(name)
+    recipe, path = loaded.recipe, loaded.path
     compiled = compile_recipe(recipe, layout, path)
     for info in layout.linears:
         assert claimed_by(compiled, info.name) == [info.kind], info.name
@@ -92,7 +96,8 @@ def test_every_shipped_recipe_claims_each_decoder_linear_once(layout: ModelLayou
 def test_compiled_yaml_is_an_llmcompressor_recipe(layout: ModelLayout) -> None:
     from llmcompressor.recipe import Recipe as LlmcRecipe
 
-    recipe, path, _ = load_recipe("gptq")
+    loaded = load_recipe("gptq")
+    recipe, path = loaded.recipe, loaded.path
     modifiers = LlmcRecipe.create_instance(compile_recipe(recipe, layout, path).yaml).modifiers
     (gptq,) = modifiers
     assert type(gptq).__name__ == "GPTQModifier"
@@ -162,15 +167,24 @@ def test_a_later_override_that_splits_fused_shards_is_the_one_named(layout: Mode
 @pytest.mark.parametrize(
     ("groups", "field", "fragment"),
     [
-        ({"attention": {"weights": {"bits": 4, "granularity": "group", "group_size": 96}}}, "groups.attention.weights.group_size", "does not divide the input size 256"),
+        (
+            {"attention": {"weights": {"bits": 4, "granularity": "group", "group_size": 96}}},
+            "groups.attention.weights.group_size", "does not divide the input size 256",
+        ),
         ({"mlp": {"weights": {"bits": 2, "granularity": "channel"}}}, "groups.mlp.weights.bits", "4 bits only"),
         ({"mlp": {"weights": {"bits": 3, "granularity": "group", "group_size": 128}}}, "groups.mlp.weights.bits", "4 bits only"),
         ({"mlp": {"weights": {"bits": 8, "granularity": "channel"}}}, "groups.mlp.weights.bits", "4 bits only"),
         ({"mlp": {"weights": {"bits": 4, "granularity": "tensor"}}}, "groups.mlp.weights.granularity", "channel' or 'group"),
         ({"mlp": {"weights": {"bits": 4}, "activations": {}}}, "groups.mlp.weights.bits", "8-bit weights"),
-        ({"mlp": {"weights": {"bits": 8, "granularity": "group", "group_size": 128}, "activations": {}}}, "groups.mlp.weights.granularity", "per channel"),
+        (
+            {"mlp": {"weights": {"bits": 8, "granularity": "group", "group_size": 128}, "activations": {}}},
+            "groups.mlp.weights.granularity", "per channel",
+        ),
         ({"mlp": {"weights": {"bits": 8, "symmetric": False}, "activations": {}}}, "groups.mlp.weights.symmetric", "symmetric"),
-        ({"mlp": {"weights": {"bits": 8}, "activations": {"granularity": "tensor", "dynamic": True}}}, "groups.mlp.activations.granularity", "dynamic"),
+        (
+            {"mlp": {"weights": {"bits": 8}, "activations": {"granularity": "tensor", "dynamic": True}}},
+            "groups.mlp.activations.granularity", "dynamic",
+        ),
         ({"mlp": W4_GROUP, "embeddings": {"quantize": True, "weights": {"bits": 8}}}, "groups.embeddings.quantize", "embeddings"),
         ({"mlp": W4_GROUP, "lm_head": {"quantize": True, "weights": {"bits": 2}}}, "groups.lm_head.weights.bits", "4 bits only"),
     ],
@@ -266,7 +280,8 @@ def config_groups(compiled: CompiledRecipe) -> dict:
 
 @pytest.mark.parametrize("name", ["w4a16", "gptq"])
 def test_shipped_four_bit_recipes_apply_to_a_hidden_576_model(smollm2: ModelLayout, name: str) -> None:
-    recipe, path, _ = load_recipe(name)
+    loaded = load_recipe(name)
+    recipe, path = loaded.recipe, loaded.path
     compiled = compile_recipe(recipe, smollm2, path)
     sizes = {info.name: info.in_features for info in smollm2.linears}
     for module, in_features in sizes.items():
@@ -284,7 +299,8 @@ def test_shipped_four_bit_recipes_apply_to_a_hidden_576_model(smollm2: ModelLayo
 
 @pytest.mark.parametrize("name", ["w4a16", "gptq"])
 def test_auto_compiles_the_demo_shape_exactly_as_group_128_did(layout: ModelLayout, name: str) -> None:
-    recipe, path, _ = load_recipe(name)
+    loaded = load_recipe(name)
+    recipe, path = loaded.recipe, loaded.path
     fixed = recipe.model_copy(update={"groups": recipe.groups.model_copy(update={
         kind: parse_recipe(recipe_text(), "x").groups.attention for kind in ("attention", "mlp")
     })})
@@ -345,14 +361,57 @@ def test_a_quantized_lm_head_takes_auto_from_its_own_input_size(smollm2: ModelLa
 def test_the_compiled_auto_recipe_is_an_llmcompressor_recipe(smollm2: ModelLayout) -> None:
     from llmcompressor.recipe import Recipe as LlmcRecipe
 
-    recipe, path, _ = load_recipe("gptq")
+    loaded = load_recipe("gptq")
+    recipe, path = loaded.recipe, loaded.path
     (gptq,) = LlmcRecipe.create_instance(compile_recipe(recipe, smollm2, path).yaml).modifiers
     assert {name: group.weights.group_size for name, group in gptq.config_groups.items()} == {"attention": 64, "mlp": 64, "mlp_1": 128}
 
 
 def test_cannot_apply_says_why_in_one_line(smollm2: ModelLayout) -> None:
-    from pipelines.compiler import cannot_apply
-
-    assert cannot_apply(load_recipe("w4a16")[0], smollm2) is None
+    assert cannot_apply(load_recipe("w4a16").recipe, smollm2) is None
     reason = cannot_apply(parse_recipe(recipe_text(), "x"), smollm2)
     assert reason.startswith("groups.attention.weights.group_size: group_size 128 does not divide the input size 576")
+
+
+# --- serve targets: the same recipe, checked against the CPU build or a GPU's kernels -------------------------
+
+W8A16 = {"weights": {"bits": 8, "granularity": "channel"}}
+
+
+def test_w8a16_is_refused_on_cpu_and_compiles_for_a_gpu(layout: ModelLayout) -> None:
+    text = recipe_text({"attention": W8A16, "mlp": W8A16})
+    error = compile_error(text, layout)  # the unit tests' installed target is the CPU build
+    assert error.field == "groups.attention.weights.bits" and "4 bits only" in error.message
+    compiled = compile_recipe(parse_recipe(text, "t.yaml"), layout, "t.yaml", parse_target("cuda:8.0"))
+    attention = config_groups(compiled)["attention"]
+    assert attention["weights"]["num_bits"] == 8 and "input_activations" not in attention
+    assert compiled.layers["model.layers.0.mlp.down_proj"] == "w8 channel sym / a16"
+
+
+def test_a_gpu_target_names_its_own_refusals(layout: ModelLayout) -> None:
+    recipe = parse_recipe(recipe_text({"attention": W4_GROUP, "mlp": W8A16}), "t.yaml")
+    assert cannot_apply(recipe, layout, "t.yaml", parse_target("cuda:8.9")) is None
+    assert "compute capability 7.5" in (cannot_apply(recipe, layout, "t.yaml", parse_target("cuda:7.0")) or "")
+    lm_head = parse_recipe(recipe_text({"mlp": W4_GROUP, "lm_head": {"quantize": True, "weights": {"bits": 3}}}), "t.yaml")
+    assert (cannot_apply(lm_head, layout, "t.yaml", parse_target("cuda:9.0")) or "").startswith("groups.lm_head.weights.bits:")
+
+
+def test_a_layer_the_cpu_kernel_cannot_take_serves_on_a_gpu() -> None:
+    odd = _layout([LinearInfo(name="model.layers.0.mlp.down_proj", in_features=768, out_features=808, kind="mlp", layer=0)])
+    recipe = parse_recipe(recipe_text({"mlp": W4_AUTO}), "t.yaml")
+    assert "multiples of 32" in (cannot_apply(recipe, odd) or "")
+    assert cannot_apply(recipe, odd, "t.yaml", parse_target("cuda:8.0")) is None  # Marlin zero-pads the tile
+
+
+def test_cli_validate_for_a_gpu_from_a_cpu_machine(tmp_path: Path, tiny_llama_config: dict, capsys: pytest.CaptureFixture) -> None:
+    model = _model_folder(tmp_path, tiny_llama_config)
+    w8a16 = tmp_path / "w8a16.yaml"
+    w8a16.write_text(recipe_text({"attention": W8A16, "mlp": W8A16}))
+    assert main(["recipe", "validate", "--target", "cuda:8.9", str(w8a16), "--model", str(model), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "cuda:8.9"
+    assert main(["recipe", "validate", str(w8a16), "--model", str(model)]) == 2
+    assert f"{w8a16}: groups.attention.weights.bits: vLLM CPU serves weight-only quantization at 4 bits only" in capsys.readouterr().err
+    assert main(["recipe", "validate", "--target", "cuda:7.0", str(w8a16), "--model", str(model)]) == 2
+    assert f"{w8a16}: groups.attention: vLLM's compressed-tensors int schemes need compute capability 7.5" in capsys.readouterr().err
+    assert main(["recipe", "validate", "--target", "gpu", str(w8a16), "--model", str(model)]) == 2
+    assert "target: unknown serve target 'gpu'" in capsys.readouterr().err

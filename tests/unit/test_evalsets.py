@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
+from fakes import TASK_CONFIG, write_eval_set
 
 from pipelines import evalsets
 from pipelines.cli import main
@@ -15,31 +17,15 @@ from pipelines.errors import InputError
 from pipelines.metrics import make_spec
 from pipelines.paths import EVAL_SETS_DIR
 
-GOOD_YAML = {
-    "task": "refunds",
-    "dataset_path": "json",
-    "dataset_kwargs": {"data_files": {"test": "data.jsonl"}},
-    "test_split": "test",
-    "output_type": "generate_until",
-    "doc_to_text": "Question: {{question}}\nAnswer:",
-    "doc_to_target": "answer",
-    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8},
-    "metric_list": [{"metric": "exact_match"}],
-}
+GOOD_YAML = {**TASK_CONFIG, "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8}, "metric_list": [{"metric": "exact_match"}]}
 GOOD_ITEMS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
 
 
 def write_set(
     root: Path, name: str = "refunds", config: dict | None = None, lines: list[str] | None = None, drop: tuple[str, ...] = (),
 ) -> Path:
-    folder = root / name
-    folder.mkdir(parents=True)
     config = {key: value for key, value in {**GOOD_YAML, "task": name, **(config or {})}.items() if key not in drop}
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    if lines is None:
-        lines = [json.dumps(item) for item in GOOD_ITEMS]
-    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
+    return write_eval_set(root, name, config, GOOD_ITEMS if lines is None else lines)
 
 
 def test_a_good_set_validates(tmp_path: Path) -> None:
@@ -248,7 +234,7 @@ def test_item_missing_a_template_field_names_the_line(tmp_path: Path) -> None:
 
 def test_item_missing_the_target_field(tmp_path: Path) -> None:
     lines = [json.dumps({"question": "q"})]
-    with pytest.raises(InputError, match="'answer'.*doc_to_target"):
+    with pytest.raises(InputError, match=r"'answer'.*doc_to_target"):
         evalsets.validate_eval_set(write_set(tmp_path, lines=lines))
 
 
@@ -285,7 +271,7 @@ def test_task_name_must_match_the_folder(tmp_path: Path) -> None:
 
 def test_folder_without_task_yaml(tmp_path: Path) -> None:
     (tmp_path / "loose").mkdir()
-    with pytest.raises(InputError, match="no task YAML loose.yaml"):
+    with pytest.raises(InputError, match=r"no task YAML loose\.yaml"):
         evalsets.validate_eval_set(tmp_path / "loose")
 
 
@@ -602,7 +588,7 @@ def test_chat_options_live_in_metadata(tmp_path: Path) -> None:
      "metadata.chat_template", "does not apply"),
 ])
 def test_bad_chat_options_are_refused_in_one_line(tmp_path: Path, config: dict, field: str, words: str) -> None:
-    config = {key: value for key, value in config.items()}
+    config = dict(config)
     folder = write_set(tmp_path, config=config)
     text = yaml.safe_load((folder / "refunds.yaml").read_text())
     (folder / "refunds.yaml").write_text(yaml.safe_dump({k: v for k, v in text.items() if v is not None}, sort_keys=False))
@@ -626,7 +612,8 @@ def test_requests_are_counted_per_item_and_choice(tmp_path: Path) -> None:
     per_item = [json.dumps({"question": "q", "options": ["a", "b", "c"][: i + 1], "label": 0}) for i in range(3)]
     mc_field = evalsets.validate_eval_set(write_set(tmp_path / "mcf", config={**MC_CONFIG, "doc_to_choice": "options"}, lines=per_item))
     assert mc_field.num_requests == 1 + 2 + 3
-    mutual = evalsets.validate_eval_set(write_set(tmp_path / "mi", config={**MC_CONFIG, "metric_list": [{"metric": "acc_mutual_info"}]}, lines=MC_ITEMS))
+    mutual_info = {**MC_CONFIG, "metric_list": [{"metric": "acc_mutual_info"}]}
+    mutual = evalsets.validate_eval_set(write_set(tmp_path / "mi", config=mutual_info, lines=MC_ITEMS))
     assert mutual.num_requests == 2 * 4 * 2
     rolling = {**ROLLING_CONFIG, "metric_list": [{"metric": "word_perplexity"}]}
     folder = write_set(tmp_path / "r", config=rolling)
@@ -671,3 +658,68 @@ def test_the_cli_exits_2_naming_a_selected_broken_set(tmp_path: Path, monkeypatc
     assert main(["--recipe", "w8a8", "--eval-sets", "broken", "--no-registry"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("quantize: error: ") and "broken/data.jsonl: line 1: invalid JSON" in line
+
+
+# ---------------------------------------------------------------- parsed once
+
+
+def counted_task_yaml_parses(monkeypatch, names: tuple[str, ...]) -> Counter:
+    """Counts, from now on, the parses of the named sets' task YAMLs: by the product's YAML loader and by lm-eval's."""
+    import lm_eval.tasks._factory as lm_factory
+    import lm_eval.tasks._index as lm_index
+
+    from pipelines import yamlio
+
+    counts: Counter = Counter()
+
+    def counting(real, who: str, path_at: int):
+        def parse(*args, **kwargs):
+            path = Path(str(args[path_at]))
+            if path.suffix == ".yaml" and path.stem in names:
+                counts[who] += 1
+            return real(*args, **kwargs)
+
+        return parse
+
+    monkeypatch.setattr(yamlio, "load_yaml_text", counting(yamlio.load_yaml_text, "product", 1))
+    for module in (lm_index, lm_factory):  # lm-eval 0.4.13: the task index, then the task itself
+        monkeypatch.setattr(module, "load_yaml", counting(module.load_yaml, "lm-eval", 0))
+    return counts
+
+
+def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) -> None:
+    from fakes import gate_settings, make_eval_set
+
+    from pipelines import evaluate, runner
+
+    names = ("alpha", "beta", "gamma")
+    for name in names:
+        make_eval_set(workspace.root / "sets", name)
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(workspace.root / "sets"))
+    monkeypatch.setattr(runner, "load_all_prompts", evaluate.load_all_prompts)  # lm-eval builds the prompts, as in a real run
+    counts = counted_task_yaml_parses(monkeypatch, names)
+    settings = gate_settings(workspace).model_copy(update={"eval_sets": runner.select_eval_sets(None)})
+    runner.run_gate(runner.GateJob(artifact_dir=workspace.artifact, baseline_dir=workspace.baseline, recipe_name="w8a8", settings=settings))
+    # The product parses each YAML once (validation); lm-eval reads its copy twice (index, task) for the prompts of
+    # all sets together, not once per set per set loaded. (Each lm-eval subprocess that scores reads it too.)
+    assert counts == {"product": 3, "lm-eval": 6}
+
+
+def test_a_job_discovers_the_eval_sets_once_for_all_its_candidates(tmp_path: Path, monkeypatch) -> None:
+    from fakes import make_model
+
+    from pipelines import job, runner
+
+    names = ("alpha", "beta")
+    for name in names:
+        write_set(tmp_path / "sets", name)
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path / "sets"))
+    monkeypatch.setattr(job, "_model_layout", lambda model, field: None)  # no recipe is compiled here
+    for model in ("m1", "m2", "m3"):
+        make_model(tmp_path / model)
+    path = tmp_path / "job.yaml"
+    path.write_text("name: nightly\ncandidates:\n" + "".join(f"  - model: {m}\n    recipes: [w8a8]\n" for m in ("m1", "m2", "m3")))
+    counts = counted_task_yaml_parses(monkeypatch, names)
+    candidates = job.plan_candidates(job.load_job(path), path)
+    assert len(candidates) == 3 and all(len(c.settings.eval_sets) == 2 for c in candidates)
+    assert counts == {"product": 2}

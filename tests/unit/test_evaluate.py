@@ -13,13 +13,14 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from fakes import TASK_CONFIG, write_eval_set
 
 from pipelines import evalsets
 from pipelines.errors import EvalError
 from pipelines.evalsets import EvalSet
 from pipelines.evaluate import (
     LmEvalRun,
+    load_all_prompts,
     load_prompts,
     materialize_tasks,
     read_lm_eval_run,
@@ -44,13 +45,8 @@ TWO_FILTERS = [
 
 def make_set(root: Path, name: str, items: list[dict], **config) -> EvalSet:
     """A validated set: the generative defaults above, `config` overriding them (None drops a key)."""
-    folder = root / name
-    folder.mkdir(parents=True)
-    task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "data.jsonl"}}, "test_split": "test"}
-    merged = {key: value for key, value in {**task, **GENERATIVE, **config}.items() if value is not None}
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
-    (folder / "data.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
-    return evalsets.validate_eval_set(folder)
+    merged = {key: value for key, value in {**TASK_CONFIG, "task": name, **GENERATIVE, **config}.items() if value is not None}
+    return evalsets.validate_eval_set(write_eval_set(root, name, merged, items))
 
 
 def doc_hash(doc: dict) -> str:
@@ -90,8 +86,8 @@ def write_run(
         },
         "group_subtasks": {task: [] for task in results},
         "configs": {task: {"task": task} for task in results},
-        "versions": {task: 1.0 for task in results},
-        "n-shot": {task: 0 for task in results},
+        "versions": dict.fromkeys(results, 1.0),
+        "n-shot": dict.fromkeys(results, 0),
         "higher_is_better": {task: {key.split(",")[0]: True for key in metrics} for task, metrics in results.items()},
         "date": 1764554245.0,
         "lm_eval_version": "0.4.13",
@@ -225,7 +221,7 @@ def test_identical_docs_pair_by_position(tmp_path: Path) -> None:
     eval_set = make_set(tmp_path / "sets", "payment", docs)
     runs = {}
     for model, values in (("baseline", [1.0, 1.0, 0.0, 0.0]), ("candidate", [1.0, 0.0, 0.0, 1.0])):
-        records = [sample(i, doc, {"exact_match": value}) for i, (doc, value) in enumerate(zip(docs, values))]
+        records = [sample(i, doc, {"exact_match": value}) for i, (doc, value) in enumerate(zip(docs, values, strict=True))]
         write_run(tmp_path / model, {"payment": {"exact_match,none": sum(values) / 4}}, {"payment": records}, model=model)
         runs[model] = read_set_score(eval_set, read_lm_eval_run(tmp_path / model), 1.0)
     comparison = pair_set(eval_set, runs["baseline"], runs["candidate"], {}, None)
@@ -358,6 +354,19 @@ def test_a_plain_set_s_prompt_is_its_doc_to_text(tmp_path: Path) -> None:
     eval_set = make_set(tmp_path / "sets", "plain", docs)
     prompts = load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"), tmp_path / "unused")
     assert [p.text for p in prompts] == ["Reference 77\nCanonical:"]
+
+
+def test_the_prompts_of_several_sets_are_loaded_together_as_each_alone(tmp_path: Path) -> None:
+    plain = make_set(tmp_path / "sets", "plain", [{"reference": "77", "answer": "7-7"}])
+    notes = make_set(
+        tmp_path / "sets", "notes", [{"text": "note 1"}, {"text": "note 2"}], output_type="loglikelihood_rolling", doc_to_text="",
+        doc_to_target="{{text}}", metric_list=None, generation_kwargs=None,
+    )
+    include = materialize_tasks([plain, notes], tmp_path / "tasks")
+    together = load_all_prompts([plain, notes], include)
+    assert list(together) == ["plain", "notes"]
+    assert together == {s.name: load_prompts(s, include) for s in (plain, notes)}
+    assert [p.text for p in together["notes"]] == ["note 1", "note 2"] and load_all_prompts([], include) == {}
 
 
 def test_a_chat_set_for_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:

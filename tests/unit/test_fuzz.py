@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes import TASK_CONFIG, write_eval_set
 
-from pipelines import cli, paths
+from pipelines import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "demo-llama"
@@ -201,15 +202,7 @@ PLAN_ARGUMENTS: dict[str, list[str]] = {
     "recipe-name-too-long": ["--gpu", "T4", "--recipe", "r" * 5000],
 }
 
-TASK = {
-    "task": "s",
-    "dataset_path": "json",
-    "dataset_kwargs": {"data_files": {"test": "data.jsonl"}},
-    "test_split": "test",
-    "output_type": "generate_until",
-    "doc_to_text": "Question: {{question}}\nAnswer:",
-    "doc_to_target": "answer",
-}
+TASK = {**TASK_CONFIG, "task": "s"}
 ITEMS = b'{"question": "q1", "answer": "a1"}\n{"question": "q2", "answer": "a2"}\n'
 
 
@@ -296,27 +289,6 @@ def listing(root: Path) -> list[tuple[str, int, int]]:
     return out
 
 
-def _redirect_paths(monkeypatch: pytest.MonkeyPatch, old: Path, new: Path) -> None:
-    """Point every pipelines module-level Path (and Path default argument) under `old` at `new`."""
-
-    def moved(value: object) -> object:
-        if isinstance(value, Path) and (value == old or old in value.parents):
-            return new / value.relative_to(old)
-        return value
-
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("pipelines") or not isinstance(module, types.ModuleType):
-            continue
-        for attribute, value in list(vars(module).items()):
-            if moved(value) is not value:
-                monkeypatch.setattr(module, attribute, moved(value))
-            elif isinstance(value, types.FunctionType) and value.__module__ == name:
-                if value.__defaults__ and any(moved(v) is not v for v in value.__defaults__):
-                    monkeypatch.setattr(value, "__defaults__", tuple(moved(v) for v in value.__defaults__))
-                if value.__kwdefaults__ and any(moved(v) is not v for v in value.__kwdefaults__.values()):
-                    monkeypatch.setattr(value, "__kwdefaults__", {k: moved(v) for k, v in value.__kwdefaults__.items()})
-
-
 class HeavyWorkStarted(AssertionError):
     """Raised by the tripwires: a fuzz case got past validation into quantizing, serving or scoring."""
 
@@ -348,8 +320,7 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     from pipelines.commands import gate as gate_command
 
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(world.artifacts))
-    monkeypatch.setenv("QUANTGATE_REGISTRY", str(world.registry))
-    _redirect_paths(monkeypatch, Path(paths.ARTIFACTS_DIR), world.artifacts)
+    monkeypatch.setenv("QUANTGATE_REGISTRY", str(world.registry))  # pipelines.settings: read when used, not at import
 
     def tripwire(*args, **kwargs):
         raise HeavyWorkStarted("a fuzz case reached heavy work")
@@ -450,13 +421,7 @@ def test_plan_arguments_refuse(quantize, argv: list[str]) -> None:
 
 def eval_set_root(world, case: str, task: bytes = task_with(), data: bytes = ITEMS, set_file: bytes | None = None) -> Path:
     root = world.inputs / "eval-roots" / case
-    folder = root / "s"
-    folder.mkdir(parents=True)
-    if set_file is not None:
-        (folder / "set.yaml").write_bytes(set_file)
-    else:
-        (folder / "s.yaml").write_bytes(task)
-    (folder / "data.jsonl").write_bytes(data)
+    folder = write_eval_set(root, "s", None if set_file is not None else task, data, set_file=set_file)
     (folder / "escape.jsonl").symlink_to("/etc/hostname")
     return root
 
@@ -488,7 +453,10 @@ def test_job_refuses(world, quantize, payload: bytes, request) -> None:
     assert_refused(quantize("job", str(job)), str(job))
 
 
-@pytest.mark.parametrize("name", params("job-file", {"directory": "/etc", "dev-zero": "/dev/zero", "missing": "/no/such/job.yaml", "too-long": "j" * 5000}))
+JOB_FILE_NAMES = {"directory": "/etc", "dev-zero": "/dev/zero", "missing": "/no/such/job.yaml", "too-long": "j" * 5000}
+
+
+@pytest.mark.parametrize("name", params("job-file", JOB_FILE_NAMES))
 def test_job_file_name_refuses(quantize, name: str) -> None:
     assert_refused(quantize("job", name))
 
@@ -630,7 +598,8 @@ def peak_mb():
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 cases = json.loads(sys.argv[1])
-cli.build_parser()  # imports every command module: the baseline every case starts from
+for name in cli.COMMANDS:  # every command module imported: the baseline every case starts from
+    cli.load_command(name)
 report = {"baseline_mb": peak_mb(), "cases": []}
 for name, argv in cases:
     code = cli.main(argv)
@@ -656,7 +625,9 @@ def test_hostile_yaml_keeps_memory_bounded_in_a_real_process(tmp_path: Path) -> 
         cases += [[f"recipe:{name}", ["recipe", "validate", str(path)]], [f"policy:{name}", ["--recipe", "w8a8", "--policy", str(path)]],
                   [f"job:{name}", ["job", str(path)]]]
     env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts"), "QUANTGATE_REGISTRY": str(tmp_path / "r.db")}
-    result = subprocess.run([sys.executable, "-c", RSS_PROBE, json.dumps(cases)], check=False, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, json.dumps(cases)], check=False, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     errors = [line for line in result.stderr.splitlines() if not line.startswith(">")]
@@ -675,7 +646,9 @@ def test_the_entry_point_exits_2_with_one_line_for_non_utf8_and_deep_yaml(tmp_pa
     deep.write_bytes(deep_flow())
     env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts"), "QUANTGATE_REGISTRY": str(tmp_path / "r.db")}
     runs = {
-        name: subprocess.Popen([sys.executable, "-m", "pipelines.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
         for name, argv in {
             "recipe": ["recipe", "validate", str(bad)],
             "policy": ["--recipe", "w8a8", "--policy", str(deep), "--json"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pipelines import stats
 from pipelines.errors import InputError
 from pipelines.gate import (
     FitCheck,
@@ -119,11 +118,11 @@ def test_zero_flips_on_a_small_set_do_not_show_non_inferiority():
 def test_set_too_small_to_decide_warns_with_smallest_detectable_drop():
     result = decide([pass_fail_set("tiny", both_right=18, both_wrong=2)], policy(non_inferiority=False, max_abs_drop=5.0), "w8a8")
     verdict = result.sets[0]
-    expected = 100 * stats.min_detectable_drop_binary(20, 0.0)
-    assert verdict.min_detectable_drop == pytest.approx(expected, abs=1e-6)
+    # Nothing flipped: the floor k^2 / n with k = z(0.975) + z(0.8) = 2.80158, in points: 100 x 2.80158^2 / 20.
+    assert verdict.min_detectable_drop == pytest.approx(39.244, abs=1e-3)
     assert verdict.passed  # a warning, not a rejection
     assert "tiny: 20 items < min_items 100" in verdict.warnings
-    assert any("too small to decide" in w and f"{expected:.1f} points" in w for w in verdict.warnings)
+    assert any("too small to decide" in w and "39.2 points" in w for w in verdict.warnings)
 
 
 def test_large_set_gives_no_power_warning():
@@ -240,7 +239,7 @@ def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
     # f1 over (gold, prediction) pairs: baseline perfect, candidate misses 30 of 100 positives.
     pairs = [(1, 1)] * 100 + [(0, 0)] * 100
     candidate = [(1, 0)] * 30 + [(1, 1)] * 70 + [(0, 0)] * 100
-    items = [PairedItem(item_id=str(i), baseline=list(b), candidate=list(c)) for i, (b, c) in enumerate(zip(pairs, candidate))]
+    items = [PairedItem(item_id=str(i), baseline=list(b), candidate=list(c)) for i, (b, c) in enumerate(zip(pairs, candidate, strict=True))]
     spec = make_spec("f1", "f1")
     result = decide([SetComparison(eval_set="intents", metric=spec, items=items)], policy(max_kl=None), "w8a8")
     verdict = result.sets[0]

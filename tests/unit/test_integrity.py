@@ -14,6 +14,9 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from fakes import make_eval_set, make_model
+from test_job import FakeRunner, demo_job, install
+from test_registry import make_artifact, make_gate, new_version
 
 from pipelines import runner
 from pipelines.cli import main
@@ -21,11 +24,6 @@ from pipelines.errors import InputError
 from pipelines.hashing import sha256_file
 from pipelines.job import run_job
 from pipelines.registry import Registry
-
-from fakes import make_eval_set
-from test_job import FakeRunner, demo_job, install
-from test_registry import make_artifact, make_gate, new_version
-from test_runner import cli, make_model, stack, workspace  # noqa: F401 - fixtures: faked servers, a gate workspace
 
 
 def snapshot(db: Path) -> list[str] | None:
@@ -113,7 +111,7 @@ def test_promote_refuses_a_tampered_artifact_and_changes_nothing(tmp_path, capsy
 def test_resolve_and_register_refuse_a_tampered_manifest(two_promoted):
     registry, _, two = two_promoted
     bad = tamper_manifest(two)
-    with pytest.raises(InputError, match="manifest.json changed since it was recorded") as caught:
+    with pytest.raises(InputError, match=r"manifest\.json changed since it was recorded") as caught:
         registry.resolve("demo-llama", "production")
     assert caught.value.file == str(bad)
 

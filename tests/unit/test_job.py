@@ -7,16 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes import LLAMA_CONFIG, make_eval_set, make_model
+from test_registry import make_artifact
 
 from pipelines import job as job_module
 from pipelines import runner
 from pipelines.errors import InputError, ServeError
-from pipelines.job import JobSummary, plan_candidates, load_job, run_job
+from pipelines.job import JobSummary, load_job, plan_candidates, run_job
+from pipelines.recipe import LoadedRecipe
 from pipelines.runner import RunOutcome
-
-from fakes import make_eval_set
-from test_registry import make_artifact
-from test_runner import LLAMA_CONFIG, make_model
 
 RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
 
@@ -30,7 +29,8 @@ class FakeRunner:
         self.calls: list[tuple[str, str]] = []
         self.kwargs: list[dict] = []
 
-    def __call__(self, recipe: str, model_dir: Path, settings, *, force: bool = False, **kwargs) -> RunOutcome:
+    def __call__(self, loaded: LoadedRecipe, model_dir: Path, settings, *, force: bool = False, **kwargs) -> RunOutcome:
+        recipe = loaded.name  # the job hands over the recipe it parsed at plan time
         self.calls.append((model_dir.name, recipe))
         self.kwargs.append(kwargs)
         what = self.behaviour.get(recipe, "promoted")
@@ -111,7 +111,8 @@ def test_candidates_are_resolved_relative_to_the_job_file_with_defaults_and_over
 
 
 def test_a_failing_candidate_is_recorded_and_the_job_goes_on(workspace, monkeypatch):
-    fake = install(monkeypatch, FakeRunner(workspace, {"w4a16": ServeError("vLLM exited during start-up"), "gptq": RuntimeError("oom"), "aggressive": "rejected"}))
+    behaviour = {"w4a16": ServeError("vLLM exited during start-up"), "gptq": RuntimeError("oom"), "aggressive": "rejected"}
+    fake = install(monkeypatch, FakeRunner(workspace, behaviour))
     summary = run_job(demo_job(workspace), jobs_dir=workspace / "jobs")
     assert [recipe for _, recipe in fake.calls] == RECIPES
     assert statuses(summary) == {
@@ -246,7 +247,7 @@ def test_without_calibration_the_call_and_the_ledger_key_are_what_they_were(work
 def load_job_recipe_text(name: str) -> str:
     from pipelines.recipe import load_recipe
 
-    return load_recipe(name)[2]
+    return load_recipe(name).text
 
 
 def test_changed_calibration_data_is_not_skipped(workspace, monkeypatch):

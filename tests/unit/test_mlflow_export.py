@@ -12,8 +12,11 @@ import pytest
 
 from pipelines.cli import main
 from pipelines.errors import InputError
+from pipelines.gate import GateReport, PairedItem, SetComparison, decide
 from pipelines.hashing import file_hashes
+from pipelines.metrics import make_spec
 from pipelines.mlflow_export import export_to_mlflow, gate_tags
+from pipelines.policy import DEFAULT_POLICY, load_policy
 from pipelines.registry import MANIFEST_FILES_KEY, NewVersion, Registry, Version
 
 needs_mlflow = pytest.mark.skipif(
@@ -21,22 +24,16 @@ needs_mlflow = pytest.mark.skipif(
     reason="mlflow is not installed (optional extra `mlflow`; pip install 'quantgate[mlflow]')",
 )
 
-GATE_REPORT = {
-    "schema_version": 1,
-    "inputs": {"artifact": {"hash": "abc"}},
-    "gate": {
-        "verdict": "promoted",
-        "sets": [
-            {"eval_set": "tickets", "metric": "acc", "n": 200, "delta": -0.5, "ci_low": -1.5, "ci_high": 0.5,
-             "flips_right_to_wrong": 3, "flips_wrong_to_right": 2, "flip_rate": 0.015, "kl_mean": 0.004,
-             "kl_max": None, "passed": True, "rules": {"max_kl": 0.05}},
-            {"eval_set": "orders", "metric": "exact_match", "n": 100, "delta": 0.0, "ci_low": -1.0, "ci_high": 1.0,
-             "flips_right_to_wrong": 0, "flips_wrong_to_right": 0, "flip_rate": 0.0, "kl_mean": 0.001,
-             "kl_max": 0.01, "passed": True, "rules": {"max_kl": 0.05}},
-        ],
-        "reasons": [],
-    },
-}
+def comparison(name: str, lost: int, kl: float | None) -> SetComparison:
+    items = [PairedItem(item_id=f"{name}{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=kl) for i in range(200)]
+    return SetComparison(eval_set=name, metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs" if kl is not None else None)
+
+
+# tickets: 3 of 200 lost (delta -1.5 points, flip rate 0.015), KL measured; orders: none lost, KL not measured.
+GATE_REPORT = GateReport(
+    inputs={"artifact": {"hash": "abc"}},
+    gate=decide([comparison("tickets", 3, 0.004), comparison("orders", 0, None)], load_policy(DEFAULT_POLICY), "w8a8"),
+)
 
 
 def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, Version]:
@@ -45,7 +42,7 @@ def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, 
     (artifact / "model.safetensors").write_bytes(b"int8 weights")
     (artifact / "config.json").write_text("{}")
     (artifact / "manifest.json").write_text(json.dumps({MANIFEST_FILES_KEY: file_hashes(artifact)}))
-    (tmp_path / "gate.json").write_text(json.dumps(GATE_REPORT))
+    (tmp_path / "gate.json").write_text(GATE_REPORT.model_dump_json())
     registry = Registry(tmp_path / "registry.db")
     version = registry.register(NewVersion(
         source_model=model, source_hash="src", artifact_path=artifact, recipe_name="w8a8", recipe_hash="rh",
@@ -56,16 +53,19 @@ def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, 
 
 def test_gate_tags_carry_verdict_and_per_set_numbers() -> None:
     tags = gate_tags(GATE_REPORT)
+    tickets = GATE_REPORT.gate.sets[0]
     assert tags["gate.verdict"] == "promoted"
-    assert (tags["gate.tickets.delta"], tags["gate.tickets.ci_low"], tags["gate.tickets.ci_high"]) == ("-0.5", "-1.5", "0.5")
-    assert tags["gate.tickets.flips_right_to_wrong"] == "3" and tags["gate.orders.kl_mean"] == "0.001"
-    assert "gate.tickets.kl_max" not in tags  # null numbers are left out, not written as "None"
+    assert (tags["gate.tickets.delta"], tags["gate.tickets.ci_low"], tags["gate.tickets.ci_high"]) == (
+        "-1.5", str(tickets.ci_low), str(tickets.ci_high))
+    assert tags["gate.tickets.flips_right_to_wrong"] == "3" and tags["gate.tickets.kl_mean"] == str(tickets.kl_mean)
+    assert tags["gate.tickets.passed"] == "True" and tags["gate.orders.n"] == "200"
+    assert "gate.orders.kl_max" not in tags and "gate.orders.mcnemar_p" in tags  # null numbers are left out, not written as "None"
     assert not any("rules" in key or "inputs" in key for key in tags)
     assert gate_tags(None) == {}
 
 
 def test_only_promoted_versions_are_exported(tmp_path: Path) -> None:
-    registry, version = make_promoted(tmp_path)
+    _, version = make_promoted(tmp_path)
     candidate = version.model_copy(update={"status": "candidate"})
     with pytest.raises(InputError, match="only promoted"):
         export_to_mlflow(candidate, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -126,7 +126,7 @@ def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Pa
     exported = client.get_model_version_by_alias("demo-llama", "production")
     assert int(exported.version) == result.model_version and not result.reused
     assert exported.tags["gate.verdict"] == "promoted"
-    assert exported.tags["gate.tickets.delta"] == "-0.5" and exported.tags["gate.orders.ci_high"] == "1.0"
+    assert exported.tags["gate.tickets.delta"] == "-1.5" and exported.tags["gate.orders.delta"] == "0.0"
     assert exported.tags["quantgate.artifact_hash"] == version.artifact_hash
     assert client.get_run(result.run_id).data.tags["gate.tickets.flip_rate"] == "0.015"
 

@@ -61,7 +61,7 @@ def test_a_well_formed_llama_header_passes(tmp_path: Path) -> None:
 
 def _truncated(path: Path, keep: int) -> Path:
     data = path.read_bytes()
-    path.write_bytes(data[:keep] if keep >= 0 else data[:keep])
+    path.write_bytes(data[:keep])
     return path
 
 

@@ -10,11 +10,9 @@ import pytest
 
 from pipelines import cli
 from pipelines.errors import InputError
-from pipelines.gate import FitCheck
 from pipelines.planner import (
     GiB,
     PlanSettings,
-    check_fit,
     gpu_spec,
     known_gpus,
     kv_cache_bytes_for_context,
@@ -28,6 +26,7 @@ from pipelines.planner import (
     safetensors_bytes,
 )
 from pipelines.recipe import GroupScheme, Recipe
+from pipelines.targets import parse_target
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 LLAMA2_7B = CONFIGS / "llama-2-7b" / "config.json"
@@ -173,7 +172,7 @@ def test_broken_safetensors_header_is_an_input_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10) + b"not json!!")
     with pytest.raises(InputError, match="safetensors header"):
         safetensors_bytes(tmp_path)
-    with pytest.raises(InputError, match="no \\*.safetensors"):
+    with pytest.raises(InputError, match=r"no \*\.safetensors"):
         safetensors_bytes(tmp_path / "missing")
 
 
@@ -282,10 +281,11 @@ def test_artifact_rows_are_measured(tmp_path: Path) -> None:
     quantized.mkdir()
     (quantized / "config.json").write_text(json.dumps({**TINY, "quantization_config": {"format": "int-quantized"}}))
     write_safetensors(quantized / "model.safetensors", {"w": ("I8", [10], 500_000)})
-    fit = check_fit(quantized, recipe(W8A8), gpu_spec("T4"), 512, 1, artifact_dir=quantized)
-    assert isinstance(fit, FitCheck) and fit.gpu == "T4" and fit.fits
-    measured = plan(quantized, [recipe(W8A8)], gpu_spec("T4"), 512, 1, artifact_dir=quantized).rows[-1]
-    assert (measured.scheme, measured.weights_bytes, fit.required_bytes) == ("tiny-w8a8", 500_000, measured.total_bytes)
+    result = plan(quantized, [recipe(W8A8)], gpu_spec("T4"), 512, 1, artifact_dir=quantized)
+    measured = result.rows[-1]
+    assert (measured.scheme, measured.weights_source, measured.weights_bytes) == ("tiny-w8a8", "measured", 500_000)
+    assert result.fit_row() is measured and measured.fits  # a fit requirement is judged by the measured row
+    assert plan(quantized, [recipe(W8A8)], gpu_spec("T4"), 512, 1).fit_row().weights_source == "predicted"
 
 
 # --- GPUs and bad input ---------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def test_nonsense_sizes_are_input_errors(max_model_len: int, concurrency: int, f
 @pytest.fixture
 def only_the_plan_command(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CLI with just `plan` registered, so these tests don't depend on the other commands' imports."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("plan",))
+    monkeypatch.setattr(cli, "COMMANDS", {"plan": cli.COMMANDS["plan"]})
 
 
 @pytest.mark.usefixtures("only_the_plan_command")
@@ -519,7 +519,8 @@ def test_auto_group_sizes_are_counted_per_layer() -> None:
         linear_bytes(576, 576, w4(64)) * 2 + linear_bytes(192, 576, w4(64)) * 2  # q, o; k, v
         + linear_bytes(1536, 576, w4(64)) * 2 + linear_bytes(576, 1536, w4(128))  # gate, up; down
     )
-    kept = predict_weight_bytes(shape, recipe({"weights": {"bits": 4, "granularity": "group", "group_size": 64}}, overrides=[{"match": ".", "keep": True}]))
+    w4_64 = {"weights": {"bits": 4, "granularity": "group", "group_size": 64}}
+    kept = predict_weight_bytes(shape, recipe(w4_64, overrides=[{"match": ".", "keep": True}]))
     assert predict_weight_bytes(shape, recipe(W4_AUTO)).total_bytes == kept.total_bytes - 30 * (
         sum(linear_bytes(o, i, None) for o, i in [(576, 576)] * 2 + [(192, 576)] * 2 + [(1536, 576)] * 2 + [(576, 1536)]) - per_layer
     )
@@ -537,18 +538,22 @@ def test_other_compiler_refusals_also_mean_does_not_apply(override: dict, words:
 def test_the_demo_shape_still_fits_every_shipped_recipe() -> None:
     from pipelines.recipe import load_recipe
 
-    rows = plan(TINY, [load_recipe(name)[0] for name in ("w8a8", "w4a16", "gptq", "aggressive")], gpu_spec("L4"), 2048, 1).rows
+    rows = plan(TINY, [load_recipe(name).recipe for name in ("w8a8", "w4a16", "gptq", "aggressive")], gpu_spec("L4"), 2048, 1).rows
     assert [(row.scheme, row.does_not_apply, row.fits) for row in rows] == [
         ("w8a8", None, True), ("w4a16", None, True), ("gptq", None, True), ("aggressive", None, True),
     ]
 
 
+def config_and_recipe(folder: Path, config: dict, recipe_name: str, groups: str) -> tuple[Path, Path]:
+    """A config.json and a recipe file `recipe_name`.yaml with `groups` (YAML lines under `groups:`)."""
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / f"{recipe_name}.yaml").write_text(f"name: {recipe_name}\ngroups:\n{groups}")
+    return folder / "config.json", folder / f"{recipe_name}.yaml"
+
+
 @pytest.mark.usefixtures("only_the_plan_command")
 def test_cli_prints_does_not_apply_and_why(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(SMOLLM2))
-    fixed = tmp_path / "g128.yaml"
-    fixed.write_text("name: g128\ngroups:\n  attention: {weights: {bits: 4, granularity: group, group_size: 128}}\n")
+    config, fixed = config_and_recipe(tmp_path, SMOLLM2, "g128", "  attention: {weights: {bits: 4, granularity: group, group_size: 128}}\n")
     code = cli.main(["plan", "--config", str(config), "--recipe", "w4a16", str(fixed), "--gpu", "L4", "--max-model-len", "2048"])
     out = capsys.readouterr().out
     assert code == 0
@@ -558,3 +563,34 @@ def test_cli_prints_does_not_apply_and_why(capsys: pytest.CaptureFixture, tmp_pa
     code = cli.main(["plan", "--config", str(config), "--recipe", str(fixed), "--gpu", "L4", "--max-model-len", "2048", "--json"])
     (_, row) = json.loads(capsys.readouterr().out)["rows"]
     assert code == 0 and row["fits"] is False and "64, 32 would" in row["does_not_apply"]
+
+
+# --- serve targets: a plan for a GPU checks recipes against that GPU's kernels ---------------------------------
+
+W8A16 = {"weights": {"bits": 8, "granularity": "channel"}}
+
+
+def test_a_plan_for_a_known_gpu_checks_recipes_for_its_compute_capability() -> None:
+    on_l4 = plan(TINY, [None, recipe(W8A16)], gpu_spec("L4"), 2048, 1)
+    assert on_l4.target == "cuda:8.9" and on_l4.rows[1].does_not_apply is None and on_l4.rows[1].fits
+    on_v100 = plan(TINY, [recipe(W4A16)], gpu_spec("V100"), 2048, 1)
+    assert on_v100.target == "cuda:7.0" and "compute capability 7.5" in (on_v100.rows[0].does_not_apply or "")
+
+
+def test_a_gpu_given_by_size_checks_the_installed_target_unless_told() -> None:
+    by_size = plan(TINY, [recipe(W8A16)], gpu_spec(memory_gib=24), 2048, 1)
+    assert by_size.target == "cpu" and "4 bits only" in (by_size.rows[0].does_not_apply or "")
+    told = plan(TINY, [recipe(W8A16)], gpu_spec(memory_gib=24), 2048, 1, target=parse_target("cuda:8.0"))
+    assert told.target == "cuda:8.0" and told.rows[0].does_not_apply is None
+    assert plan(TINY, [None], gpu_spec(memory_gib=24), 2048, 1).target is None  # nothing to check
+
+
+@pytest.mark.usefixtures("only_the_plan_command")
+def test_cli_plan_target(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    config, w8a16 = config_and_recipe(tmp_path, TINY, "w8a16", "  attention: {weights: {bits: 8}}\n  mlp: {weights: {bits: 8}}\n")
+    argv = ["plan", "--config", str(config), "--recipe", str(w8a16), "--gpu-memory-gib", "24", "--max-model-len", "2048"]
+    assert cli.main([*argv, "--target", "cuda:8.9"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "recipes checked for cuda:8.9" in out and "w8a16: vllm serve ..." in out
+    assert cli.main([*argv, "--target", "tpu"]) == 2
+    assert "target: unknown serve target 'tpu'" in capsys.readouterr().err

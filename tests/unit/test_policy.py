@@ -249,5 +249,5 @@ def test_shipped_recipes_identities_match_the_default_policy():
     from pipelines.recipe import load_recipe
 
     policy = load_policy(DEFAULT_POLICY)
-    assert policy.recipe_key(load_recipe("w4a16")[0].identity) == "w4a16"
-    assert policy.recipe_key(load_recipe("gptq")[0].identity) is None  # tags int4/weight-only name no override there
+    assert policy.recipe_key(load_recipe("w4a16").recipe.identity) == "w4a16"
+    assert policy.recipe_key(load_recipe("gptq").recipe.identity) is None  # tags int4/weight-only name no override there

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import textwrap
 from pathlib import Path
 
@@ -50,13 +51,15 @@ def error_for(path: Path) -> InputError:
 def test_shipped_recipes_parse_with_their_file_names() -> None:
     assert {"w8a8", "w4a16", "gptq", "aggressive"} <= set(shipped_recipes())
     for name in shipped_recipes():
-        recipe, path, text = load_recipe(name)
-        assert recipe.name == path.stem == name
-        assert text == path.read_text()
+        loaded = load_recipe(name)
+        recipe, path, text = loaded.recipe, loaded.path, loaded.text
+        assert recipe.name == path.stem == name == loaded.name
+        assert text == path.read_text() and loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert load_recipe(loaded) is loaded  # parsed once: a loaded recipe passes through
 
 
 def test_shipped_w8a8_says_what_the_design_says() -> None:
-    recipe, _, _ = load_recipe("w8a8")
+    recipe = load_recipe("w8a8").recipe
     attention, mlp = recipe.groups.attention, recipe.groups.mlp
     assert recipe.smoothquant is not None and recipe.algorithm.method == "gptq"
     assert (attention.activations.granularity, attention.activations.dynamic) == ("token", True)
@@ -66,7 +69,7 @@ def test_shipped_w8a8_says_what_the_design_says() -> None:
 
 
 def test_a_good_recipe_loads(tmp_path: Path) -> None:
-    recipe, _, _ = load_recipe(str(write(tmp_path, GOOD)))
+    recipe = load_recipe(str(write(tmp_path, GOOD))).recipe
     assert recipe.groups.attention.weights.group_size == 128
     assert not recipe.needs_calibration
 
@@ -146,7 +149,7 @@ def test_algorithm_and_calibration_errors(tmp_path: Path, algorithm: dict, calib
 def test_smoothquant_alone_needs_calibration(tmp_path: Path) -> None:
     error = error_for(write(tmp_path, patched(smoothquant={"strength": 0.5})))
     assert "needs calibration" in error.message
-    recipe, _, _ = load_recipe(str(write(tmp_path, patched(smoothquant={"strength": 0.5}, calibration={"num_samples": 4}), "ok.yaml")))
+    recipe = load_recipe(str(write(tmp_path, patched(smoothquant={"strength": 0.5}, calibration={"num_samples": 4}), "ok.yaml"))).recipe
     assert recipe.needs_calibration and recipe.calibration.num_samples == 4
 
 
@@ -173,8 +176,8 @@ def test_unknown_recipe_name_lists_the_shipped_ones() -> None:
 def test_group_size_auto_and_its_cap(tmp_path: Path) -> None:
     from pipelines.recipe import AutoGroupSize
 
-    auto, _, _ = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: auto}\n  mlp"))))
-    capped, _, _ = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: {auto: 64}}\n  mlp"), "c.yaml")))
+    auto = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: auto}\n  mlp")))).recipe
+    capped = load_recipe(str(write(tmp_path, GOOD.replace("group_size: 128}\n  mlp", "group_size: {auto: 64}}\n  mlp"), "c.yaml"))).recipe
     assert auto.groups.attention.weights.group_size == AutoGroupSize(auto=128)
     assert capped.groups.attention.weights.group_size == AutoGroupSize(auto=64)
     assert capped.groups.mlp.weights.group_size == 128  # a fixed size stays a number
@@ -182,7 +185,8 @@ def test_group_size_auto_and_its_cap(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("in_features", "cap", "chosen"),
-    [(256, 128, 128), (768, 128, 128), (576, 128, 64), (1536, 128, 128), (576, 32, 32), (1536, 1024, 512), (96, 128, 32), (50, 128, 2), (99, 128, None)],
+    [(256, 128, 128), (768, 128, 128), (576, 128, 64), (1536, 128, 128), (576, 32, 32), (1536, 1024, 512), (96, 128, 32),
+     (50, 128, 2), (99, 128, None)],
 )
 def test_auto_picks_the_largest_power_of_two_up_to_the_cap_that_divides(in_features: int, cap: int, chosen: int | None) -> None:
     from pipelines.recipe import AutoGroupSize, WeightScheme
@@ -220,7 +224,7 @@ def test_auto_needs_granularity_group(tmp_path: Path) -> None:
 
 def test_shipped_four_bit_recipes_use_auto_group_sizes_capped_at_128() -> None:
     for name in ("w4a16", "gptq"):
-        recipe, _, _ = load_recipe(name)
+        recipe = load_recipe(name).recipe
         for group in (recipe.groups.attention, recipe.groups.mlp):
             assert group.weights.auto_group and group.weights.group_size.auto == 128, name
 
@@ -228,9 +232,9 @@ def test_shipped_four_bit_recipes_use_auto_group_sizes_capped_at_128() -> None:
 def test_base_and_tags_make_the_identity(tmp_path: Path) -> None:
     from pipelines.policy import RecipeIdentity
 
-    recipe, _, _ = load_recipe(str(write(tmp_path, "base: w4a16\ntags: [int4, mine]\n" + GOOD)))
+    recipe = load_recipe(str(write(tmp_path, "base: w4a16\ntags: [int4, mine]\n" + GOOD))).recipe
     assert recipe.identity == RecipeIdentity(name="t", base="w4a16", tags=("int4", "mine"))
-    plain, _, _ = load_recipe(str(write(tmp_path, GOOD, "plain.yaml")))
+    plain = load_recipe(str(write(tmp_path, GOOD, "plain.yaml"))).recipe
     assert plain.identity == RecipeIdentity(name="t")
 
 

@@ -102,7 +102,10 @@ def test_a_python_process_started_after_the_folder_is_a_reused_pid(tmp_path):
 def test_finished_and_failed_runs_and_other_files_are_never_touched(tmp_path, dead_pid):
     runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
     identifier = f"{stamp(OLD)}-w8a8-{dead_pid}-a1b2c3"
-    keep = [runs / identifier, runs / f"{identifier}-error", runs / f".{identifier}.tmpx", tmp_root / f"quantgate-vllm-x{dead_pid}-abc", tmp_root / "other"]
+    keep = [
+        runs / identifier, runs / f"{identifier}-error", runs / f".{identifier}.tmpx", tmp_root / f"quantgate-vllm-x{dead_pid}-abc",
+        tmp_root / "other",
+    ]
     for folder in keep:
         folder.mkdir(parents=True)
         _age(folder, OLD)

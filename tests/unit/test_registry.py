@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import sqlite3
@@ -9,15 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.artifact import artifact_hash
 from pipelines.cli import main
 from pipelines.errors import InputError
+from pipelines.gate import GateReport, PairedItem, SetComparison, decide, load_report
 from pipelines.hashing import file_hashes, sha256_file, sha256_json
+from pipelines.metrics import make_spec
+from pipelines.policy import DEFAULT_POLICY, load_policy
 from pipelines.registry import (
     MANIFEST_FILES_KEY,
     EvalSetRef,
     NewVersion,
     Registry,
-    artifact_hash,
     default_registry_path,
     verify_artifact,
 )
@@ -34,19 +38,19 @@ def make_artifact(folder: Path, weights: bytes = b"weights") -> Path:
     return folder
 
 
-def make_gate(path: Path, verdict: str = "promoted", delta: float = -0.5) -> Path:
-    """A gate.json in the shape pipelines.gate.GateReport writes (only the fields the registry reads)."""
-    report = {
-        "schema_version": 1,
-        "inputs": {},
-        "gate": {
-            "verdict": verdict,
-            "sets": [{"eval_set": "tickets", "delta": delta, "ci_low": delta - 1, "ci_high": delta + 1,
-                      "flips_right_to_wrong": 2, "flip_rate": 0.01, "kl_mean": 0.003, "passed": verdict == "promoted"}],
-            "reasons": [] if verdict == "promoted" else ["tickets: delta below limit"],
-        },
-    }
-    path.write_text(json.dumps(report))
+def gate_report(verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> GateReport:
+    """A GateReport as the runner makes it: one pass/fail set of 200 items, 1 lost (promoted) or 40 (rejected)."""
+    lost = 1 if verdict == "promoted" else 40
+    items = [PairedItem(item_id=f"t{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=0.003) for i in range(200)]
+    comparison = SetComparison(eval_set="tickets", metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
+    report = GateReport(created_at=created_at, inputs={"recipe": "w8a8"}, gate=decide([comparison], load_policy(DEFAULT_POLICY), "w8a8"))
+    assert report.gate.verdict == verdict
+    return report
+
+
+def make_gate(path: Path, verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> Path:
+    """A gate.json as pipelines.runner writes it (a GateReport); another `created_at` is other evidence."""
+    path.write_text(json.dumps(gate_report(verdict, created_at).model_dump(mode="json")))
     return path
 
 
@@ -113,16 +117,17 @@ def test_register_records_everything_and_numbers_per_model(registry: Registry, t
     assert first.status == "candidate" and first.aliases == []
     assert first.artifact_path == (tmp_path / "a").resolve().as_posix()
     assert first.artifact_hash == artifact_hash(tmp_path / "a")
-    assert first.gate == json.loads(gate.read_text()) and first.gate_path == gate.resolve().as_posix()
+    assert first.gate == load_report(gate) and first.gate_path == gate.resolve().as_posix()
+    assert first.model_dump(mode="json")["gate"] == json.loads(gate.read_text())  # --json shows gate.json as written
     assert first.eval_sets == [EvalSetRef(name="tickets", hash="set-hash")]
     assert registry.show("demo-llama", 1) == first
 
 
 def test_register_is_idempotent_on_artifact_and_gate_evidence(registry: Registry, tmp_path: Path) -> None:
     artifact = make_artifact(tmp_path / "a")
-    first = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json", delta=-0.5)))
-    again = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json", delta=-0.5)))
-    regated = registry.register(new_version(artifact, make_gate(tmp_path / "g2.json", delta=-0.7)))
+    first = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json")))
+    again = registry.register(new_version(artifact, make_gate(tmp_path / "g1.json")))
+    regated = registry.register(new_version(artifact, make_gate(tmp_path / "g2.json", created_at="2026-12-02T10:00:00+00:00")))
     assert again.id == first.id
     assert regated.version == 2
     assert [e.kind for e in registry.history("demo-llama")] == ["registered", "registered"]
@@ -140,8 +145,28 @@ def test_register_refuses_an_incomplete_artifact(registry: Registry, tmp_path: P
 
 def test_register_refuses_unreadable_gate_evidence(registry: Registry, tmp_path: Path) -> None:
     (tmp_path / "gate.json").write_text("{not json")
-    with pytest.raises(InputError, match="gate.json"):
+    with pytest.raises(InputError, match=r"gate\.json"):
         registry.register(new_version(make_artifact(tmp_path / "a"), tmp_path / "gate.json"))
+
+
+def test_register_refuses_gate_evidence_that_is_not_a_gate_report(registry: Registry, tmp_path: Path) -> None:
+    gate = tmp_path / "gate.json"
+    report = gate_report().model_dump(mode="json")
+    del report["gate"]["verdict"]
+    gate.write_text(json.dumps(report))
+    with pytest.raises(InputError, match=r"gate\.verdict") as caught:
+        registry.register(new_version(make_artifact(tmp_path / "a"), gate))
+    assert caught.value.file == str(gate) and registry.list() == []
+
+
+def test_evidence_stored_before_gate_json_schema_2_reads_back_without_its_report(registry: Registry, tmp_path: Path, capsys) -> None:
+    version = registry.register(new_version(make_artifact(tmp_path / "a"), make_gate(tmp_path / "gate.json")))
+    legacy = {"schema_version": 1, "inputs": {}, "gate": {"verdict": "promoted", "sets": [], "reasons": []}}
+    with sqlite3.connect(registry.path) as db:
+        db.execute("UPDATE versions SET gate = ? WHERE id = ?", (json.dumps(legacy), version.id))
+    (old,) = registry.list()
+    assert old.gate is None and old.verdict is None and old.gate_hash == version.gate_hash
+    assert run_cli(capsys, "show", "demo-llama", "1", "--registry", str(registry.path))[0] == 0
 
 
 # --- status ---------------------------------------------------------------------------------------------
@@ -161,7 +186,7 @@ def test_promote_and_reject_are_recorded_with_reason_and_evidence(registry: Regi
 def test_promote_verifies_the_artifact_first(registry: Registry, tmp_path: Path) -> None:
     version = registry.register(new_version(make_artifact(tmp_path / "a")))
     (tmp_path / "a" / "model.safetensors").write_bytes(b"swapped after registration")
-    with pytest.raises(InputError, match="model.safetensors"):
+    with pytest.raises(InputError, match=r"model\.safetensors"):
         registry.promote(version.id, "gate passed")
     assert registry.show("demo-llama", 1).status == "candidate"
 
@@ -239,7 +264,7 @@ def test_resolve_verifies_the_artifact_for_serving(registry: Registry, tmp_path:
     assert registry.resolve("demo-llama", "production").version == 1
     assert registry.resolve("demo-llama", "1").version == 1
     (tmp_path / "a" / "config.json").write_text("{}")
-    with pytest.raises(InputError, match="config.json"):
+    with pytest.raises(InputError, match=r"config\.json"):
         registry.resolve("demo-llama", "production")
     assert registry.show("demo-llama", "production").version == 1  # inspecting still works
 
@@ -279,7 +304,7 @@ def test_registry_path_comes_from_the_environment(monkeypatch, tmp_path: Path) -
 
 def test_a_file_that_is_not_a_registry_is_an_input_error(tmp_path: Path) -> None:
     (tmp_path / "bad.db").write_text("not sqlite at all, just text that is long enough" * 10)
-    with pytest.raises(InputError, match="bad.db"):
+    with pytest.raises(InputError, match=r"bad\.db"):
         Registry(tmp_path / "bad.db")
 
 
@@ -323,7 +348,7 @@ def test_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
     assert (kinds.count("registered"), kinds.count("promoted"), kinds.count("alias_set")) == (total, total, total)
     # The alias ends on the last move recorded, and every move chains from the one before it.
     moves = registry.history("demo-llama", alias="production")
-    assert all(later.from_version == earlier.to_version for earlier, later in zip(moves, moves[1:]))
+    assert all(later.from_version == earlier.to_version for earlier, later in itertools.pairwise(moves))
     assert registry.resolve("demo-llama", "production").version == moves[-1].to_version
 
 
@@ -339,7 +364,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_lists_shows_and_moves_aliases(capsys, registry: Registry, tmp_path: Path) -> None:
     db = str(registry.path)
     promoted(registry, tmp_path, "a")
-    registry.register(new_version(make_artifact(tmp_path / "b", b"b"), make_gate(tmp_path / "gb.json", delta=-2)))
+    registry.register(new_version(make_artifact(tmp_path / "b", b"b"), make_gate(tmp_path / "gb.json", created_at="2026-12-02T10:00:00+00:00")))
 
     code, out, _ = run_cli(capsys, "list", "--registry", db, "--json")
     assert code == 0 and [(v["version"], v["status"]) for v in json.loads(out)] == [(1, "promoted"), (2, "candidate")]
@@ -387,7 +412,7 @@ def test_cli_promote_needs_override_for_a_gate_rejected_version(capsys, registry
 
 
 def test_the_manifest_hash_and_fingerprint_are_recorded_and_make_later_checks_cheap(registry: Registry, tmp_path: Path, monkeypatch) -> None:
-    import pipelines.manifest as manifest_module
+    import pipelines.artifact as artifact_module
 
     artifact = make_artifact(tmp_path / "a")
     version = registry.register(new_version(artifact, make_gate(tmp_path / "gate.json")))
@@ -395,8 +420,8 @@ def test_the_manifest_hash_and_fingerprint_are_recorded_and_make_later_checks_ch
     assert set(version.fingerprint) == {"manifest.json", "model.safetensors", "config.json", "sub/tokenizer.json"}
     assert "fingerprint" not in version.model_dump()  # internal: not printed by --json
     hashed: list[str] = []
-    real = manifest_module.sha256_file
-    monkeypatch.setattr(manifest_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    real = artifact_module.sha256_file
+    monkeypatch.setattr(artifact_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
     registry.promote(version.id, "gate passed")
     registry.set_alias("demo-llama", "production", 1)
     registry.resolve("demo-llama", "production")
@@ -411,7 +436,7 @@ def test_a_gate_json_about_another_manifest_is_refused(registry: Registry, tmp_p
     report = json.loads(gate.read_text())
     report["inputs"] = {"artifact": {"manifest_sha256": "0" * 64}}
     gate.write_text(json.dumps(report))
-    with pytest.raises(InputError, match="another manifest.json") as caught:
+    with pytest.raises(InputError, match=r"another manifest\.json") as caught:
         registry.register(new_version(make_artifact(tmp_path / "a"), gate))
     assert caught.value.file == str(gate)
     assert registry.list() == []

@@ -8,8 +8,8 @@ from rich.console import Console
 
 from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
 from pipelines.metrics import make_spec
-from pipelines.policy import Policy, SetPolicy
 from pipelines.planner import gpu_spec, plan
+from pipelines.policy import Policy, SetPolicy
 from pipelines.report import plan_tables, render_console, render_markdown
 
 POLICY = Policy(

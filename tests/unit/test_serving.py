@@ -1,6 +1,7 @@
 """The server lifecycle without vLLM: process-group clean-up, start-up failure detection, settings, the API key,
 and what happens to the server's process group when its starter is SIGKILLed (parent-death signal + watchdog)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import write_serve_python
 
-from pipelines import evaluate, serving
+from pipelines import divergence, evaluate, serving
 from pipelines.errors import InputError, ServeError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,10 +74,8 @@ def _cmdlines() -> dict[int, bytes]:
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
+            with contextlib.suppress(OSError):
                 found[int(entry.name)] = (entry / "cmdline").read_bytes()
-            except OSError:
-                pass
     return found
 
 
@@ -97,13 +97,11 @@ def _wait_for(condition, timeout_s: float) -> float:
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch) -> Path:
-    """SERVE_PYTHON replaced by the stand-in server; returns a model folder to serve."""
+    """The serve environment's python replaced by the stand-in server; returns a model folder to serve."""
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
-    python.chmod(0o755)
-    monkeypatch.setattr(serving, "SERVE_PYTHON", python)
+    write_serve_python(tmp_path / "venv", f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(tmp_path / "venv"))
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -129,20 +127,17 @@ def test_stop_process_group_kills_children_too(tmp_path):
     serving.stop_process_group(parent, grace_s=1.0)
     time.sleep(0.2)
     assert parent.poll() is not None
-    assert not _alive(child_pid) or open(f"/proc/{child_pid}/stat").read().split()[2] == "Z"
+    assert not _alive(child_pid) or Path(f"/proc/{child_pid}/stat").read_text().split()[2] == "Z"
 
 
 def test_startup_failure_is_reported_with_the_log_tail(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho 'ValueError: this model is broken' >&2\nexit 3\n")
-    fake_python.chmod(0o755)
-    monkeypatch.setattr(serving, "SERVE_PYTHON", fake_python)
-    with pytest.raises(ServeError, match="exit code 3.*this model is broken"):
-        with serving.vllm_server(model, log_path=tmp_path / "server.log"):
-            pass
+    write_serve_python(tmp_path / "venv", "#!/bin/sh\necho 'ValueError: this model is broken' >&2\nexit 3\n")
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(tmp_path / "venv"))
+    with pytest.raises(ServeError, match=r"exit code 3.*this model is broken"), serving.vllm_server(model, log_path=tmp_path / "server.log"):
+        pass
     assert _watchdogs_of(os.getpid()) == []
 
 
@@ -150,23 +145,41 @@ def test_hang_at_startup_times_out_and_the_process_is_gone(tmp_path, monkeypatch
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    fake_python = tmp_path / "python"
-    fake_python.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 60\n")
-    fake_python.chmod(0o755)
-    monkeypatch.setattr(serving, "SERVE_PYTHON", fake_python)
+    write_serve_python(tmp_path / "venv", f"#!/bin/sh\necho $$ > {tmp_path}/pid\nexec sleep 60\n")
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(tmp_path / "venv"))
     settings = serving.ServeSettings(startup_timeout_s=1.5)
-    with pytest.raises(ServeError, match="did not become healthy"):
-        with serving.vllm_server(model, log_path=tmp_path / "server.log", settings=settings):
-            pass
+    with pytest.raises(ServeError, match="did not become healthy"), serving.vllm_server(model, log_path=tmp_path / "server.log", settings=settings):
+        pass
     pid = int((tmp_path / "pid").read_text())
     time.sleep(0.2)
     assert not _alive(pid)
 
 
+# These run without a serve environment (tests/unit/conftest.py points QUANTGATE_SERVE_VENV at a missing
+# folder): the caller's own input is checked before the environment is looked for.
 def test_not_a_model_folder_is_an_input_error(tmp_path):
-    with pytest.raises(InputError, match="no config.json"):
-        with serving.vllm_server(tmp_path, log_path=tmp_path / "log"):
-            pass
+    with pytest.raises(InputError, match=r"no config\.json"), serving.vllm_server(tmp_path, log_path=tmp_path / "log"):
+        pass
+
+
+def test_a_missing_serve_environment_is_reported_once_the_input_is_good(tmp_path, no_serve_environment):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ServeError, match="serve environment is missing") as caught, serving.vllm_server(model, log_path=tmp_path / "log"):
+        pass
+    assert caught.value.file == str(no_serve_environment / "bin" / "python")
+
+
+def test_the_serve_environment_is_read_from_the_settings_when_serving_not_at_import(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(tmp_path / "elsewhere"))
+    command = serving._command(tmp_path, "model", 8000, serving.ServeSettings())
+    assert command[0] == str(tmp_path / "elsewhere" / "bin" / "python")
+
+
+def test_the_server_lists_as_many_logprobs_as_the_kl_asks_for(tmp_path):
+    command = serving._command(tmp_path, "model", 8000, serving.ServeSettings())
+    assert command[command.index("--max-logprobs") + 1] == str(divergence.TOP_K)
 
 
 def test_taken_port_is_refused(tmp_path, monkeypatch):
@@ -179,9 +192,8 @@ def test_taken_port_is_refused(tmp_path, monkeypatch):
         sock.bind((serving.LOOPBACK, 0))
         sock.listen()
         port = sock.getsockname()[1]
-        with pytest.raises(ServeError, match=f"port {port}"):
-            with serving.vllm_server(model, log_path=tmp_path / "log", port=port):
-                pass
+        with pytest.raises(ServeError, match=f"port {port}"), serving.vllm_server(model, log_path=tmp_path / "log", port=port):
+            pass
 
 
 def test_cache_fields_exclude_timeouts():
@@ -191,10 +203,14 @@ def test_cache_fields_exclude_timeouts():
 
 
 def test_log_tail_prefers_error_lines(tmp_path):
+    # More lines after the error than the tail holds: only a tail that picks error lines still shows it.
+    noise = [f"INFO shutting down, step {i}" for i in range(3 * serving._LOG_TAIL_LINES)]
     log = tmp_path / "log"
-    log.write_text("INFO starting\nValueError: bad config\nINFO shutting down\n")
-    assert "ValueError: bad config" in serving.log_tail(log)
-    assert serving.log_tail(Path(tmp_path / "missing")) == "(no log)"
+    log.write_text("\n".join(["INFO starting", "ValueError: bad config", *noise]) + "\n")
+    assert serving.log_tail(log) == "ValueError: bad config"
+    log.write_text("\n".join(noise) + "\n")  # no error line: the last lines
+    assert serving.log_tail(log, 2) == f"{noise[-2]} | {noise[-1]}"
+    assert serving.log_tail(tmp_path / "missing") == "(no log)"
 
 
 def test_the_key_is_in_the_servers_environment_never_on_a_command_line_nor_in_repr(tmp_path, fake_vllm):
@@ -238,9 +254,9 @@ def test_lm_eval_gets_the_key_in_its_environment_not_its_command_line(tmp_path, 
 @pytest.mark.parametrize("mode", ["foreign-key", "other-name"])
 def test_a_foreign_process_answering_health_is_refused(tmp_path, fake_vllm, monkeypatch, mode):
     monkeypatch.setenv("FAKE_VLLM_MODE", mode)
-    with pytest.raises(ServeError, match="is not the vLLM server started for this run") as caught:
-        with serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log", served_name="candidate"):
-            pytest.fail("a foreign server was accepted")
+    started = serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log", served_name="candidate")
+    with pytest.raises(ServeError, match="is not the vLLM server started for this run") as caught, started:
+        pytest.fail("a foreign server was accepted")
     assert ("HTTP 401" if mode == "foreign-key" else "someone-else") in str(caught.value)
     assert _watchdogs_of(os.getpid()) == []
 

@@ -1,8 +1,12 @@
-"""Model folders and artifact manifests.
+"""Model and artifact folders on disk: the one module that reads them.
 
-Checks a source model folder before anything loads it (config.json, safetensors headers and lengths),
-counts weight bytes from safetensors headers, reads / writes an artifact's manifest.json, and verifies
-an artifact against it (`verify_artifact`, used by every consumer: gate, registry, job).
+- config.json: read strictly (bounded, UTF-8, no NaN or Infinity) by every reader (compiler, planner,
+  quantize, job); `read_model_config` also wants a folder and a `model_type`.
+- Model folders: `is_model_dir` / `require_model_dir` (config.json present), and `check_model_dir`
+  (config.json, safetensors headers and lengths) before anything loads weights.
+- safetensors headers: parsed here only; `tensor_bytes` counts weight bytes from them, weights unread.
+- manifest.json: the `Manifest` quantize writes, read back with its shape checked (`load_manifest`),
+  the artifact hash, and `verify_artifact`, used by every consumer (gate, registry, job, MLflow export).
 
 Integrity, and what it costs. manifest.json lists every other file of the artifact with its sha256;
 manifest.json itself is identified by its own sha256 (recorded in gate.json inputs, in the registry and
@@ -27,56 +31,81 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pipelines.errors import InputError
 from pipelines.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.safepath import inside, safe_relative
+from pipelines.schema import StrictModel
+from pipelines.yamlio import decode_utf8, read_user_bytes
 
+CONFIG_NAME = "config.json"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FILES_KEY = "artifact_files"
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a config.json is a few kilobytes
 # A manifest lists file hashes and the recipe: kilobytes. Anything this large is not one.
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
-_MAX_HEADER = 100 * 1024 * 1024
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 _HEX = frozenset("0123456789abcdef")
 
 
-# ------------------------------------------------------------------------------ model folders
+# ------------------------------------------------------------------------------------ JSON
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_json_strict(raw: bytes, path: Path | str) -> Any:
+    """JSON from bytes (a UTF-8 byte-order mark is dropped); NaN/Infinity, bad UTF-8, bad syntax and
+    absurd nesting are an InputError naming `path` (and the line, where there is one)."""
+    text = decode_utf8(raw, path)
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:
+        raise InputError(f"not valid JSON: {error.msg} (column {error.colno})", file=path, field=f"line {error.lineno}") from None
+    except ValueError as error:
+        raise InputError(f"not valid JSON: {error}", file=path) from None
+    except RecursionError:
+        raise InputError("not valid JSON: nested too deep", file=path) from None
+
+
+def read_json_object(path: Path, *, what: str, max_bytes: int, field: str | None = None) -> tuple[dict[str, Any], bytes]:
+    """A JSON object from a file of at most `max_bytes`, with the bytes it was parsed from."""
+    raw = read_user_bytes(path, what=what, field=field, max_bytes=max_bytes)
+    data = parse_json_strict(raw, path)
+    if not isinstance(data, dict):
+        raise InputError(f"must be a JSON object (got {type(data).__name__})", file=path, field="(top level)")
+    return data, raw
+
+
+# ---------------------------------------------------------------------------- config.json
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A config.json (or any file given as one, `plan --config`): a JSON object, strictly parsed."""
+    return read_json_object(path, what="config", field="config", max_bytes=MAX_CONFIG_BYTES)[0]
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """The config.json of a model folder; it must name its `model_type`."""
     if not model_dir.is_dir():
         raise InputError("model folder does not exist", file=model_dir, field="model")
-    path = model_dir / "config.json"
+    path = model_dir / CONFIG_NAME
     if not path.is_file():
         raise InputError("missing: a model folder needs config.json", file=path, field="model")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InputError(f"not valid JSON: {error}", file=path, field=f"line {getattr(error, 'lineno', 1)}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+    config = read_config_json(path)
+    if not isinstance(config.get("model_type"), str):
         raise InputError("needs a JSON object with a 'model_type' string", file=path, field="model_type")
     return config
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, after checking that the file holds all the bytes it promises."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise InputError(f"truncated: {size} bytes, not even a header", file=path, field="safetensors")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(_MAX_HEADER, size - 8):
-            raise InputError(f"corrupt or truncated: header claims {header_len} bytes, file has {size}", file=path, field="safetensors")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InputError("corrupt: the header is not JSON", file=path, field="safetensors") from None
-    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
-    try:
-        data_end = max((info["data_offsets"][1] for info in tensors.values()), default=0)
-    except (KeyError, IndexError, TypeError):
-        raise InputError("corrupt: a tensor entry has no data_offsets", file=path, field="safetensors") from None
-    expected = 8 + header_len + data_end
-    if size != expected:
-        raise InputError(f"truncated or padded: {size} bytes, the header describes {expected}", file=path, field="safetensors")
-    return tensors
+# ---------------------------------------------------------------------------- model folders
+
+
+def is_model_dir(folder: Path) -> bool:
+    """A folder with a config.json: what may be served or planned (check_model_dir checks more)."""
+    return (Path(folder) / CONFIG_NAME).is_file()
+
+
+def require_model_dir(folder: Path, field: str) -> None:
+    if not is_model_dir(folder):
+        raise InputError("not a model folder (no config.json)", file=folder, field=field)
 
 
 def check_model_dir(model_dir: Path) -> list[Path]:
@@ -91,18 +120,53 @@ def check_model_dir(model_dir: Path) -> list[Path]:
         for shard in shards:
             if not (model_dir / shard).is_file():
                 raise InputError(f"names shard {shard}, which is missing", file=index, field="weight_map")
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise InputError("no *.safetensors weights in the model folder", file=model_dir, field="weights")
+    files = safetensors_files(model_dir)
     for path in files:
         safetensors_header(path)
     return files
 
 
+# ------------------------------------------------------------------------------ safetensors
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise InputError("no *.safetensors weights in the folder", file=folder, field="weights")
+    return files
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensor entries of a safetensors file's JSON header, after checking that the file holds all the
+    bytes the header promises (a truncated download or a padded file is refused)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"truncated: {size} bytes, not even a header", file=path, field="safetensors")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_SAFETENSORS_HEADER, size - 8):
+                raise InputError(f"not a readable safetensors header: corrupt or truncated, it claims {header_len} bytes,"
+                                 f" the file has {size}", file=path, field="safetensors")
+            header = json.loads(handle.read(header_len))
+        tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+        expected = 8 + header_len + max((info["data_offsets"][1] for info in tensors.values()), default=0)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, AttributeError):
+        raise InputError("not a readable safetensors header: not a JSON object", file=path, field="safetensors") from None
+    except (KeyError, IndexError, TypeError):
+        raise InputError("not a readable safetensors header: a tensor entry has no data_offsets", file=path, field="safetensors") from None
+    except OSError as error:
+        raise InputError(f"cannot read it ({error.strerror or error})", file=path, field="safetensors") from None
+    if size != expected:
+        raise InputError(f"truncated or padded: {size} bytes, the header describes {expected}", file=path, field="safetensors")
+    return tensors
+
+
 def tensor_bytes(folder: Path) -> int:
-    """Sum of the tensor data bytes of every safetensors file in `folder`."""
+    """Exact tensor data bytes of every safetensors file in `folder`, from the headers (weights unread)."""
     total = 0
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in safetensors_files(folder):
         for info in safetensors_header(path).values():
             start, end = info["data_offsets"]
             total += end - start
@@ -112,11 +176,7 @@ def tensor_bytes(folder: Path) -> int:
 # ---------------------------------------------------------------------------------- manifests
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CalibrationRecord(_Record):
+class CalibrationRecord(StrictModel):
     dataset: str
     sha256: str
     num_samples: int
@@ -124,18 +184,18 @@ class CalibrationRecord(_Record):
     max_seq_length: int
 
 
-class WeightBytes(_Record):
+class WeightBytes(StrictModel):
     before: int
     after: int
     ratio: float
 
 
-class PeakMemory(_Record):
+class PeakMemory(StrictModel):
     bytes: int
     note: str = "process peak RSS (resource.getrusage ru_maxrss): covers everything this process did, not only quantization"
 
 
-class Manifest(_Record):
+class Manifest(StrictModel):
     schema_version: int = 1
     recipe: str
     model_name: str
@@ -181,7 +241,6 @@ def verified_manifest(artifact_dir: Path, input_key: str) -> Manifest | None:
     return manifest
 
 
-
 # ------------------------------------------------------------------------------ integrity
 
 
@@ -194,6 +253,12 @@ class ManifestDocument(BaseModel):
     data: dict[str, Any]
     sha256: str
     files: dict[str, str]
+
+    @property
+    def recipe_text(self) -> str | None:
+        """The recipe as written, when the manifest records it (quantize's do; others may not)."""
+        text = self.data.get("recipe_text")
+        return text if isinstance(text, str) else None
 
 
 class ArtifactCheck(BaseModel):
@@ -211,6 +276,8 @@ class ArtifactCheck(BaseModel):
     files: dict[str, str]
     # files whose content was hashed by this check (the others matched the fingerprint given).
     hashed: list[str] = []
+    # the verified manifest's recipe text (policy overrides match the recipe's base and tags).
+    recipe_text: str | None = None
 
     @property
     def folder_hash(self) -> str:
@@ -218,59 +285,27 @@ class ArtifactCheck(BaseModel):
         return sha256_json({**self.files, MANIFEST_NAME: self.manifest_sha256})
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def parse_json_strict(raw: bytes, path: Path) -> Any:
-    """JSON from bytes; NaN/Infinity, bad UTF-8, bad syntax and absurd nesting are an InputError naming `path`."""
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except json.JSONDecodeError as error:
-        raise InputError(f"not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})", file=path) from None
-    except UnicodeDecodeError as error:
-        raise InputError(f"not UTF-8 text (byte {error.start})", file=path) from None
-    except ValueError as error:
-        raise InputError(f"not valid JSON: {error}", file=path) from None
-    except RecursionError:
-        raise InputError("not valid JSON: nested too deeply", file=path) from None
-
-
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of `path`, refusing a file larger than `limit` (checked before and while reading)."""
-    try:
-        if not path.is_file():
-            raise InputError(f"{what} is not a file", file=path)
-        size = path.stat().st_size
-        if size > limit:
-            raise InputError(f"{what} is {size:,} bytes; more than the {limit:,} allowed", file=path)
-        with path.open("rb") as handle:
-            raw = handle.read(limit + 1)
-    except OSError as error:
-        raise InputError(f"cannot read {what}: {error.strerror or error}", file=path) from None
-    if len(raw) > limit:
-        raise InputError(f"{what} grew past the {limit:,} bytes allowed while being read", file=path)
-    return raw
-
-
-def read_manifest_json(path: Path) -> tuple[dict[str, Any], str]:
-    """A manifest.json's JSON object and the sha256 of its bytes; bounded in size, strict JSON (no NaN),
-    a `recipe` that is a string if present. InputError naming the file otherwise."""
-    raw = read_bounded(path, MAX_MANIFEST_BYTES, MANIFEST_NAME)
-    data = parse_json_strict(raw, path)
-    if not isinstance(data, dict):
-        raise InputError(f"must be a JSON object (got {type(data).__name__})", file=path)
+def _manifest_json(path: Path) -> tuple[dict[str, Any], bytes]:
+    """manifest.json's JSON object (at most 16 MiB, strict JSON: no NaN) and its bytes; its `recipe`, if
+    present, is a string."""
+    data, raw = read_json_object(path, what="manifest", max_bytes=MAX_MANIFEST_BYTES)
     if "recipe" in data and not isinstance(data["recipe"], str):
         raise InputError(f"must be a string (got {type(data['recipe']).__name__})", file=path, field="recipe")
-    return data, hashlib.sha256(raw).hexdigest()
+    return data, raw
+
+
+def manifest_recipe(artifact_dir: Path) -> str | None:
+    """The recipe name manifest.json records, if any; only the JSON is checked (verify_artifact checks the rest)."""
+    path = Path(artifact_dir) / MANIFEST_NAME
+    return _manifest_json(path)[0].get("recipe") if path.exists() else None
 
 
 def load_manifest(artifact_dir: Path) -> ManifestDocument:
     """manifest.json of `artifact_dir`, checked for shape; any problem is an InputError naming the file.
 
-    Needs a JSON object whose `artifact_files` maps relative paths (no '..', not absolute) to sha256 hex
-    digests, and whose `recipe`, if present, is a string. The full schema `quantize` writes (`Manifest`)
-    is not required: artifacts quantized elsewhere carry only what verification needs.
+    Needs a JSON object (_manifest_json) whose `artifact_files` maps relative paths (no '..', not absolute)
+    to sha256 hex digests. The full schema `quantize` writes (`Manifest`) is not required: artifacts
+    quantized elsewhere carry only what verification needs.
     """
     artifact_dir = Path(artifact_dir)
     path = artifact_dir / MANIFEST_NAME
@@ -278,7 +313,7 @@ def load_manifest(artifact_dir: Path) -> ManifestDocument:
         raise InputError("artifact folder does not exist", file=artifact_dir)
     if not path.exists():
         raise InputError("artifact has no manifest; it is incomplete or was not written by `quantize`", file=path)
-    data, manifest_sha256 = read_manifest_json(path)
+    data, raw = _manifest_json(path)
     files = data.get(MANIFEST_FILES_KEY)
     if not isinstance(files, dict) or not files:
         raise InputError("missing or empty map of relative path to sha256", file=path, field=MANIFEST_FILES_KEY)
@@ -288,7 +323,12 @@ def load_manifest(artifact_dir: Path) -> ManifestDocument:
             raise InputError("the manifest cannot list itself", file=path, field=MANIFEST_FILES_KEY)
         if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX):
             raise InputError(f"{relative}: not a sha256 hex digest ({str(digest)[:80]!r})", file=path, field=MANIFEST_FILES_KEY)
-    return ManifestDocument(path=path, data=data, sha256=manifest_sha256, files=files)
+    return ManifestDocument(path=path, data=data, sha256=hashlib.sha256(raw).hexdigest(), files=files)
+
+
+def artifact_hash(artifact_dir: Path) -> str:
+    """The artifact's identity: the hash of its manifest's {relative path: sha256} map."""
+    return sha256_json(load_manifest(Path(artifact_dir)).files)
 
 
 def stat_fingerprint(path: Path) -> list[int]:
@@ -337,5 +377,5 @@ def verify_artifact(
         raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
     return ArtifactCheck(
         artifact_dir=artifact_dir, manifest_sha256=document.sha256, artifact_hash=sha256_json(document.files),
-        fingerprint=seen, files=dict(document.files), hashed=hashed,
+        fingerprint=seen, files=dict(document.files), hashed=hashed, recipe_text=document.recipe_text,
     )

@@ -1,0 +1,140 @@
+"""`quantize loadtest --model DIR [--artifact DIR]`: the load test on its own, with servers it starts itself.
+
+With --artifact, the artifact is the candidate and --model its 16-bit baseline: both are served, swept and
+compared as in a gate run (docs/loadtest.md); without it, --model alone is measured (figures, KV, memory,
+measured tuning; no ratios). Results go to a run folder (`<runs>/<id>`: loadtest.json, loadtest.md, plots,
+the tool's files) and to the terminal, or as JSON with --json. Exit 0 unless enforced checks fail (1: on a GPU
+target, or with `enforce: always`); every error is exit 2, and no server outlives the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import ExitStack
+from pathlib import Path
+
+from pipelines.artifact import MANIFEST_NAME, require_model_dir, verify_artifact
+from pipelines.atomic import write_json_atomic, write_text_atomic
+from pipelines.cli import int_arg
+from pipelines.commands.common import library_output_on_stderr
+from pipelines.errors import EXIT_OK, EXIT_REJECTED
+from pipelines.evalsets import EvalSet
+from pipelines.evaluate import check_prompt_lengths, load_prompts, materialize_tasks
+from pipelines.loadtest.config import MAX_LEVEL, PerformancePolicy
+from pipelines.loadtest.gate_hook import ServerPool
+from pipelines.loadtest.render import console_tables
+from pipelines.loadtest.results import PerformanceReport, Role
+from pipelines.loadtest.stage import StageInputs, plan_for, run_loadtest
+from pipelines.output import emit, progress, say, table
+from pipelines.policy import MAX_CONTEXT, FitRequirement, RecipeIdentity
+from pipelines.progress import add_verbose_option, library_log
+from pipelines.recipe import identity_from_text
+from pipelines.report import performance_markdown
+from pipelines.runner import ANSWER_RESERVE_TOKENS, LIBRARY_LOG, _finish, _keep_failed, _reclaim, load_gate_policy, run_id, select_eval_sets
+from pipelines.safepath import ensure_inside
+from pipelines.schema import StrictModel
+from pipelines.serving import ServeSettings
+from pipelines.settings import current as current_settings
+from pipelines.targets import installed_target
+
+
+def _identity(artifact: Path | None) -> RecipeIdentity:
+    """The recipe a policy's overrides match: the artifact's (verified manifest), else 16-bit."""
+    if artifact is None or not (artifact / MANIFEST_NAME).exists():
+        return RecipeIdentity(name=artifact.name if artifact else "16-bit")
+    return identity_from_text(verify_artifact(artifact).recipe_text, artifact.name)
+
+
+class Options(StrictModel):
+    """The command line, checked before any folder is made or server started."""
+
+    model: Path
+    artifact: Path | None
+    performance: PerformancePolicy
+    fit: FitRequirement | None
+    serve: ServeSettings
+    eval_sets: list[EvalSet]
+
+
+def options(args: argparse.Namespace) -> Options:
+    model = args.model.resolve()
+    artifact = args.artifact.resolve() if args.artifact else None
+    require_model_dir(model, "--model")
+    if artifact is not None:
+        require_model_dir(artifact, "--artifact")
+    policy, _ = load_gate_policy(args.policy)
+    identity = _identity(artifact)
+    performance = policy.performance_for(identity)
+    load = {key: value for key, value in (("max_concurrency", args.concurrency), ("repeats", args.repeats)) if value is not None}
+    if load:
+        performance = performance.model_copy(update={"load": performance.load.model_copy(update=load)})
+    fit = policy.fit_for(identity)
+    top = performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs
+    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    return Options(
+        model=model, artifact=artifact, performance=performance, fit=fit, eval_sets=select_eval_sets(names),
+        # Servers started here may take the whole sweep (a gate run's servers keep their own max_num_seqs).
+        serve=ServeSettings(max_model_len=args.max_model_len, max_num_seqs=max(ServeSettings().max_num_seqs, top)),
+    )
+
+
+def stage_inputs(chosen: Options, run_dir: Path) -> StageInputs:
+    include_dir = materialize_tasks(chosen.eval_sets, run_dir / "tasks")
+    prompts = {s.name: load_prompts(s, include_dir, chosen.model) for s in chosen.eval_sets}
+    for eval_set in chosen.eval_sets:
+        check_prompt_lengths(eval_set, prompts[eval_set.name], chosen.model, chosen.serve.max_model_len, ANSWER_RESERVE_TOKENS)
+    artifact, model = chosen.artifact, chosen.model
+    return StageInputs(
+        eval_sets=chosen.eval_sets, prompts=prompts, baseline_dir=model, artifact_dir=artifact, serve=chosen.serve,
+        policy=chosen.performance, fit_concurrency=chosen.fit.concurrency if chosen.fit else None,
+        plan=plan_for(chosen.fit, artifact or model), target=str(installed_target()), run_dir=run_dir,
+        title=f"{artifact.name} against {model.name}" if artifact else model.name,
+    )
+
+
+def run(chosen: Options) -> tuple[PerformanceReport, Path]:
+    runs_dir = current_settings().runs_dir
+    _reclaim(runs_dir)
+    identifier = run_id("loadtest")
+    staging = ensure_inside(runs_dir, runs_dir / f".{identifier}.tmp", "run id")
+    staging.mkdir(parents=True)
+    try:
+        with library_log(staging / LIBRARY_LOG):
+            with ExitStack() as stack:  # every server (and the tool) this command starts stops here, however it ends
+                models: dict[Role, Path] = {"baseline": chosen.model, "candidate": chosen.artifact or chosen.model}
+                pool = ServerPool(stack, staging, chosen.serve, models, {})  # the tool's import starts now
+                report = run_loadtest(stage_inputs(chosen, staging), pool, pool.driver)
+            write_json_atomic(staging / "loadtest.json", report.model_dump(mode="json"))
+            write_text_atomic(staging / "loadtest.md", performance_markdown(report))
+        final = _finish(staging, runs_dir / identifier)
+    except BaseException as error:
+        _keep_failed(staging, runs_dir / f"{identifier}-error", error)
+        raise
+    return report, final
+
+
+def handle(args: argparse.Namespace) -> int:
+    chosen = options(args)  # bad input fails here, before a folder or a server exists
+    with library_output_on_stderr(verbose=args.verbose):
+        report, run_dir = run(chosen)
+
+    def render(result: dict) -> None:
+        console_tables(report, table, say)
+        progress(f"load test evidence in {run_dir}")
+
+    emit({"run_dir": str(run_dir), "performance": report}, as_json=args.json, render=render)
+    return EXIT_REJECTED if report.reasons else EXIT_OK
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("loadtest")  # its summary: pipelines.cli.COMMANDS
+    parser.add_argument("--model", type=Path, required=True, help="the 16-bit model folder (the baseline)")
+    parser.add_argument("--artifact", type=Path, help="a quantized artifact to compare against --model (the candidate)")
+    parser.add_argument("--eval-sets", help="comma-separated eval set names whose prompts make the load (default: every set)")
+    parser.add_argument("--policy", type=Path, help="policy YAML whose performance block applies (default: policies/default.yaml)")
+    parser.add_argument("--concurrency", type=int_arg(1, MAX_LEVEL), help="top of the sweep (default: the policy's)")
+    parser.add_argument("--repeats", type=int_arg(1, 50), help="runs per model and concurrency (default: the policy's)")
+    parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), default=ServeSettings().max_model_len, help="vLLM max model length")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
+    add_verbose_option(parser)
+    parser.set_defaults(handler=handle)

@@ -1,0 +1,117 @@
+"""`quantize repair RUN_ID`: repair a rejected run (docs/repair.md); also the options `quantize --repair` shares.
+
+Exit 0: a passing artifact was found (its recipe is repaired.yaml in the repair folder); 1: the budget ran out
+(or the ladder did) with the closest attempt and why it failed; 2: an error (an unknown run id, a run that is
+not a rejection, a budget of 0, a ladder rung no kernel serves, ... : one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipelines.cli import float_arg, int_arg
+from pipelines.commands.common import library_output_on_stderr, print_outcome
+from pipelines.output import console, emit, progress, table
+from pipelines.progress import add_verbose_option
+from pipelines.registry import default_registry_path
+from pipelines.repair.search import Budget
+from pipelines.repair.sensitivity import SensitivitySettings
+from pipelines.repair.session import RepairOptions, RepairResult
+from pipelines.runner import GateSettings, RunOutcome
+
+
+def add_repair_options(parser: argparse.ArgumentParser) -> None:
+    """The search's budget and inputs (`quantize repair` and `quantize --recipe ... --repair`)."""
+    defaults, sensitivity = Budget(), SensitivitySettings()
+    parser.add_argument("--repair-budget", type=int_arg(1, 1000), default=defaults.max_gates, metavar="GATES",
+                        help="full gates (quantize, serve, score, gate) the repair may run (default: %(default)s)")
+    parser.add_argument("--repair-time", type=float_arg(0, 30 * 24 * 3600, low_open=True), default=defaults.max_wall_s, metavar="SECONDS",
+                        help="wall time of the whole repair; no gate starts that the slowest so far would not finish in (default: %(default)s)")
+    parser.add_argument("--ladder", type=Path, help="fallback ladder file (default: recipes/ladders/<serve target>.yaml)")
+    parser.add_argument("--kl-prompts", type=int_arg(4, 4096), default=sensitivity.prompts,
+                        help="reference paths the sensitivity KL is measured on (default: %(default)s)")
+    parser.add_argument("--kl-top", type=int_arg(1, 100_000), default=sensitivity.kl_top,
+                        help="modules whose KL is measured, the proxy's top (default: %(default)s)")
+
+
+def repair_options(args: argparse.Namespace) -> RepairOptions:
+    return RepairOptions(
+        budget=Budget(max_gates=args.repair_budget, max_wall_s=args.repair_time), ladder=args.ladder,
+        sensitivity=SensitivitySettings(prompts=args.kl_prompts, kl_top=args.kl_top),
+    )
+
+
+def check_ladder(args: argparse.Namespace) -> None:
+    """A bad ladder file fails before any work (a rung no kernel serves is refused here)."""
+    from pipelines.repair.ladder import load_ladder
+    from pipelines.targets import installed_target
+
+    load_ladder(args.ladder, installed_target())
+
+
+def render(result: RepairResult) -> None:
+    rows = [
+        [str(a.number), a.recipe_name, str(len(a.modules_moved)), f"{(a.measured_weight_bytes or a.weight_bytes) / 2**20:.2f}",
+         f"{a.predicted_kl:.3g}", "PASS" if a.verdict == "promoted" else "fail",
+         "; ".join(a.failed_rules[:4]) + (" ..." if len(a.failed_rules) > 4 else "")]
+        for a in result.attempts
+    ]
+    console.print(table(f"repair of {result.parent['recipe']} (run {result.parent['run_id']}): {result.status}",
+                        ["#", "proposal", "modules moved", "MiB", "simulated KL", "verdict", "failed rules"], rows))
+    if result.found:
+        progress(f"repaired: {result.found.recipe_file} ({result.found.modules_moved} module(s) moved, "
+                 f"{result.found.weight_bytes / 2**20:.2f} MiB); report {result.report_md}")
+    elif result.closest:
+        progress(f"no proposal passed ({result.status}); closest: attempt {result.closest['attempt']}, failed "
+                 f"{'; '.join(result.closest['failed_rules'])}; report {result.report_md}")
+    else:
+        progress(f"no proposal was gated ({result.status}); report {result.report_md}")
+
+
+def emit_result(result: RepairResult, as_json: bool) -> int:
+    emit(result, as_json=as_json, render=lambda _: render(result))
+    return result.exit_code
+
+
+def repair_after(outcome: RunOutcome, settings: GateSettings, args: argparse.Namespace) -> int:
+    """`quantize --recipe ... --repair` after a rejection: the rejected run is repaired with the same settings.
+    --json prints one document: {"run": the rejected run's outcome, "repair": repair.json, "exit_code"}."""
+    from pipelines.repair.parent import load_parent
+    from pipelines.repair.session import repair
+
+    parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,
+                         calibration=args.calibration, loadtest=settings.loadtest)
+    if not args.json:
+        print_outcome(outcome, as_json=False)
+    with library_output_on_stderr(verbose=args.verbose):
+        result = repair(parent, repair_options(args))
+    emit({"run": outcome, "repair": result, "exit_code": result.exit_code}, as_json=args.json, render=lambda _: render(result))
+    return result.exit_code
+
+
+def handle(args: argparse.Namespace) -> int:
+    from pipelines.repair.parent import load_parent
+    from pipelines.repair.session import repair
+    from pipelines.settings import current
+
+    options = repair_options(args)
+    check_ladder(args)
+    registry = None if args.no_registry else args.registry
+    parent = load_parent(args.run_id, current().runs_dir, registry_path=registry, loadtest=not args.no_loadtest)
+    with library_output_on_stderr(verbose=args.verbose):
+        result = repair(parent, options)
+    return emit_result(result, args.json)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("repair")  # its summary: pipelines.cli.COMMANDS
+    parser.add_argument("run_id", metavar="RUN_ID", help="a rejected run: its folder name under artifacts/runs")
+    add_repair_options(parser)
+    parser.add_argument("--registry", type=Path, default=default_registry_path(),
+                        help="registry database (default: %(default)s; env QUANTGATE_REGISTRY)")
+    parser.add_argument("--no-registry", action="store_true", help="gate and report, but do not write the registry")
+    parser.add_argument("--no-loadtest", action="store_true", help="skip the load test after a passing quality gate")
+    parser.add_argument("--json", action="store_true", help="print repair.json's content on stdout")
+    add_verbose_option(parser)
+    parser.set_defaults(handler=handle)

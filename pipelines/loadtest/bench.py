@@ -1,0 +1,256 @@
+"""Driving the field tool, `vllm bench serve`, and reading its result files.
+
+Why vLLM's benchmark and not GuideLLM: it is part of the vLLM already installed in the serve environment
+(no third environment: GuideLLM is not installed and pins its own dependencies), it reads a JSONL of our own
+prompts with a per-prompt output length (`--dataset-name custom`, `output_tokens`), it bounds concurrency
+(`--max-concurrency`), reports TTFT/TPOT/ITL at the percentiles asked and goodput under SLOs (`--goodput`),
+and writes one JSON result per run (`--save-result`). Neither tool gives a verdict or compares two models:
+that part is ours (figures, verdict).
+
+The whole sweep runs in one process of the serve environment (vllm_bench_driver.py: the tool's own parser
+and `main`, run after run), which pays vLLM's import once. Its output goes to a log file; the product's
+progress bar follows the driver's one line per finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipelines.errors import LoadTestError
+from pipelines.loadtest.vllm_bench_driver import DONE_PREFIX  # stdlib only at import: it never imports vllm here
+from pipelines.progress import Bar
+from pipelines.reclaim import die_with_parent
+from pipelines.schema import FrozenModel
+from pipelines.serving import RunningServer, log_tail
+from pipelines.settings import current as current_settings
+
+DRIVER = Path(__file__).with_name("vllm_bench_driver.py")
+TOOL_NAME = "vllm bench serve"
+TOOL_MODULE = "vllm.benchmarks.serve"
+PERCENTILES = (50, 95, 99)
+PERCENTILE_METRICS = ("ttft", "tpot", "itl")
+Role = Literal["baseline", "candidate"]
+
+
+class BenchResult(BaseModel):
+    """The figures of one `vllm bench serve --save-result` file this project reads (the file holds more)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    completed: int = Field(ge=0)
+    failed: int = Field(ge=0)
+    duration: float = Field(gt=0)
+    max_concurrency: int | None = None
+    total_input_tokens: int = Field(ge=0)
+    total_output_tokens: int = Field(ge=0)
+    request_throughput: float = Field(ge=0)
+    output_throughput: float = Field(ge=0)
+    request_goodput: float | None = Field(default=None, ge=0)
+    p50_ttft_ms: float = Field(ge=0)
+    p95_ttft_ms: float = Field(ge=0)
+    p99_ttft_ms: float = Field(ge=0)
+    p50_tpot_ms: float = Field(ge=0)
+    p95_tpot_ms: float = Field(ge=0)
+    p99_tpot_ms: float = Field(ge=0)
+    p50_itl_ms: float = Field(ge=0)
+    p95_itl_ms: float = Field(ge=0)
+    p99_itl_ms: float = Field(ge=0)
+
+    @property
+    def good_requests(self) -> int | None:
+        """Requests that met every SLO target: the tool reports them as a rate over the run's duration."""
+        return None if self.request_goodput is None else round(self.request_goodput * self.duration)
+
+
+def read_result(path: Path) -> BenchResult:
+    """One result file; a missing, malformed or incomplete one is a LoadTestError naming it and the field."""
+    try:
+        return BenchResult.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise LoadTestError("vLLM bench serve wrote no result file", file=path) from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+        raise LoadTestError(f"unreadable vLLM bench serve result: {first['msg']}", file=path, field=field) from None
+
+
+class PlannedRun(FrozenModel):
+    """One invocation of the tool: a model at a concurrency, the n-th repeat (a warm-up is not measured)."""
+
+    role: Role
+    concurrency: int = Field(ge=1)
+    repeat: int = Field(ge=0)
+    requests: int = Field(ge=1)
+    warmup: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-warmup" if self.warmup else f"{self.role}-c{self.concurrency}-r{self.repeat}"
+
+    @property
+    def result_file(self) -> str:
+        return f"{self.name}.json"
+
+
+def sweep_levels(top: int) -> list[int]:
+    """1, 2, 4, ... below `top`, then `top` itself."""
+    levels, level = [], 1
+    while level < top:
+        levels.append(level)
+        level *= 2
+    return [*levels, top]
+
+
+def plan_runs(levels: list[int], roles: list[Role], repeats: int, requests_at) -> list[PlannedRun]:
+    """A warm-up per model, then each level `repeats` times per model; the model that goes first alternates from
+    one repeat to the next, so that a drift of the machine's speed (another job, thermal) falls on both alike."""
+    runs = [PlannedRun(role=role, concurrency=min(levels[-1], 4), repeat=0, requests=requests_at(1), warmup=True) for role in roles]
+    for level in levels:
+        for repeat in range(repeats):
+            order = roles if repeat % 2 == 0 else list(reversed(roles))
+            runs += [PlannedRun(role=role, concurrency=level, repeat=repeat, requests=requests_at(level)) for role in order]
+    return runs
+
+
+def key_variable(role: Role) -> str:
+    return f"QUANTGATE_BENCH_KEY_{role.upper()}"
+
+
+def bench_argv(run: PlannedRun, server: RunningServer, tokenizer_dir: Path, dataset: Path, result_dir: Path, goodput: list[str]) -> list[str]:
+    """`vllm bench serve` arguments for one run: our prompts and output lengths, exactly that many tokens generated
+    (--ignore-eos: both models do the same work), greedy, bounded concurrency, percentiles, goodput, result file."""
+    argv = [
+        "--backend", "openai",
+        "--base-url", server.base_url.removesuffix("/v1"),
+        "--endpoint", "/v1/completions",
+        "--model", server.served_name,
+        "--tokenizer", str(tokenizer_dir),
+        "--dataset-name", "custom",
+        "--dataset-path", str(dataset),
+        "--custom-output-len", "-1",  # each line's output_tokens
+        "--skip-chat-template",  # the prompts are already what lm-eval sends (templated where the set asks)
+        "--disable-shuffle",
+        "--num-prompts", str(run.requests),
+        "--max-concurrency", str(run.concurrency),
+        "--ignore-eos",
+        "--temperature", "0",
+        "--seed", "0",
+        "--percentile-metrics", ",".join(PERCENTILE_METRICS),
+        "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
+        "--save-result",
+        "--result-dir", str(result_dir),
+        "--result-filename", run.result_file,
+        "--label", run.name,
+        "--disable-tqdm",
+    ]
+    return argv + (["--goodput", *goodput] if goodput else [])
+
+
+def driver_environment() -> dict[str, str]:
+    """The driver's environment: offline, nothing of the project environment, no OpenAI key of the user's."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "OPENAI_API_KEY")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+class BenchDriver:
+    """The tool's process (vllm_bench_driver.py), started before the servers are ready so that vLLM's import
+    overlaps their start and scoring; `run` hands it the plan and the servers' keys (on its stdin: never on a
+    command line or in a file) and watches it. Its output goes to `<work_dir>/vllm-bench.log` (removed again when
+    it was never used). It is killed when the block ends, and gets SIGKILL if this process dies (parent-death
+    signal). A driver that cannot start is an error only when it is asked to run.
+
+        with BenchDriver(work_dir) as driver:
+            ... start servers, write datasets ...
+            driver.run(runs, servers, timeout_s=..., bar=bar)
+    """
+
+    def __init__(self, work_dir: Path):
+        self.work_dir = work_dir
+        self.log_path = work_dir / "vllm-bench.log"
+        self.process: subprocess.Popen | None = None
+        self.start_error: OSError | None = None
+        self.used = False
+
+    def __enter__(self) -> BenchDriver:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        python = current_settings().serve_python
+        try:
+            with self.log_path.open("w") as log:
+                self.process = subprocess.Popen(
+                    [str(python), str(DRIVER)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True,
+                    env=driver_environment(), cwd=self.work_dir, preexec_fn=die_with_parent(signal.SIGKILL),
+                )
+        except OSError as error:  # no serve environment: said when the load test needs it
+            self.start_error = error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        if process is not None and process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+        if not self.used:  # started early for a load test that did not run: leave nothing behind
+            self.log_path.unlink(missing_ok=True)
+            try:
+                self.work_dir.rmdir()
+            except OSError:
+                pass
+
+    def run(self, runs: list[tuple[PlannedRun, list[str]]], servers: dict[Role, RunningServer], *, timeout_s: float,
+            bar: Bar | None = None) -> None:
+        """Every run, in order. A failing tool, a server that dies or the time limit is an error (exit 2)."""
+        self.used = True
+        if self.process is None or self.process.stdin is None:
+            raise LoadTestError(f"could not start vLLM bench serve from the serve environment ({self.start_error})",
+                                file=current_settings().serve_python)
+        plan = self.work_dir / "bench-plan.json"
+        plan.write_text(json.dumps({"runs": [{"name": run.name, "argv": argv, "key_env": key_variable(run.role)} for run, argv in runs]}, indent=1))
+        order = {"plan": str(plan), "keys": {key_variable(role): server.api_key or "" for role, server in servers.items()}}
+        try:
+            self.process.stdin.write(json.dumps(order) + "\n")
+            self.process.stdin.close()
+        except OSError:  # it died while importing: its log says why (below)
+            pass
+        _watch(self.process, servers, self.log_path, time.monotonic() + timeout_s, timeout_s, bar)
+        if self.process.returncode != 0:
+            raise LoadTestError(f"vLLM bench serve failed (exit code {self.process.returncode}): {log_tail(self.log_path, 3)}",
+                                file=self.log_path)
+
+
+def _watch(process: subprocess.Popen, servers: dict[Role, RunningServer], log_path: Path, deadline: float, timeout_s: float, bar: Bar | None) -> None:
+    while process.poll() is None:
+        for server in servers.values():
+            if server.process.poll() is not None:
+                process.kill()
+                server.check_alive()
+        if time.monotonic() > deadline:
+            process.kill()
+            raise LoadTestError(f"vLLM bench serve did not finish within {timeout_s:.0f} s (performance.load.timeout_s)", file=log_path)
+        if bar is not None:
+            bar.update(completed=finished_runs(log_path))
+        time.sleep(0.5)
+    if bar is not None:
+        bar.update(completed=finished_runs(log_path))
+
+
+def finished_runs(log_path: Path) -> int:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return 0
+    return sum(1 for line in text.splitlines() if line.startswith(DONE_PREFIX))

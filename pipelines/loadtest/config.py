@@ -1,0 +1,154 @@
+"""The policy's `performance:` block: what the load test measures and how its figures are judged.
+
+    performance:
+      enabled: true            # run the load test after a promoted quality gate (--no-loadtest turns it off)
+      enforce: auto            # auto: enforced on a GPU target, report-only on a CPU target; always; never
+      min_throughput_ratio: 0.9
+      max_ttft_p95_ratio: 1.25
+      slo: {ttft_ms: 2000, tpot_ms: 200, min_good_fraction: 0.9}
+      load: {repeats: 3, min_requests: 8, requests_per_slot: 2, max_concurrency: null, output_tokens: baseline}
+
+A recipe override (`recipes: {w4a16: {performance: {...}}}`) names only what it changes, nested blocks
+included; setting a threshold to null turns that check off. Values that no measurement can meet by
+construction (zero, negative, not finite) are refused when the policy is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, PlainValidator, model_validator
+
+from pipelines.schema import FrozenModel
+
+MAX_RATIO = 1e6
+MAX_MS = 1e9
+MAX_LEVEL = 4096  # concurrency of a sweep: far above any one server's max_num_seqs
+MAX_REQUESTS = 100_000
+
+Ratio = Annotated[float, Field(gt=0, le=MAX_RATIO, allow_inf_nan=False)]
+Milliseconds = Annotated[float, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
+GoodFraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Enforce = Literal["auto", "always", "never"]
+MAX_OUTPUT_TOKENS = 1_000_000
+
+
+def _output_tokens(value: object) -> str | int:
+    if value == "baseline":
+        return "baseline"
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_OUTPUT_TOKENS:
+        raise ValueError(f"must be `baseline` or a whole number of tokens from 1 to {MAX_OUTPUT_TOKENS} (got {value!r})")
+    return value
+
+
+OutputTokens = Annotated[str | int, PlainValidator(_output_tokens)]
+
+
+class SloTargets(FrozenModel):
+    """A request is good when it meets every target set (vLLM's goodput, DistServe's definition)."""
+
+    ttft_ms: Milliseconds | None = Field(default=2000.0, description="time to first token, per request")
+    tpot_ms: Milliseconds | None = Field(default=200.0, description="time per output token after the first, per request")
+    min_good_fraction: GoodFraction = Field(
+        default=0.9, description="share of requests that must meet the targets at the deployment's concurrency",
+    )
+
+    @property
+    def goodput_arguments(self) -> list[str]:
+        """vLLM bench serve's `--goodput KEY:VALUE ...` pairs (empty: no target set)."""
+        pairs = [("ttft", self.ttft_ms), ("tpot", self.tpot_ms)]
+        return [f"{key}:{value:g}" for key, value in pairs if value is not None]
+
+
+class LoadSettings(FrozenModel):
+    """The sweep: concurrency 1, 2, 4, ... up to the deployment's, each level run `repeats` times per model."""
+
+    repeats: int = Field(default=3, ge=1, le=50, description="runs per model and level, alternating which model goes first")
+    min_requests: int = Field(default=8, ge=1, le=MAX_REQUESTS, description="requests per run at the lowest levels")
+    requests_per_slot: int = Field(default=2, ge=1, le=1000, description="requests per run = max(min_requests, this x concurrency)")
+    max_concurrency: int | None = Field(
+        default=None, ge=1, le=MAX_LEVEL,
+        description="top of the sweep; default: the policy's fit concurrency, else the server's max_num_seqs",
+    )
+    output_tokens: OutputTokens = Field(
+        default="baseline", description="`baseline`: each prompt's length of the baseline's own greedy answer; or a fixed count",
+    )
+    timeout_s: float = Field(default=1800.0, gt=0, le=86_400, allow_inf_nan=False, description="the whole sweep's time limit")
+
+    def requests_at(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_slot * concurrency)
+
+
+class PerformancePolicy(FrozenModel):
+    enabled: bool = True
+    enforce: Enforce = "auto"
+    min_throughput_ratio: Ratio | None = Field(
+        default=0.9, description="candidate / baseline output tokens per second at the deployment's concurrency, at least",
+    )
+    max_ttft_p95_ratio: Ratio | None = Field(
+        default=1.25, description="candidate / baseline p95 time to first token at the deployment's concurrency, at most",
+    )
+    slo: SloTargets = SloTargets()
+    load: LoadSettings = LoadSettings()
+
+    def merged(self, override: PerformanceOverrides | None) -> PerformancePolicy:
+        """This block with an override's explicit fields on top (nested blocks merged field by field)."""
+        if override is None:
+            return self
+        values = self.model_dump()
+        for key, value in override.explicit().items():
+            values[key] = {**values[key], **value} if isinstance(value, dict) else value
+        return PerformancePolicy.model_validate(values)
+
+
+class _Override(FrozenModel):
+    """A partial block: fields left out are inherited; only thresholds may be set to null (check off)."""
+
+    _NOT_NULL: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _null_only_for_thresholds(self) -> _Override:
+        for name in self._NOT_NULL:
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"{name} cannot be null; leave it out to inherit it (only thresholds can be turned off)")
+        return self
+
+
+class SloOverrides(_Override):
+    _NOT_NULL = ("min_good_fraction",)
+
+    ttft_ms: Milliseconds | None = None
+    tpot_ms: Milliseconds | None = None
+    min_good_fraction: GoodFraction | None = None
+
+
+class LoadOverrides(_Override):
+    _NOT_NULL = ("repeats", "min_requests", "requests_per_slot", "output_tokens", "timeout_s")
+
+    repeats: int | None = Field(default=None, ge=1, le=50)
+    min_requests: int | None = Field(default=None, ge=1, le=MAX_REQUESTS)
+    requests_per_slot: int | None = Field(default=None, ge=1, le=1000)
+    max_concurrency: int | None = Field(default=None, ge=1, le=MAX_LEVEL)
+    output_tokens: OutputTokens | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
+
+
+class PerformanceOverrides(_Override):
+    """Any subset of the block, for one recipe; fields left out are inherited, a threshold set to null is off."""
+
+    _NOT_NULL = ("enabled", "enforce", "slo", "load")
+
+    enabled: bool | None = None
+    enforce: Enforce | None = None
+    min_throughput_ratio: Ratio | None = None
+    max_ttft_p95_ratio: Ratio | None = None
+    slo: SloOverrides | None = None
+    load: LoadOverrides | None = None
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields this override names (explicit nulls included), nested blocks as their own explicit fields."""
+        named: dict[str, Any] = {}
+        for name in self.model_fields_set:
+            value = getattr(self, name)
+            named[name] = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+        return named

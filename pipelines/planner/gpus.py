@@ -1,0 +1,85 @@
+"""The GPUs the planner knows by name (pipelines/data/gpus.yaml), or one given by its size."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from pydantic import Field, ValidationError
+
+from pipelines.errors import InputError, from_validation_error
+from pipelines.schema import StrictModel
+
+GiB = 1024**3
+GPU_TABLE = Path(__file__).resolve().parent.parent / "data" / "gpus.yaml"
+MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB on one device
+MAX_GPU_BANDWIDTH_GBS = 10**6  # 1 PB/s
+
+
+class GpuSpec(StrictModel):
+    name: str
+    memory_bytes: int = Field(gt=0)
+    bandwidth_bytes_per_s: int | None = Field(default=None, gt=0)
+    compute_capability: str | None = Field(
+        default=None, pattern=r"^\d{1,2}\.\d$", description="CUDA compute capability (the serve target's kernel rules)",
+    )
+
+
+class _GpuEntry(StrictModel):
+    memory_gib: float = Field(gt=0)
+    bandwidth_gbs: float = Field(gt=0)
+    compute_capability: str | None = Field(default=None, pattern=r"^\d{1,2}\.\d$")
+    aliases: list[str] = Field(default_factory=list)
+
+
+class _GpuTable(StrictModel):
+    gpus: dict[str, _GpuEntry]
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+@lru_cache(maxsize=1)
+def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
+    """The shipped GPU table: specs by canonical name, and canonical names by normalized name or alias."""
+    try:
+        table = _GpuTable.model_validate(yaml.safe_load(GPU_TABLE.read_text()))
+    except ValidationError as error:
+        raise from_validation_error(error, GPU_TABLE) from None
+    specs = {
+        name: GpuSpec(
+            name=name, memory_bytes=int(e.memory_gib * GiB), bandwidth_bytes_per_s=int(e.bandwidth_gbs * 1e9),
+            compute_capability=e.compute_capability,
+        )
+        for name, e in table.gpus.items()
+    }
+    aliases = {_normalized(alias): name for name, e in table.gpus.items() for alias in (name, *e.aliases)}
+    return specs, aliases
+
+
+def known_gpus() -> dict[str, GpuSpec]:
+    """The GPUs in pipelines/data/gpus.yaml, by canonical name."""
+    return _gpu_table()[0]
+
+
+def gpu_spec(name: str | None = None, memory_gib: float | None = None, bandwidth_gbs: float | None = None) -> GpuSpec:
+    """A GPU by table name, or by size (and bandwidth); a bandwidth given with a name overrides the table's."""
+    if (name is None) == (memory_gib is None):
+        raise InputError("give a GPU name or a memory size (not both)", field="gpu")
+    for field, value, most in (("gpu_memory_gib", memory_gib, MAX_GPU_MEMORY_GIB), ("gpu_bandwidth_gbs", bandwidth_gbs, MAX_GPU_BANDWIDTH_GBS)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= most)):
+            raise InputError(f"must be a positive number of at most {most:g} (got {value})", field=field)
+    if name is not None and not isinstance(name, str):
+        raise InputError(f"a GPU name is text (got {name!r})", field="gpu")
+    bandwidth = int(bandwidth_gbs * 1e9) if bandwidth_gbs is not None else None
+    if name is None:
+        assert memory_gib is not None  # exactly one of the two is given
+        return GpuSpec(name=f"{memory_gib:g} GiB", memory_bytes=int(memory_gib * GiB), bandwidth_bytes_per_s=bandwidth)
+    canonical = _gpu_table()[1].get(_normalized(name))
+    if canonical is None:
+        raise InputError(f"unknown GPU {name!r} (known: {', '.join(known_gpus())}; or give --gpu-memory-gib)", field="gpu")
+    spec = known_gpus()[canonical]
+    return spec.model_copy(update={"bandwidth_bytes_per_s": bandwidth}) if bandwidth else spec

@@ -1,0 +1,151 @@
+"""Weight bytes: predicted from the shape for a recipe (or 16-bit), or measured from safetensors headers.
+
+Which scheme each Linear gets is the compiler's answer (pipelines.compiler.scheme_for), so the bytes the
+planner predicts and the layers the compiler quantizes never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import Field
+
+from pipelines.artifact import tensor_bytes
+from pipelines.compiler import Kind, LinearInfo, ModelLayout, scheme_for
+from pipelines.planner.shape import ModelShape
+from pipelines.recipe import AutoGroupSize, GroupScheme, KeptGroup, Recipe
+from pipelines.schema import StrictModel
+
+_WEIGHT_SHAPE_BYTES = 16  # pack-quantized layers also store their original shape as int64[2]
+
+
+class Linear(NamedTuple):
+    """One Linear the planner counts, named as Llama-style checkpoints name it."""
+
+    name: str
+    kind: Kind
+    layer: int
+    out: int
+    inp: int
+    bias: bool
+    copies: int = 1  # identical copies (MoE experts)
+    expert: bool = False
+
+
+class WeightBreakdown(StrictModel):
+    total_bytes: int
+    embedding_bytes: int = Field(description="the input embedding table (a lookup reads one row per token)")
+    expert_bytes: int = Field(default=0, description="all routed experts (a token reads only its top-k)")
+
+    def read_per_token(self, shape: ModelShape) -> int:
+        """Bytes of weights one decode step reads from memory."""
+        skipped_experts = self.expert_bytes * (1 - shape.experts_per_token / shape.experts) if shape.experts else 0
+        embedding = 0 if shape.tied_embeddings else self.embedding_bytes
+        return int(self.total_bytes - embedding - skipped_experts)
+
+
+def decoder_linears(shape: ModelShape, layer: int) -> list[Linear]:
+    """Decoder layer `layer`'s attention and MLP Linears (MoE: the experts once, with their count)."""
+    prefix = f"model.layers.{layer}"
+    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qkv_bias = shape.attention_bias or shape.qkv_bias
+    linears = [
+        Linear(f"{prefix}.self_attn.q_proj", "attention", layer, q_width, shape.hidden, qkv_bias),
+        Linear(f"{prefix}.self_attn.k_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
+        Linear(f"{prefix}.self_attn.v_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
+        Linear(f"{prefix}.self_attn.o_proj", "attention", layer, shape.hidden, q_width, shape.attention_bias),
+    ]
+    if not shape.experts:
+        return linears + _mlp(f"{prefix}.mlp", layer, shape.hidden, shape.intermediate, shape.mlp_bias)
+    linears += _mlp(f"{prefix}.mlp.experts", layer, shape.hidden, shape.expert_intermediate, False, shape.experts, True)
+    if shape.shared_expert_intermediate:
+        linears += _mlp(f"{prefix}.mlp.shared_expert", layer, shape.hidden, shape.shared_expert_intermediate, False)
+    return linears
+
+
+def _mlp(prefix: str, layer: int, hidden: int, width: int, bias: bool, count: int = 1, expert: bool = False) -> list[Linear]:
+    return [
+        Linear(f"{prefix}.gate_proj", "mlp", layer, width, hidden, bias, count, expert),
+        Linear(f"{prefix}.up_proj", "mlp", layer, width, hidden, bias, count, expert),
+        Linear(f"{prefix}.down_proj", "mlp", layer, hidden, width, bias, count, expert),
+    ]
+
+
+def linear_schemes(shape: ModelShape, recipe: Recipe | None) -> dict[str, GroupScheme | None]:
+    """The scheme each decoder Linear gets from `recipe` (None: 16-bit), by name: compiler.scheme_for."""
+    return {
+        linear.name: scheme_for(recipe, linear, shape.layers) if recipe else None
+        for layer in range(shape.layers)
+        for linear in decoder_linears(shape, layer)
+    }
+
+
+def shape_layout(shape: ModelShape) -> ModelLayout:
+    """The compiler's view of the model, built from the shape alone (no torch): the Linear layers the
+    planner counts, named as Llama-style checkpoints name them; MoE experts count once per layer."""
+    linears = [
+        LinearInfo(name=linear.name, in_features=linear.inp, out_features=linear.out, kind=linear.kind, layer=layer)
+        for layer in range(shape.layers)
+        for linear in decoder_linears(shape, layer)
+    ]
+    lm_head = LinearInfo(name="lm_head", in_features=shape.hidden, out_features=shape.vocab)
+    return ModelLayout(
+        architecture=shape.name, num_layers=shape.layers, linears=linears, embeddings=["model.embed_tokens"],
+        lm_head="lm_head", lm_head_linear=lm_head,
+    )
+
+
+def linear_bytes(out: int, inp: int, scheme: GroupScheme | None, param_bytes: int = 2) -> int:
+    """Bytes a Linear's weight takes in a compressed-tensors checkpoint (bias excluded).
+
+    With quantized activations the format is int-quantized (one int8 per weight); weight-only schemes
+    are pack-quantized (32 values in `bits` int32 words per row, plus the int64[2] original shape).
+    Scales are in the model dtype; zero points of asymmetric schemes are int8 or, when packed, int32.
+    """
+    if scheme is None:
+        return out * inp * param_bytes
+    weights = scheme.weights
+    # `group_size: auto` is the layer's own size; where none divides (the recipe does not apply), the cap.
+    written = weights.group_size
+    group_size = weights.group_size_for(inp) or (written.auto if isinstance(written, AutoGroupSize) else written)
+    groups = {"tensor": 0, "channel": 1, "group": math.ceil(inp / (group_size or 1))}[weights.granularity]
+    scales = out * groups if groups else 1
+    if scheme.activations is None:  # pack-quantized; zero points packed into int32 along the output dim
+        stored = out * math.ceil(inp / 32) * weights.bits * 4 + _WEIGHT_SHAPE_BYTES
+        zero_points = math.ceil(out / 32) * weights.bits * 4 * groups if groups else 1
+    else:  # int-quantized; int8 zero points beside the scales
+        stored, zero_points = out * inp, scales
+    activations = scheme.activations
+    static_input = 0 if activations is None or activations.dynamic else param_bytes + (0 if activations.symmetric else 1)
+    return stored + scales * param_bytes + (0 if weights.symmetric else zero_points) + static_input
+
+
+def _kept_bytes(group: KeptGroup, out: int, inp: int, param_bytes: int) -> int:
+    scheme = GroupScheme(weights=group.weights) if group.quantize and group.weights else None
+    return linear_bytes(out, inp, scheme, param_bytes)
+
+
+def predict_weight_bytes(shape: ModelShape, recipe: Recipe | None) -> WeightBreakdown:
+    """Weight bytes of the checkpoint `recipe` would produce (None: the 16-bit model), from the shape alone."""
+    pb = shape.param_bytes
+    embeddings = recipe.groups.embeddings if recipe else KeptGroup()
+    lm_head = recipe.groups.lm_head if recipe else KeptGroup()
+    embedding = _kept_bytes(embeddings, shape.vocab, shape.hidden, pb)
+    total = embedding + (0 if shape.tied_embeddings else _kept_bytes(lm_head, shape.vocab, shape.hidden, pb))
+    total += (2 * shape.layers + 1) * shape.hidden * pb  # RMS norms: two per layer and a final one
+    total += shape.layers * shape.experts * shape.hidden * pb  # MoE routers stay 16-bit
+    experts = 0
+    for layer in range(shape.layers):
+        for linear in decoder_linears(shape, layer):
+            scheme = scheme_for(recipe, linear, shape.layers) if recipe else None
+            size = linear.copies * (linear_bytes(linear.out, linear.inp, scheme, pb) + (linear.out * pb if linear.bias else 0))
+            total += size
+            experts += size if linear.expert else 0
+    return WeightBreakdown(total_bytes=total, embedding_bytes=embedding, expert_bytes=experts)
+
+
+def safetensors_bytes(model_dir: Path) -> int:
+    """Exact tensor bytes of a checkpoint: the sum of nbytes over every safetensors header, weights unread."""
+    return tensor_bytes(Path(model_dir))

@@ -1,0 +1,176 @@
+"""Fallback ladders: per scheme family, the schemes a module may move to, least precise first.
+
+A ladder file (recipes/ladders/<target kind>.yaml, i.e. cpu.yaml or cuda.yaml; `--ladder FILE`) has one ladder
+per family: `weight_only` for modules whose activations stay 16-bit, `w8a8` for modules with int8 activations.
+A rung is a scheme in the recipe vocabulary (pipelines.recipe.GroupScheme) or `16-bit`. Loading checks every
+rung against the serve target's kernels (pipelines.targets.serve_problem): a rung no kernel serves is refused,
+naming file and rung.
+For one module (a Unit), the rungs above its current scheme that its shapes allow are its options; the
+others are listed with the compiler's reason (a group size that does not divide the layer, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipelines.compiler import ModuleScheme, check_plan, concrete_schemes, scheme_summary
+from pipelines.errors import InputError
+from pipelines.paths import RECIPES_DIR
+from pipelines.recipe import GroupScheme, Recipe
+from pipelines.repair.pricing import unit_bytes
+from pipelines.repair.units import Unit
+from pipelines.schema import FrozenModel
+from pipelines.targets import ServeTarget, serve_problem
+from pipelines.yamlio import parse_yaml_model, read_user_text
+
+LADDERS_DIR = RECIPES_DIR / "ladders"
+SIXTEEN_BIT = "16-bit"
+MAX_RUNGS = 32
+FamilyName = Literal["weight_only", "w8a8"]
+
+
+class Family(FrozenModel):
+    description: str = ""
+    rungs: list[GroupScheme | None] = Field(min_length=2, max_length=MAX_RUNGS, description=f"schemes, or {SIXTEEN_BIT!r}, least precise first")
+
+    @field_validator("rungs", mode="before")
+    @classmethod
+    def _sixteen_bit(cls, value: object) -> object:
+        if not isinstance(value, list):
+            return value
+        for index, rung in enumerate(value):
+            if isinstance(rung, str) and rung != SIXTEEN_BIT:
+                raise ValueError(f"rung {index}: {rung!r} is not a rung; write {SIXTEEN_BIT!r} or a scheme (weights, activations)")
+        return [None if rung == SIXTEEN_BIT else rung for rung in value]
+
+    @field_validator("rungs")
+    @classmethod
+    def _ordered(cls, value: list[GroupScheme | None]) -> list[GroupScheme | None]:
+        if None in value[:-1]:
+            raise ValueError(f"{SIXTEEN_BIT!r} can only be the last rung (nothing is more precise)")
+        seen = [rung for index, rung in enumerate(value) if rung in value[:index]]
+        if seen:
+            raise ValueError(f"rung {scheme_summary(seen[0])!r} is given twice")
+        return value
+
+
+class Families(FrozenModel):
+    weight_only: Family | None = Field(default=None, description="modules with 16-bit activations (W4A16 and the like)")
+    w8a8: Family | None = Field(default=None, description="modules with int8 activations")
+
+
+class Ladder(FrozenModel):
+    schema_version: Literal[1] = 1
+    description: str = ""
+    families: Families
+
+    def family_of(self, scheme: GroupScheme) -> tuple[FamilyName, Family | None]:
+        name: FamilyName = "weight_only" if scheme.activations is None else "w8a8"
+        return name, getattr(self.families, name)
+
+
+class LoadedLadder(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    ladder: Ladder
+    path: Path
+    text: str
+    target: str
+
+
+def default_ladder_path(target: ServeTarget) -> Path:
+    """The shipped ladder for a serve target: recipes/ladders/cpu.yaml or cuda.yaml."""
+    return LADDERS_DIR / f"{target.kind}.yaml"
+
+
+def load_ladder(path: Path | str | None, target: ServeTarget) -> LoadedLadder:
+    """Parse, validate and check a ladder file against `target`'s kernels (None: the target's shipped ladder);
+    an InputError naming the file and the field otherwise."""
+    path = Path(path) if path is not None else default_ladder_path(target)
+    text = read_user_text(path, what="ladder", field="--ladder")
+    ladder = parse_yaml_model(text, path, Ladder, "ladder")
+    check_kernels(ladder, path, target)
+    return LoadedLadder(ladder=ladder, path=path, text=text, target=str(target))
+
+
+def check_kernels(ladder: Ladder, path: Path | str, target: ServeTarget) -> None:
+    """Every rung must be a scheme vLLM serves on `target`: refused at validation, not after minutes of quantizing."""
+    for name in Families.model_fields:
+        family = getattr(ladder.families, name)
+        for index, rung in enumerate(family.rungs if family else []):
+            problem = serve_problem(rung, target) if rung is not None else None
+            if problem:
+                field = f"families.{name}.rungs.{index}" + (f".{problem.field}" if problem.field else "")
+                raise InputError(f"no vLLM kernel serves this rung on {target}: {problem.why}", file=path, field=field)
+
+
+# --------------------------------------------------------------------------------- one unit
+
+
+class RungOption(FrozenModel):
+    """A scheme a unit may move to (concrete for its layers: `auto` group sizes resolved); None: 16-bit."""
+
+    scheme: GroupScheme | None
+    position: int = Field(description="index of the rung in its family's ladder")
+
+    @property
+    def label(self) -> str:
+        return scheme_summary(self.scheme)
+
+
+class UnitLadder(FrozenModel):
+    unit: str
+    family: FamilyName | None
+    current: str
+    on_ladder: bool = Field(description="the unit's scheme is one of the ladder's rungs")
+    options: list[RungOption] = Field(description="the rungs above the current scheme that apply, in ladder order")
+    skipped: list[str] = Field(default=[], description="rungs above the current one that cannot apply to this unit, and why")
+
+
+def concrete_rung(rung: GroupScheme | None, unit: Unit) -> GroupScheme | None:
+    if rung is None or not rung.weights.auto_group:
+        return rung
+    return rung.model_copy(update={"weights": rung.weights.for_layer(unit.in_features)})
+
+
+def rung_problem(rung: GroupScheme | None, unit: Unit, recipe: Recipe, target: ServeTarget) -> str | None:
+    """Why this rung cannot apply to this unit (the compiler's own checks on its shards), or None."""
+    if rung is None:
+        return None
+    if rung.activations is not None and not rung.activations.dynamic and recipe.calibration is None:
+        return f"static activation scales need calibration data and recipe {recipe.name} has none"
+    plan = {info.name: ModuleScheme(module=info, scheme=rung, source="rung") for info in unit.modules}
+    try:
+        check_plan(concrete_schemes(plan, "ladder"), "ladder", target)
+    except InputError as error:
+        return error.message
+    return None
+
+
+def unit_ladder(unit: Unit, ladder: Ladder, recipe: Recipe, target: ServeTarget) -> UnitLadder:
+    """The rungs `unit` may move to: above its current scheme on its family's ladder, and applicable to its shapes.
+
+    A scheme that is not one of the ladder's rungs is placed by bytes: the rungs that store more qualify."""
+    assert unit.scheme is not None, "16-bit units have nowhere to move"
+    name, family = ladder.family_of(unit.scheme)
+    if family is None:
+        return UnitLadder(unit=unit.name, family=None, current=scheme_summary(unit.scheme), on_ladder=False, options=[],
+                          skipped=[f"the ladder file has no {name!r} family"])
+    rungs = [concrete_rung(rung, unit) for rung in family.rungs]
+    on_ladder = unit.scheme in rungs
+    if on_ladder:
+        above = list(enumerate(rungs))[rungs.index(unit.scheme) + 1:]
+    else:
+        current = unit_bytes(unit, unit.scheme)
+        above = [(index, rung) for index, rung in enumerate(rungs) if rung is None or unit_bytes(unit, rung) > current]
+    options, skipped = [], []
+    for position, rung in above:
+        problem = rung_problem(rung, unit, recipe, target)
+        if problem:
+            skipped.append(f"{scheme_summary(rung)}: {problem}")
+        else:
+            options.append(RungOption(scheme=rung, position=position))
+    return UnitLadder(unit=unit.name, family=name, current=scheme_summary(unit.scheme), on_ladder=on_ladder, options=options, skipped=skipped)

@@ -1,0 +1,139 @@
+"""The run a repair starts from: a rejected run's folder under artifacts/runs, read back into what gated it.
+
+From its gate.json: the model, the artifact (whose manifest.json holds the recipe as written and its
+calibration data), the eval sets, the policy and the serve settings. A repair is judged by the same gate, so
+an eval set that changed since the run is refused (exit 2), and so is a policy whose rules for this recipe
+and these sets (or its fit) changed (another edit of the policy file is accepted), a run that is not a
+rejection, a failed run (`-error`, no gate.json) or an unknown id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from pipelines.artifact import MANIFEST_NAME, Manifest, read_manifest
+from pipelines.errors import InputError
+from pipelines.gate import GateReport, load_report
+from pipelines.hashing import sha256_file
+from pipelines.policy import Policy, RecipeIdentity, SetPolicy
+from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, parse_recipe
+from pipelines.runner import GateSettings, load_gate_policy, select_eval_sets
+from pipelines.safepath import ensure_inside, safe_component
+from pipelines.serving import ServeSettings
+
+GATE_JSON = "gate.json"
+
+
+class ParentRun(BaseModel):
+    """A rejected run and everything needed to gate its repairs the same way."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    run_id: str
+    run_dir: Path
+    report: GateReport
+    model_dir: Path
+    artifact_dir: Path
+    manifest: Manifest
+    recipe: LoadedRecipe
+    calibration: str | None
+    settings: GateSettings
+    registry_version: int | None = None
+
+    @property
+    def gate_json(self) -> Path:
+        return self.run_dir / GATE_JSON
+
+    @property
+    def candidate_wall_s(self) -> float:
+        """What gating one more candidate costs, by this run: quantize + candidate serving and scoring + gate."""
+        stages = self.report.stages
+        return sum(value for key, value in stages.items() if key.startswith(("quantize", "candidate", "gate")))
+
+
+def load_parent(run_id: str, runs_dir: Path, *, registry_path: Path | None, calibration: str | None = None, loadtest: bool = True) -> ParentRun:
+    """The rejected run `run_id` (a folder name under `runs_dir`); an InputError (exit 2) for anything else."""
+    safe_component(run_id, "RUN_ID")
+    run_dir = ensure_inside(runs_dir, runs_dir / run_id, "RUN_ID")
+    if not run_dir.is_dir():
+        raise InputError(f"no run {run_id!r} under {runs_dir}", field="RUN_ID")
+    if not (run_dir / GATE_JSON).is_file():
+        raise InputError("not a rejection: the run has no gate.json (it failed before a verdict)", file=run_dir, field="RUN_ID")
+    report = load_report(run_dir / GATE_JSON)
+    if report.gate.verdict != "rejected":
+        raise InputError(f"not a rejection: the gate {report.gate.verdict} this run; there is nothing to repair",
+                         file=run_dir / GATE_JSON, field="gate.verdict")
+    artifact_dir, model_dir = _path(report, "artifact", run_dir), _path(report, "baseline", run_dir)
+    manifest = read_manifest(artifact_dir)
+    if manifest is None:
+        raise InputError("the rejected artifact has no readable manifest.json (it records the recipe to repair)",
+                         file=artifact_dir / MANIFEST_NAME, field="recipe_text")
+    recipe = LoadedRecipe(recipe=parse_recipe(manifest.recipe_text, artifact_dir / MANIFEST_NAME), path=Path(manifest.recipe_file),
+                          text=manifest.recipe_text)
+    settings = _settings(report, run_dir, runs_dir, registry_path)
+    identity = recipe.recipe.identity.model_copy(update={"name": report.gate.recipe})
+    check_same_rules(report, settings.policy, identity, settings.policy_path, run_dir / GATE_JSON)
+    return ParentRun(
+        run_id=run_id, run_dir=run_dir, report=report, model_dir=model_dir, artifact_dir=artifact_dir, manifest=manifest, recipe=recipe,
+        calibration=calibration if calibration is not None else _calibration(manifest),
+        settings=settings.model_copy(update={"loadtest": loadtest}),
+    )
+
+
+def _path(report: GateReport, key: str, run_dir: Path) -> Path:
+    value = report.inputs.get(key)
+    path = value.get("path") if isinstance(value, dict) else None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        raise InputError(f"gate.json names no {key} folder that still exists ({path})", file=run_dir / GATE_JSON, field=f"inputs.{key}.path")
+    return Path(path)
+
+
+def _calibration(manifest: Manifest) -> str | None:
+    """The calibration data the rejected artifact was made with, as `--calibration` would name it."""
+    record = manifest.calibration
+    if record is None:
+        return None
+    return FROM_EVAL_SETS if record.dataset.startswith(FROM_EVAL_SETS) else record.dataset
+
+
+def _settings(report: GateReport, run_dir: Path, runs_dir: Path, registry_path: Path | None) -> GateSettings:
+    """The run's eval sets, policy and serve settings, checked unchanged since the run."""
+    gate_json = run_dir / GATE_JSON
+    recorded = report.inputs.get("eval_sets") or {}
+    eval_sets = select_eval_sets(list(recorded))
+    for eval_set in eval_sets:
+        if eval_set.sha256 != recorded[eval_set.name]:
+            raise InputError(f"eval set {eval_set.name} changed since this run; a repair is judged by the same gate",
+                             file=gate_json, field=f"inputs.eval_sets.{eval_set.name}")
+    policy_record = report.inputs.get("policy") or {}
+    policy, policy_path = load_gate_policy(Path(policy_record.get("path", "")) if policy_record.get("path") else None)
+    serve = ServeSettings.model_validate(report.inputs.get("serve") or {})
+    return GateSettings(eval_sets=eval_sets, policy=policy, policy_path=policy_path, serve=serve, registry_path=registry_path, runs_dir=runs_dir)
+
+
+def check_same_rules(report: GateReport, policy: Policy, identity: RecipeIdentity, policy_path: Path, gate_json: Path) -> None:
+    """The policy file may have changed since the run (comments, other recipes, the load test); the rules that
+    judged this recipe on these sets, and the deployment it had to fit, must not have."""
+    recorded = (report.inputs.get("policy") or {}).get("sha256")
+    if recorded == sha256_file(policy_path):
+        return
+    for verdict in report.gate.sets:
+        now = policy.for_set(identity, verdict.eval_set)
+        if now != verdict.rules:
+            changed = next(name for name in SetPolicy.model_fields if getattr(now, name) != getattr(verdict.rules, name))
+            raise InputError(f"the policy's {changed} for {identity.name} on {verdict.eval_set} changed since this run "
+                             f"({getattr(verdict.rules, changed)} -> {getattr(now, changed)}); a repair is judged by the same gate",
+                             file=policy_path, field=f"policy ({gate_json})")
+    fit, plan = policy.fit_for(identity), report.plan or {}
+    # By device memory, not name: the GPU table may name a device differently since (`L4-24GB`, `L4`).
+    then = (plan.get("gpu", {}).get("memory_bytes"), plan.get("max_model_len"), plan.get("concurrency")) if plan else None
+    now_fit = None
+    if fit is not None:
+        from pipelines.planner import gpu_spec
+
+        now_fit = (gpu_spec(fit.gpu, fit.memory_gib).memory_bytes, fit.max_model_len, fit.concurrency)
+    if then != now_fit:
+        raise InputError(f"the policy's fit for {identity.name} changed since this run ({then} -> {now_fit}); a repair is judged by "
+                         "the same gate", file=policy_path, field=f"fit ({gate_json})")

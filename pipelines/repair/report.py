@@ -1,0 +1,155 @@
+"""The repair's human report: report.md in the repair folder, with the sensitivity ranking as a plot (PNG).
+
+report.md: what was repaired and the outcome, the bytes of the found artifact against the parent, the
+shipped recipes and the 16-bit model, the wall times, the path of the search (one row per proposal: moves,
+modules moved, weight bytes, simulated KL, verdict, the rules that failed), the modules the found proposal
+moves, and the sensitivity ranking (plot + table, with the proxy/KL rank agreement).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipelines.atomic import write_text_atomic
+from pipelines.report import md_list, md_table
+
+if TYPE_CHECKING:
+    from pipelines.repair.sensitivity import Sensitivity
+    from pipelines.repair.session import RepairResult
+
+REPORT_MD = "report.md"
+PLOT_PNG = "sensitivity.png"
+TOP_ROWS = 24
+MiB = 2**20
+
+
+def write_report(result: RepairResult, folder: Path) -> tuple[str, str | None]:
+    """report.md (and sensitivity.png when there is a sensitivity pass); returns their paths."""
+    plot = None
+    if result.sensitivity is not None:
+        plot = str(folder / PLOT_PNG)
+        moved = set(result.attempts[result.found.attempt - 1].modules_moved) if result.found else set()
+        plot_sensitivity(result.sensitivity, moved, folder / PLOT_PNG)
+    path = folder / REPORT_MD
+    write_text_atomic(path, render(result))
+    return str(path), plot
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.2f} MiB ({value:,} B)"
+
+
+def header_rows(result: RepairResult) -> list[list[str]]:
+    parent = result.parent
+    gates = sum(a.gated for a in result.attempts)
+    rows = [
+        ["Status", result.status.upper()],
+        ["Rejected run", f"{parent['run_id']} (recipe {parent['recipe']}, registry version {parent['registry_version'] or '-'})"],
+        ["Model", result.model],
+        ["Serve target / ladder", f"{result.target} / {result.ladder['path']}"],
+        ["Full gates used", f"{gates} of {result.budget.max_gates}"],
+        ["Stopped because", result.search.stop if result.search else "-"],
+    ]
+    if result.found:
+        found = result.found
+        rows += [["Repaired recipe", f"{found.recipe_file} (`quantize --recipe {found.recipe_file}`)"],
+                 ["Artifact", found.artifact_dir], ["Run", found.run_dir], ["Registry version", str(found.registry_version or "-")]]
+    return rows
+
+
+def bytes_rows(result: RepairResult) -> list[list[str]]:
+    rows = [["found artifact (measured)", _mib(result.found.weight_bytes)]] if result.found else []
+    return rows + [[name, _mib(value)] for name, value in result.bytes.items()]
+
+
+def time_rows(result: RepairResult) -> list[list[str]]:
+    rows = [[name, f"{seconds:.1f}"] for name, seconds in result.wall_s.items()]
+    if result.sensitivity is not None and result.sensitivity.cached:
+        rows.append(["sensitivity pass when it was measured (cached since)", f"{result.sensitivity.wall_s.get('total', 0):.1f}"])
+    quantize = result.parent.get("quantize_s")
+    return rows + ([["one quantize of the rejected recipe", f"{quantize:.1f}"]] if quantize is not None else [])
+
+
+def path_rows(result: RepairResult) -> list[list[str]]:
+    rows = []
+    for a in result.attempts:
+        verdict = "PASS" if a.verdict == "promoted" else ("fail" if a.verdict else f"not decided: {a.error}" if a.error else "not gated")
+        rows.append([
+            str(a.number), a.recipe_name, str(a.moves), str(len(a.modules_moved)),
+            _mib(a.measured_weight_bytes or a.weight_bytes), f"{a.predicted_kl:.3g}",
+            ", ".join(f"{k}: {v:.3g}" for k, v in a.kl_by_set.items() if v is not None) or "-",
+            verdict, "; ".join(a.failed_rules) or "-", a.run_dir or "-",
+        ])
+    return rows
+
+
+def sensitivity_rows(sensitivity: Sensitivity) -> list[list[str]]:
+    return [
+        [str(rank), e.unit, e.scheme, f"{e.proxy[e.scheme]:.3g}", "-" if e.kl is None else f"{e.kl:.3g}"]
+        for rank, e in enumerate(sensitivity.units[:TOP_ROWS], start=1)
+    ]
+
+
+def render(result: RepairResult) -> str:
+    parts = [f"# Repair: {result.status.upper()}", md_table(["", ""], header_rows(result))]
+    parts += ["## Weight bytes", md_table(["", "weight bytes"], bytes_rows(result)),
+              "Predicted by the planner (pipelines.planner.predict_weight_bytes) unless measured; the 16-bit model, "
+              "w8a8 and w4a16 as they would apply to this model."]
+    parts += ["## Wall time (s)", md_table(["stage", "seconds"], time_rows(result))]
+    parts += ["## Search path", md_table(
+        ["#", "proposal", "moves", "modules moved", "weight bytes", "simulated KL", "gate KL by set", "verdict", "failed rules", "run"],
+        path_rows(result))]
+    if result.found:
+        found = result.attempts[result.found.attempt - 1]
+        parts += [f"## Modules moved by {found.recipe_name}", md_list([f"`{u}` -> {s}" for u, s in found.modules_moved.items()])]
+    if result.closest:
+        parts += ["## Closest attempt", f"Attempt {result.closest['attempt']} ({result.closest['recipe_file']}) failed:",
+                  md_list(result.closest["reasons"])]
+    if result.sensitivity is not None:
+        parts += sensitivity_section(result.sensitivity)
+    if result.error:
+        parts += ["## Error", result.error]
+    return "\n\n".join(parts) + "\n"
+
+
+def sensitivity_section(sensitivity: Sensitivity) -> list[str]:
+    notes = [
+        f"KL: {sensitivity.prompts} reference paths ({sensitivity.positions} positions) from the {sensitivity.reference_source}; "
+        f"proxy: relative output error on {sensitivity.proxy_texts} texts ({sensitivity.proxy_source}).",
+        f"Spearman rank correlation proxy vs KL over the units whose KL was measured: {sensitivity.spearman} "
+        f"(p {sensitivity.spearman_p}); KL split-half (even vs odd prompts): {sensitivity.split_half}. "
+        "The search ranks by KL where measured, then by the proxy.",
+        f"Simulated KL of the rejected recipe as a whole: {sensitivity.kl_parent:.3g} nats/token. "
+        f"Sensitivity wall time: {sensitivity.wall_s.get('total', 0):.1f} s{' (cached)' if sensitivity.cached else ''}.",
+    ]
+    return ["## Sensitivity", f"![sensitivity ranking]({PLOT_PNG})", md_list(notes),
+            md_table(["rank", "module", "scheme", "proxy error", "KL (nats/token)"], sensitivity_rows(sensitivity))]
+
+
+def plot_sensitivity(sensitivity: Sensitivity, moved: set[str], path: Path) -> None:
+    """KL per unit (measured, else estimated from the proxy) in the search's order; moved units highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = sensitivity.units[:48]
+    ratio = sensitivity.kl_per_proxy()
+    values = [e.kl if e.kl is not None else e.proxy[e.scheme] * ratio for e in entries]
+    colours = ["tab:red" if e.unit in moved else "tab:blue" for e in entries]
+    figure, axis = plt.subplots(figsize=(10, max(3.0, 0.22 * len(entries) + 1.2)))
+    bars = axis.barh(range(len(entries)), [max(v, 1e-12) for v in values], color=colours)
+    for bar, entry in zip(bars, entries, strict=True):
+        if entry.kl is None:
+            bar.set_hatch("//")
+            bar.set_alpha(0.6)
+    axis.set_yticks(range(len(entries)), [e.unit for e in entries], fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xscale("log")
+    axis.set_xlabel("KL(16-bit || this module fake-quantized), nats/token (hatched: estimated from the proxy)")
+    axis.set_title(f"Sensitivity ranking ({len(sensitivity.units)} modules; red: moved by the repair; "
+                   f"Spearman proxy/KL {sensitivity.spearman})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

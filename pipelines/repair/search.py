@@ -1,0 +1,233 @@
+"""The search: which modules to move up their ladders, and how far, gated for real as few times as possible.
+
+1. The promotion sequence. Every unit has points (weight bytes, estimated KL) for its current scheme and each
+   rung above it. Along each unit's lower convex hull, a move trades bytes for KL; all units' moves are merged
+   by KL removed per byte added, steepest first (a unit's own moves stay in ladder order). Proposal k makes
+   the first k moves: its bytes grow with k, its predicted KL falls. This is the greedy answer to "the least
+   KL for a byte budget" (the multiple-choice knapsack of ModelOpt's AutoQuantize), with the gate, not a
+   budget, deciding how far to go.
+2. The first proposal: the smallest k whose simulated KL (the whole proposal fake-quantized, measured in
+   transformers) is at most the target: `kl_safety` x the policy's smallest max_kl for this recipe. Not the
+   max_kl itself: the accuracy rules bind long before the KL rule (on the demo, a proposal simulated at 0.016
+   nats/token, 0.024 by the gate, lost 10 points on one set; 0.00016 passed), and a first proposal that passes
+   leaves the remaining gates to shrinking. Found by bisection on the simulated curve: forward passes, not gates.
+3. Gated for real. A failure raises the bar (the target is divided by `escalate` below what failed) and the
+   next proposal is found the same way; a pass is then shrunk by bisection between the last failure and the
+   smallest pass, while a gate is left (and, if `min_saving` is set, while the midpoint saves that share of the bytes).
+   The budget: `max_gates` full gates and `max_wall_s` of wall time (a gate is not started when the slowest
+   one so far would not finish within it). A gate that cannot decide (a server that fails to start) stops
+   the search: with a pass in hand the repair reports it, otherwise it is the repair's error.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from typing import Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.compiler import scheme_summary
+from pipelines.recipe import GroupScheme
+from pipelines.repair.units import Assignment
+
+StopReason = Literal["shrunk", "savings too small", "gate budget", "time budget", "ladder exhausted", "does not fit", "gate error"]
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_gates: int = Field(default=4, ge=1, le=1000, description="full gates (quantize, serve, score, gate) the search may run")
+    max_wall_s: float = Field(default=4 * 3600.0, gt=0, le=30 * 24 * 3600, allow_inf_nan=False, description="wall time of the whole repair")
+
+
+class SearchSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kl_safety: float = Field(default=0.1, gt=0, le=1, description="the first proposal's simulated KL is at most this share of max_kl")
+    kl_target_without_rule: float = Field(default=0.05, gt=0, description="nats/token, when the policy sets no max_kl")
+    escalate: float = Field(default=4.0, gt=1, description="after a failure, the target drops this many times below what failed")
+    min_saving: float = Field(default=0.0, ge=0, lt=1, description="shrink only while the midpoint saves this share of the weight bytes "
+                                                                   "(0: while gates are left, towards the fewest modules moved)")
+
+
+class Move(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    unit: str
+    scheme: GroupScheme | None
+    delta_bytes: int
+    delta_kl: float = Field(description="estimated KL removed (nats/token)")
+
+    @property
+    def label(self) -> str:
+        return scheme_summary(self.scheme)
+
+
+def promotion_sequence(current: dict[str, GroupScheme], options: dict[str, list[GroupScheme | None]],
+                       cost: Callable[[str, GroupScheme | None], int], kl: Callable[[str, GroupScheme | None], float]) -> list[Move]:
+    """All units' hull moves, steepest (KL removed per byte) first; a unit's moves in its own ladder order."""
+    hulls = {unit: _hull(unit, current[unit], options[unit], cost, kl) for unit in current}
+    order = list(current)
+    # Steepest first; among equal slopes (moves that add no bytes: static -> dynamic activations) the larger gain.
+    heap = [(-_slope(moves[0]), -moves[0].delta_kl, order.index(unit), unit, 0) for unit, moves in hulls.items() if moves]
+    heapq.heapify(heap)
+    sequence = []
+    while heap:
+        _, _, rank, unit, index = heapq.heappop(heap)
+        sequence.append(hulls[unit][index])
+        if index + 1 < len(hulls[unit]):
+            following = hulls[unit][index + 1]
+            heapq.heappush(heap, (-_slope(following), -following.delta_kl, rank, unit, index + 1))
+    return sequence
+
+
+def _slope(move: Move) -> float:
+    return move.delta_kl / move.delta_bytes if move.delta_bytes > 0 else float("inf")
+
+
+def _hull(unit: str, start: GroupScheme, options: list[GroupScheme | None], cost, kl) -> list[Move]:
+    """From the current scheme, repeatedly the option that removes the most KL per added byte (the lower convex
+    hull of (bytes, KL)); options that remove no KL are never taken."""
+    moves: list[Move] = []
+    here: GroupScheme | None = start
+    left = list(options)
+    while True:
+        here_bytes, here_kl = cost(unit, here), kl(unit, here)
+        better = [(option, cost(unit, option) - here_bytes, here_kl - kl(unit, option)) for option in left]
+        better = [entry for entry in better if entry[2] > 0]
+        if not better:
+            return moves
+        option, delta_bytes, delta_kl = max(better, key=lambda e: (e[2] / e[1] if e[1] > 0 else float("inf"), -e[1]))
+        moves.append(Move(unit=unit, scheme=option, delta_bytes=delta_bytes, delta_kl=delta_kl))
+        left = left[left.index(option) + 1:]
+        here = option
+
+
+def assignment_at(current: dict[str, GroupScheme], sequence: list[Move], k: int) -> Assignment:
+    """Every unit's scheme after the first k moves (a unit not moved keeps its current scheme)."""
+    assignment: Assignment = dict(current)
+    for move in sequence[:k]:
+        assignment[move.unit] = move.scheme
+    return assignment
+
+
+def moved_units(current: dict[str, GroupScheme], sequence: list[Move], k: int) -> dict[str, GroupScheme | None]:
+    """The units the first k moves change, and the scheme each ends on."""
+    assignment = assignment_at(current, sequence, k)
+    return {unit: scheme for unit, scheme in assignment.items() if scheme != current[unit]}
+
+
+# ----------------------------------------------------------------------------------- the search
+
+
+class GateResult(BaseModel):
+    """What the search needs to know of one real gate."""
+
+    passed: bool
+    wall_s: float
+    error: str | None = Field(default=None, description="the gate could not decide (a server failed); the search stops")
+
+
+class Step(BaseModel):
+    k: int
+    predicted_kl: float
+    weight_bytes: int
+    fits: bool | None
+    why: str = Field(description="why this proposal was chosen")
+    gated: bool
+    passed: bool | None = None
+    wall_s: float = 0.0
+    error: str | None = None
+
+
+class SearchResult(BaseModel):
+    steps: list[Step]
+    stop: StopReason
+    target_kl: float
+    best: int | None = Field(description="k of the cheapest passing proposal, None when none passed")
+    lowest_failed: int = Field(description="k of the largest proposal that failed (0: the rejected recipe)")
+
+
+class Search:
+    """The search over k for one promotion sequence of `moves` moves; `predict`, `price`, `fits` and `gate`
+    are given (the simulator, the planner and the real gate in a repair; fakes in tests)."""
+
+    def __init__(self, moves: int, *, predict: Callable[[int], float], price: Callable[[int], int], fits: Callable[[int], bool | None],
+                 gate: Callable[[int, str], GateResult], budget: Budget, settings: SearchSettings, target_kl: float,
+                 expected_gate_s: float, started: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.moves, self.predict, self.price, self.fits, self.gate = moves, predict, price, fits, gate
+        self.budget, self.settings, self.target = budget, settings, target_kl
+        self.expected_gate_s, self.clock = expected_gate_s, clock
+        self.started = clock() if started is None else started
+        self.steps: list[Step] = []
+        self.lo, self.hi = 0, cast(int | None, None)  # k = 0 is the rejected recipe itself
+
+    def run(self) -> SearchResult:
+        while True:
+            stop = self._stop_before_next()
+            if stop:
+                break
+            k, why = self._next()
+            if k is None:
+                stop = "ladder exhausted"
+                break
+            if self.hi is not None and self.price(self.hi) - self.price(k) < self.settings.min_saving * self.price(self.hi):
+                stop = "savings too small"
+                break
+            if self.fits(k) is False:
+                self.steps.append(Step(k=k, predicted_kl=self.predict(k), weight_bytes=self.price(k), fits=False, why=why, gated=False))
+                stop = "does not fit"
+                break
+            if self.clock() - self.started + self.expected_gate_s > self.budget.max_wall_s:
+                stop = "time budget"
+                break
+            self._gate(k, why)
+        failed = [s.k for s in self.steps if s.gated and not s.passed]
+        return SearchResult(steps=self.steps, stop=stop, target_kl=self.target, best=self.hi, lowest_failed=max(failed, default=0))
+
+    def _stop_before_next(self) -> StopReason | None:
+        if any(step.error for step in self.steps):
+            return "gate error"
+        if self.hi is not None and self.hi - self.lo <= 1:
+            return "shrunk"
+        if sum(step.gated for step in self.steps) >= self.budget.max_gates:
+            return "gate budget"
+        return None
+
+    def _next(self) -> tuple[int | None, str]:
+        if self.hi is not None:
+            return (self.lo + self.hi) // 2, f"shrink: bisect between {self.lo} (failed) and {self.hi} (passed) moves"
+        if self.lo >= self.moves:
+            return None, ""
+        k = self._first_below(self.target)
+        predicted = self.predict(k)
+        if predicted <= self.target:
+            return k, f"fewest moves whose simulated KL {predicted:.3g} <= target {self.target:.3g}"
+        return k, f"every move: no proposal simulated below the target {self.target:.3g}"
+
+    def _first_below(self, target: float) -> int:
+        """The smallest k in (lo, moves] with predict(k) <= target (bisection; the curve falls with k), else `moves`."""
+        low, high = self.lo + 1, self.moves
+        if self.predict(high) > target:
+            return high
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self.predict(middle) <= target else (middle + 1, high)
+        return low
+
+    def _gate(self, k: int, why: str) -> None:
+        step = Step(k=k, predicted_kl=self.predict(k), weight_bytes=self.price(k), fits=self.fits(k), why=why, gated=True)
+        result = self.gate(k, why)
+        step.passed, step.wall_s, step.error = (None if result.error else result.passed), result.wall_s, result.error
+        self.steps.append(step)
+        if result.error:
+            return
+        self.expected_gate_s = max(self.expected_gate_s, result.wall_s)
+        if result.passed:
+            self.hi = k if self.hi is None else min(self.hi, k)
+        else:
+            self.lo = max(self.lo, k)
+            if self.hi is None:
+                self.target = min(self.target, step.predicted_kl) / self.settings.escalate

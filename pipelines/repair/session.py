@@ -1,0 +1,435 @@
+"""One repair, from a rejected run to a passing artifact (or the closest attempt): the evidence of every step.
+
+The repair folder is artifacts/runs/<stamp>-repair-<recipe>-<pid>-<hex>/, beside the runs it starts from and
+creates: repair.json (RepairResult, rewritten after every attempt, so that an interrupted repair keeps its
+evidence), attempt-N.yaml (each proposal, a recipe), repaired.yaml (the passing one, `--recipe FILE`),
+report.md and sensitivity.png. Each attempt is an ordinary run (quantize, vLLM, lm-eval, the same gate,
+pipelines.runner.quantize_and_gate) with its own run folder and registry version; every attempt's version gets
+a `lineage` event naming the parent run and version and the overrides added.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
+from pipelines.compiler import layout_from_model_dir, scheme_summary
+from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
+from pipelines.gate import GateReport, load_report
+from pipelines.hashing import sha256_text
+from pipelines.output import progress
+from pipelines.recipe import load_recipe
+from pipelines.repair.ladder import LoadedLadder, UnitLadder, load_ladder, unit_ladder
+from pipelines.repair.parent import ParentRun
+from pipelines.repair.pricing import Price, price, recipe_bytes, shape_of, unit_bytes
+from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
+from pipelines.repair.search import Budget, GateResult, Move, Search, SearchResult, SearchSettings, assignment_at, moved_units, promotion_sequence
+from pipelines.repair.sensitivity import Sensitivity, SensitivityModel, SensitivitySettings, sensitivity_dir
+from pipelines.repair.units import Unit, quantized_units, recipe_units
+from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate, run_id
+from pipelines.targets import ServeTarget, installed_target
+
+REPAIR_JSON = "repair.json"
+REPAIRED_RECIPE = "repaired.yaml"
+RULES = ("max_abs_drop", "max_rel_drop", "ni_margin", "max_flip_rate", "max_kl", "fit")
+Status = Literal["running", "repaired", "budget exhausted", "ladder exhausted", "does not fit", "error"]
+GateFn = Callable[..., RunOutcome]
+
+
+class RepairOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget: Budget = Budget()
+    search: SearchSettings = SearchSettings()
+    sensitivity: SensitivitySettings = SensitivitySettings()
+    ladder: Path | None = Field(default=None, description="ladder file; default: recipes/ladders/<target>.yaml")
+
+
+class Attempt(BaseModel):
+    number: int
+    moves: int = Field(description="k: how many moves of the promotion sequence this proposal makes")
+    why: str
+    recipe_name: str
+    recipe_file: str
+    modules_moved: dict[str, str] = Field(description="unit -> the scheme it moved to")
+    overrides_added: list[dict[str, Any]]
+    predicted_kl: float
+    weight_bytes: int = Field(description="the planner's prediction")
+    price: Price
+    gated: bool = True
+    verdict: Literal["promoted", "rejected"] | None = None
+    reasons: list[str] = []
+    failed_rules: list[str] = Field(default=[], description="`set: rule` for every rule that failed")
+    kl_by_set: dict[str, float | None] = {}
+    run_dir: str | None = None
+    artifact_dir: str | None = None
+    measured_weight_bytes: int | None = None
+    registry_version: int | None = None
+    wall_s: float = 0.0
+    error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
+
+
+class Found(BaseModel):
+    attempt: int
+    recipe_file: str
+    recipe_name: str
+    artifact_dir: str
+    run_dir: str
+    registry_version: int | None
+    weight_bytes: int
+    modules_moved: int
+
+
+class RepairResult(BaseModel):
+    """repair.json."""
+
+    schema_version: Literal[1] = 1
+    repair_id: str
+    created_at: str
+    status: Status
+    exit_code: int = Field(default=EXIT_ERROR, description="0 repaired, 1 no proposal passed, 2 error (or still running)")
+    repair_dir: str
+    parent: dict[str, Any]
+    model: str
+    target: str
+    ladder: dict[str, str]
+    budget: Budget
+    settings: dict[str, Any]
+    units: int
+    ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
+    sensitivity: Sensitivity | None = None
+    sequence: list[dict[str, Any]] = Field(default=[], description="the promotion sequence: unit, to, delta bytes, estimated KL removed")
+    attempts: list[Attempt] = []
+    search: SearchResult | None = None
+    found: Found | None = None
+    closest: dict[str, Any] | None = Field(default=None, description="when nothing passed: the attempt that came closest, and why it failed")
+    bytes: dict[str, int | None] = Field(default={}, description="weight bytes of the 16-bit model, the shipped recipes and the parent "
+                                                                 "(predicted by the planner) and of the parent artifact (measured)")
+    wall_s: dict[str, float] = {}
+    report_md: str | None = None
+    plot: str | None = None
+    error: str | None = None
+
+
+class Repair:
+    """The state of one repair while it runs; `run()` returns the final RepairResult."""
+
+    def __init__(self, parent: ParentRun, options: RepairOptions | None = None, *, gate_fn: GateFn = quantize_and_gate,
+                 target: ServeTarget | None = None, now: Callable[[], float] = time.monotonic):
+        options = options or RepairOptions()
+        self.parent, self.options, self.gate_fn, self.now = parent, options, gate_fn, now
+        self.started = now()
+        self.target = target or installed_target()
+        self.ladder: LoadedLadder = load_ladder(options.ladder, self.target)
+        self.folder = _make_folder(parent)
+        self.result = RepairResult(
+            repair_id=self.folder.name, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), status="running",
+            repair_dir=str(self.folder), parent=_parent_record(parent), model=str(parent.model_dir), target=str(self.target),
+            ladder={"path": str(self.ladder.path), "sha256": sha256_text(self.ladder.text)}, budget=options.budget,
+            settings={"search": options.search.model_dump(), "sensitivity": options.sensitivity.model_dump()}, units=0,
+        )
+        self._prices: dict[int, Price] = {}
+        self.outcomes: dict[int, RunOutcome] = {}  # attempt number -> its run's outcome
+
+    # ------------------------------------------------------------------------------------ phases
+
+    def run(self) -> RepairResult:
+        try:
+            self._prepare()
+            self._measure()
+            self._search()
+        except BaseException as error:
+            self.result.status, self.result.exit_code = "error", EXIT_ERROR
+            self.result.error = error.one_line() if isinstance(error, QuantGateError) else f"{type(error).__name__}: {error}"
+            self._save()
+            raise
+        self._finish()
+        return self.result
+
+    def _prepare(self) -> None:
+        parent = self.parent
+        layout = layout_from_model_dir(parent.model_dir)
+        self.units = quantized_units(recipe_units(parent.recipe.recipe, layout, parent.recipe.path, self.target))
+        self.by_name: dict[str, Unit] = {unit.name: unit for unit in self.units}
+        recipe = parent.recipe.recipe
+        self.ladders: dict[str, UnitLadder] = {u.name: unit_ladder(u, self.ladder.ladder, recipe, self.target) for u in self.units}
+        self.shape = shape_of(parent.model_dir)
+        self.current = {unit.name: unit.scheme for unit in self.units if unit.scheme is not None}
+        self.result.units = len(self.units)
+        self.result.ladders_skipped = {name: ladder.skipped for name, ladder in self.ladders.items() if ladder.skipped}
+        self.result.bytes = self._reference_bytes()
+        self._save()
+
+    def _measure(self) -> None:
+        parent = self.parent
+        self.sensitivity_model = SensitivityModel(
+            parent.model_dir, parent.recipe.recipe, parent.recipe.text, self.units, self.ladders, parent.settings.eval_sets,
+            parent.settings.serve, sensitivity_dir(parent.settings.cache_dir), self.ladder.text, self.options.sensitivity, parent.calibration,
+        )
+        started = self.now()
+        self.sensitivity = self.sensitivity_model.measure()
+        self.result.sensitivity = self.sensitivity
+        self.result.wall_s["sensitivity"] = round(self.now() - started, 2)
+        self.sequence = promotion_sequence(
+            self.current, {name: [o.scheme for o in ladder.options] for name, ladder in self.ladders.items()},
+            lambda unit, scheme: unit_bytes(self.by_name[unit], scheme), self.sensitivity.estimated_kl,
+        )
+        self.result.sequence = [_move_record(move) for move in self.sequence]
+        progress(f"repair: {len(self.sequence)} moves in the promotion sequence over {len(self.units)} modules "
+                 f"(sensitivity pass {self.result.wall_s['sensitivity']:.0f} s)")
+        self._save()
+
+    def _search(self) -> None:
+        search = Search(
+            len(self.sequence), predict=self._predict, price=lambda k: self._price(k).weight_bytes, fits=lambda k: self._price(k).fits,
+            gate=self._gate, budget=self.options.budget, settings=self.options.search, target_kl=self._target_kl(),
+            expected_gate_s=self.parent.candidate_wall_s, started=self.started, clock=self.now,
+        )
+        self.result.search = search.run()
+
+    # ------------------------------------------------------------------------------- one proposal
+
+    def _predict(self, k: int) -> float:
+        return self.sensitivity_model.predict(assignment_at(self.current, self.sequence, k))
+
+    def _moved(self, k: int) -> dict[str, Any]:
+        return moved_units(self.current, self.sequence, k)
+
+    def _text(self, k: int) -> str:
+        return proposal_text(self.parent.recipe, overrides_for(self._moved(k), self.by_name), self.parent.settings.policy)
+
+    def _price(self, k: int) -> Price:
+        if k not in self._prices:
+            from pipelines.recipe import parse_recipe
+
+            recipe = parse_recipe(self._text(k), "proposal")
+            fit = self.parent.settings.policy.fit_for(recipe.identity)
+            self._prices[k] = price(self.parent.model_dir, self.shape, recipe, fit)
+        return self._prices[k]
+
+    def _gate(self, k: int, why: str) -> GateResult:
+        number = len(self.result.attempts) + 1
+        moved = self._moved(k)
+        overrides = overrides_for(moved, self.by_name)
+        proposal = write_proposal(self._text(k), self.folder / f"attempt-{number}.yaml")
+        attempt = Attempt(
+            number=number, moves=k, why=why, recipe_name=proposal.name, recipe_file=str(proposal.path),
+            modules_moved={unit: scheme_summary(scheme) for unit, scheme in moved.items()}, overrides_added=overrides,
+            predicted_kl=self._predict(k), weight_bytes=self._price(k).weight_bytes, price=self._price(k),
+        )
+        budget = self.options.budget.max_gates
+        progress(f"repair: attempt {number}/{budget}: {len(moved)} module(s) moved ({k} moves), "
+                 f"{attempt.weight_bytes / 2**20:.2f} MiB predicted, simulated KL {attempt.predicted_kl:.3g}; gating {proposal.name}")
+        started = self.now()
+        try:
+            outcome = self.gate_fn(proposal, self.parent.model_dir, self.parent.settings, calibration=self.parent.calibration)
+        except QuantGateError as error:
+            if not any(a.verdict == "promoted" for a in self.result.attempts):
+                raise  # nothing found yet: the repair's own error (exit 2)
+            return self._undecided(attempt, error, round(self.now() - started, 2))
+        self._record(attempt, outcome, round(self.now() - started, 2))
+        return GateResult(passed=outcome.verdict == "promoted", wall_s=attempt.wall_s)
+
+    def _undecided(self, attempt: Attempt, error: QuantGateError, wall_s: float) -> GateResult:
+        """A shrink attempt the gate could not decide: kept as evidence; the search stops with its pass in hand."""
+        attempt.error, attempt.wall_s = error.one_line(), wall_s
+        self.result.attempts.append(attempt)
+        progress(f"repair: attempt {attempt.number} could not be gated ({attempt.error}); keeping the pass already found")
+        self._save()
+        return GateResult(passed=False, wall_s=wall_s, error=attempt.error)
+
+    def _record(self, attempt: Attempt, outcome: RunOutcome, wall_s: float) -> None:
+        report = load_report(outcome.gate_json)
+        attempt.verdict, attempt.reasons, attempt.wall_s = outcome.verdict, outcome.reasons, wall_s
+        attempt.failed_rules = failed_rules(report)
+        attempt.kl_by_set = {s.eval_set: s.kl_mean for s in report.gate.sets}
+        attempt.run_dir, attempt.artifact_dir = str(outcome.run_dir), str(outcome.artifact_dir)
+        attempt.measured_weight_bytes = _measured_bytes(outcome.artifact_dir)
+        attempt.registry_version = outcome.registry_version
+        self.result.attempts.append(attempt)
+        self.outcomes[attempt.number] = outcome
+        self._lineage(attempt)
+        more = "..." if len(attempt.failed_rules) > 3 else ""
+        verdict = "PASSED" if outcome.verdict == "promoted" else f"failed ({'; '.join(attempt.failed_rules[:3])}{more})"
+        progress(f"repair: attempt {attempt.number} {verdict} in {wall_s:.0f} s; evidence in {outcome.run_dir}")
+        self._save()
+
+    def _lineage(self, attempt: Attempt) -> None:
+        registry_path = self.parent.settings.registry_path
+        if registry_path is None or attempt.registry_version is None:
+            return
+        from pipelines.registry import Registry
+
+        evidence = {
+            "repair": self.result.repair_id, "repair_json": str(self.folder / REPAIR_JSON), "attempt": attempt.number,
+            "parent": {"run": self.parent.run_id, "version": self.parent.registry_version, "recipe": self.parent.recipe.name},
+            "overrides_added": attempt.overrides_added, "modules_moved": attempt.modules_moved,
+        }
+        reason = f"repair attempt {attempt.number} of {self.parent.recipe.name} (run {self.parent.run_id})"
+        Registry(registry_path).record_lineage(self.parent.model_dir.name, attempt.registry_version, reason, evidence)
+
+    # ------------------------------------------------------------------------------------ the end
+
+    def _finish(self) -> None:
+        search = self.result.search
+        passing = [a for a in self.result.attempts if a.verdict == "promoted"]
+        if passing:
+            best = min(passing, key=lambda a: (a.measured_weight_bytes or a.weight_bytes, a.number))
+            self.result.found = self._found(best)
+            self.result.status, self.result.exit_code = "repaired", EXIT_OK
+        else:
+            assert search is not None
+            stops: dict[str, Status] = {"ladder exhausted": "ladder exhausted", "does not fit": "does not fit"}
+            self.result.status = stops.get(search.stop, "budget exhausted")
+            self.result.exit_code = EXIT_REJECTED
+            self.result.closest = closest(self.result.attempts)
+        self.result.wall_s["gates"] = round(sum(a.wall_s for a in self.result.attempts), 2)
+        self.result.wall_s["total"] = round(self.now() - self.started, 2)
+        from pipelines.repair.report import write_report
+
+        self.result.report_md, self.result.plot = write_report(self.result, self.folder)
+        self._save()
+
+    def _found(self, attempt: Attempt) -> Found:
+        repaired = self.folder / REPAIRED_RECIPE
+        write_text_atomic(repaired, Path(attempt.recipe_file).read_text())
+        return Found(
+            attempt=attempt.number, recipe_file=str(repaired), recipe_name=attempt.recipe_name, artifact_dir=attempt.artifact_dir,
+            run_dir=attempt.run_dir, registry_version=attempt.registry_version,
+            weight_bytes=attempt.measured_weight_bytes or attempt.weight_bytes, modules_moved=len(attempt.modules_moved),
+        )
+
+    def _target_kl(self) -> float:
+        limits = [s.rules.max_kl for s in self.parent.report.gate.sets if s.rules.max_kl is not None]
+        settings = self.options.search
+        return settings.kl_safety * min(limits) if limits else settings.kl_target_without_rule
+
+    def _reference_bytes(self) -> dict[str, int | None]:
+        found: dict[str, int | None] = {"16-bit": recipe_bytes(self.shape, None)}
+        for name in ("w8a8", "w4a16"):
+            try:
+                found[name] = recipe_bytes(self.shape, load_recipe(name).recipe)
+            except QuantGateError:
+                found[name] = None
+        found["parent (predicted)"] = recipe_bytes(self.shape, self.parent.recipe.recipe)
+        found["parent (measured)"] = self.parent.manifest.weight_bytes.after
+        return found
+
+    def _save(self) -> None:
+        write_json_atomic(self.folder / REPAIR_JSON, self.result.model_dump(mode="json"))
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _make_folder(parent: ParentRun) -> Path:
+    folder = parent.settings.runs_dir / run_id(f"repair-{parent.recipe.name}")
+    try:
+        folder.mkdir(parents=True)
+    except OSError as error:
+        raise storage_error(error, folder) from error
+    return folder
+
+
+def _parent_record(parent: ParentRun) -> dict[str, Any]:
+    return {
+        "run_id": parent.run_id, "run_dir": str(parent.run_dir), "gate_json": str(parent.gate_json), "recipe": parent.recipe.name,
+        "recipe_sha256": parent.recipe.sha256, "artifact_dir": str(parent.artifact_dir), "registry_version": parent.registry_version,
+        "calibration": parent.calibration, "quantize_s": parent.manifest.wall_time_s, "reasons": parent.report.gate.reasons,
+    }
+
+
+def _move_record(move: Move) -> dict[str, Any]:
+    return {"unit": move.unit, "to": move.label, "delta_bytes": move.delta_bytes, "estimated_kl_removed": round(move.delta_kl, 8)}
+
+
+def _measured_bytes(artifact_dir: Path) -> int | None:
+    from pipelines.artifact import read_manifest
+
+    manifest = read_manifest(artifact_dir)
+    return manifest.weight_bytes.after if manifest is not None else None
+
+
+def failed_rules(report: GateReport) -> list[str]:
+    """`set: rule` for every rule a set failed, and `fit` (read from the reasons the gate wrote)."""
+    failed = []
+    for verdict in report.gate.sets:
+        for reason in verdict.reasons:
+            rule = next((r for r in RULES if r in reason), "other")
+            failed.append(f"{verdict.eval_set}: {rule}")
+    if report.gate.fit is not None and not report.gate.fit.fits:
+        failed.append("fit")
+    return failed
+
+
+def closest(attempts: list[Attempt]) -> dict[str, Any] | None:
+    """The failed attempt that came closest: the fewest failed rules, then the lowest mean KL."""
+    gated = [a for a in attempts if a.verdict == "rejected"]
+    if not gated:
+        return None
+
+    def mean_kl(attempt: Attempt) -> float:
+        values = [v for v in attempt.kl_by_set.values() if v is not None]
+        return sum(values) / len(values) if values else float("inf")
+
+    best = min(gated, key=lambda a: (len(a.failed_rules), mean_kl(a)))
+    return {"attempt": best.number, "recipe_file": best.recipe_file, "run_dir": best.run_dir, "failed_rules": best.failed_rules,
+            "reasons": best.reasons}
+
+
+def parent_version(parent: ParentRun) -> int | None:
+    """The registry version the rejected run registered (its gate.json is the version's evidence), if any."""
+    if parent.settings.registry_path is None or not Path(parent.settings.registry_path).exists():
+        return None
+    from pipelines.registry import Registry
+
+    gate = parent.gate_json.resolve().as_posix()
+    try:
+        versions = Registry(parent.settings.registry_path).list(parent.model_dir.name)
+    except QuantGateError:
+        return None
+    return next((v.version for v in versions if v.gate_path == gate), None)
+
+
+def start(parent: ParentRun, options: RepairOptions | None = None, *, gate_fn: GateFn = quantize_and_gate,
+          target: ServeTarget | None = None) -> Repair:
+    options = options or RepairOptions()
+    parent = parent.model_copy(update={"registry_version": parent_version(parent)})
+    progress(f"repair: {parent.recipe.name} on {parent.model_dir.name}, rejected in run {parent.run_id}; "
+             f"budget {options.budget.max_gates} gate(s), {options.budget.max_wall_s:.0f} s")
+    return Repair(parent, options, gate_fn=gate_fn, target=target)
+
+
+def repair(parent: ParentRun, options: RepairOptions | None = None, *, gate_fn: GateFn = quantize_and_gate,
+           target: ServeTarget | None = None) -> RepairResult:
+    """Repair a rejected run (pipelines.repair.parent.load_parent): see the module docstring."""
+    return start(parent, options, gate_fn=gate_fn, target=target).run()
+
+
+def repair_outcome(outcome: RunOutcome, settings: GateSettings, calibration: str | None = None,
+                   options: RepairOptions | None = None, *, gate_fn: GateFn = quantize_and_gate) -> tuple[RunOutcome, RepairResult]:
+    """Repair the rejected run `outcome` under the settings that gated it (a job candidate with `repair: true`).
+    Returns the found attempt's outcome (promoted), or `outcome` itself with the repair's verdict added to its reasons."""
+    from pipelines.repair.parent import load_parent
+
+    parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,
+                         calibration=calibration, loadtest=settings.loadtest)
+    session = start(parent, options, gate_fn=gate_fn)
+    result = session.run()
+    if result.found is not None:
+        return session.outcomes[result.found.attempt], result
+    closest_note = f"; closest attempt {result.closest['attempt']} failed {', '.join(result.closest['failed_rules'])}" if result.closest else ""
+    note = f"repair: {result.status} after {len(result.attempts)} gate(s){closest_note} ({result.repair_dir})"
+    return outcome.model_copy(update={"reasons": [*outcome.reasons, note]}), result
+
+
+def load_result(folder: Path) -> RepairResult:
+    return RepairResult.model_validate_json((folder / REPAIR_JSON).read_text())
+
+

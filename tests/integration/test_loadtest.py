@@ -1,0 +1,124 @@
+"""The load test on the demo model with real vLLM on the CPU and the real `vllm bench serve`.
+
+Most checks read what the session's w8a8 run (tests/integration/conftest.py) left: no server is started for
+them. That run is cold (it scores the baseline), so the load test ran on the two servers the quality gate had
+started. One test runs `quantize loadtest` on its own, on the 16-bit model alone with a short sweep: one more
+server start, about a minute on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipelines.loadtest.bench import DONE_PREFIX, read_result
+from pipelines.loadtest.config import LoadSettings
+from pipelines.paths import DEMO_MODEL_DIR
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run(w8a8_run) -> tuple[Path, dict]:
+    assert w8a8_run.code == 0, w8a8_run.describe()
+    run_dir = Path(w8a8_run.json["run_dir"])
+    return run_dir, json.loads((run_dir / "gate.json").read_text())
+
+
+def test_the_promoted_run_was_load_tested_report_only_on_the_cpu_target(run, w8a8_run):
+    _, report = run
+    performance = report["performance"]
+    assert performance is not None and report["gate"]["verdict"] == "promoted"
+    assert performance["target"] == "cpu" and performance["enforced"] is False
+    assert "report-only" in performance["enforcement"] and "CPU target" in performance["enforcement"]
+    assert performance["reasons"] == [], "report-only: a failed check is a warning, never a reason"
+    failed = [c["text"] for c in performance["checks"] if not c["passed"]]
+    assert all(any(text in w for w in report["gate"]["warnings"]) for text in failed)
+    assert performance["tool"]["name"] == "vllm bench serve" and performance["tool"]["vllm"] == "0.32.0"
+    assert w8a8_run.json["performance"]["deployment_concurrency"] == performance["deployment_concurrency"] == 16
+
+
+def test_the_load_test_reused_the_quality_gates_servers(run):
+    run_dir, report = run
+    assert [m["served_by"] for m in report["performance"]["models"]] == ["quality gate", "quality gate"]
+    assert not list(run_dir.glob("loadtest-*-server.log"))
+    assert report["stages"]["loadtest_s"] > 0 and not [name for name in report["stages"] if name.endswith("_serve_start_s") and "loadtest" in name]
+
+
+def test_every_figure_is_present_and_sane(run):
+    _, report = run
+    performance = report["performance"]
+    assert performance["levels"] == [1, 2, 4, 8, 16]
+    for model in performance["models"]:
+        assert [level["concurrency"] for level in model["levels"]] == performance["levels"]
+        for level in model["levels"]:
+            where = f"{model['role']} at {level['concurrency']}"
+            assert level["failed"] == 0 and level["completed"] == level["requests"] > 0, where
+            assert level["request_throughput"] > 0 and level["output_throughput"] > 0, where
+            for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+                values = level[metric]
+                assert 0 <= values["p50"] <= values["p95"] <= values["p99"], (where, metric, values)
+            assert 0 <= level["good_fraction"] <= 1 and level["goodput"] >= 0, where
+        assert model["peak_memory_bytes"] > 100 * 2**20
+
+
+def test_ratios_come_from_the_same_runs_the_tool_wrote(run):
+    run_dir, report = run
+    performance = report["performance"]
+    repeats = performance["policy"]["load"]["repeats"]
+    for ratio in performance["ratios"]:
+        level = ratio["concurrency"]
+        pairs = []
+        for repeat in range(repeats):
+            base = read_result(run_dir / "loadtest" / f"baseline-c{level}-r{repeat}.json")
+            cand = read_result(run_dir / "loadtest" / f"candidate-c{level}-r{repeat}.json")
+            assert base.max_concurrency == cand.max_concurrency == level
+            assert base.completed == cand.completed == LoadSettings().requests_at(level)
+            pairs.append((cand.output_throughput / base.output_throughput, cand.p95_ttft_ms / base.p95_ttft_ms))
+        for index, name in ((0, "throughput"), (1, "ttft_p95")):
+            expected = math.exp(sum(math.log(p[index]) for p in pairs) / len(pairs))
+            assert ratio[name]["estimate"] == pytest.approx(expected, rel=1e-9), (level, name)
+            assert ratio[name]["low"] <= ratio[name]["estimate"] <= ratio[name]["high"]
+    log = (run_dir / "loadtest" / "vllm-bench.log").read_text()
+    assert sum(line.startswith(DONE_PREFIX) for line in log.splitlines()) == 2 + len(performance["levels"]) * repeats * 2
+
+
+def test_vllm_measured_the_kv_capacity_the_planner_predicted(run):
+    _, report = run
+    for model in report["performance"]["models"]:
+        assert model["kv_capacity_tokens"] == model["kv_capacity_tokens_predicted"] == 524_288, model["role"]
+
+
+def test_measured_tuning_and_the_planners_recommendation_are_side_by_side(run):
+    _, report = run
+    tuning = report["performance"]["tuning"]
+    assert tuning["swept_up_to"] == 16 and tuning["planner_max_num_seqs"] == 16
+    if tuning["measured_max_num_seqs"] is not None:
+        assert tuning["vllm_args"].startswith(f"--max-num-seqs {tuning['measured_max_num_seqs']} --max-model-len 512")
+
+
+def test_the_report_shows_both_models_curves_and_the_ratios(run):
+    run_dir, report = run
+    text = (run_dir / "report.md").read_text()
+    assert "## Performance (load test)" in text and "### Candidate / baseline" in text
+    for name in report["performance"]["plots"].values():
+        assert f"]({name})" in text and (run_dir / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quantize_loadtest_measures_one_model_on_its_own(workspace, smallest_set, no_process_left):
+    result = workspace.quantize("loadtest", "--model", str(DEMO_MODEL_DIR), "--eval-sets", smallest_set,
+                                "--concurrency", "2", "--repeats", "1", "--json")
+    assert result.code == 0, result.describe()
+    document = result.json
+    run_dir, performance = Path(document["run_dir"]), document["performance"]
+    (model,) = performance["models"]
+    assert model["role"] == "baseline" and model["served_by"] == "load test" and performance["ratios"] == []
+    assert [level["concurrency"] for level in model["levels"]] == [1, 2]
+    assert all(level["output_throughput"] > 0 and level["failed"] == 0 for level in model["levels"])
+    assert model["kv_capacity_tokens"] == model["kv_capacity_tokens_predicted"]
+    for name in ("loadtest.json", "loadtest.md", "loadtest-throughput.png", "loadtest-baseline-server.log"):
+        assert (run_dir / name).is_file(), name
+    no_process_left(result)

