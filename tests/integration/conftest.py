@@ -195,7 +195,7 @@ def broken_start_run(workspace: Workspace, w8a8_run: CommandRun, broken_model: P
 @pytest.fixture(scope="session")
 def self_gate_run(workspace: Workspace, broken_start_run: CommandRun, smallest_set: str) -> CommandRun:
     """The CI example script gating the 16-bit model against itself; it runs after the failed start on purpose.
-    Without the load test (it would start the baseline server once more; test_loadtest.py covers it)."""
+    Without the load test (it would start the baseline server once more; test_loadtest_e2e.py covers it)."""
     return workspace.run(
         ["bash", str(CI_GATE_SCRIPT), str(DEMO_MODEL_DIR), str(DEMO_MODEL_DIR), "--eval-sets", smallest_set, "--allow-unverified",
          "--no-loadtest"],

@@ -6,7 +6,7 @@ baseline's scores are reused from their caches. To keep it to a few minutes it g
 aggressive recipe failed on (one that tells the recipes apart). Each recipe's run serves its artifact on
 vLLM and scores it, which is also the check that vLLM loads and answers every shipped recipe's artifact.
 The job's policy is the default one with the load test off (`performance: {enabled: false}`): it would start
-the baseline server again for every promoted candidate, minutes of CI for what tests/integration/test_loadtest.py
+the baseline server again for every promoted candidate, minutes of CI for what tests/integration/test_loadtest_e2e.py
 already checks on the session's w8a8 run.
 """
 
