@@ -1,12 +1,12 @@
 """The real pretrained model end to end, through the command line: `quantize models add smollm2-135m` converts
 the pinned GGUF; the 16-bit model gated against itself passes (vLLM serves it, lm-eval scores it, its baseline
-sits in the range the retail sets were written for); w4a16 adapts its groups to the model (64 on 576 inputs)
-and ends in a verdict; `plan` says "does not apply" for a recipe with a fixed group of 128.
+sits in the range the retail sets were written for); `plan` says "does not apply" for a recipe with a fixed
+group of 128.
 
 The sets are cut to their first SUBSET items (QUANTGATE_EVAL_SETS points at the cut copies) to keep the suite
-inside CI's budget: conversion, three vLLM starts, lm-eval on 3 x SUBSET items per server. The full sets and
-every shipped recipe (w8a8 and GPTQ take minutes to quantize here) are measured by `make bench-real`
-(docs/real-model.md).
+inside CI's budget: conversion, two vLLM starts, lm-eval on 3 x SUBSET items per server. Every shipped recipe
+ending in a verdict on the full sets (w4a16 and aggressive in about a minute of quantization, w8a8 and GPTQ in
+8 and 13+ minutes here) is `make bench-real` (docs/real-model.md), outside CI's 30 minutes.
 """
 
 from __future__ import annotations
@@ -125,22 +125,14 @@ def test_the_16_bit_model_gated_against_itself_passes_with_its_baseline_in_range
         assert scores[name]["flips_right_to_wrong"] <= 2  # serving noise: about 1 flip in 240 items
 
 
-def test_w4a16_adapts_its_groups_and_ends_in_a_verdict_with_reasons(converted: Path, real_env: dict[str, str]) -> None:
-    """group_size auto (64 on 576 inputs) quantizes, vLLM serves it, the cached baseline is reused, the gate decides."""
-    run = quantize(real_env, "--recipe", "w4a16", "--model", str(converted), "--eval-sets", REAL_SETS, "--calibration", "from-eval-sets")
-    assert run.returncode in (0, 1), run.stderr[-3000:]
-    outcome = json.loads(run.stdout)
-    gate = _gate(outcome)
-    assert gate["verdict"] == {0: "promoted", 1: "rejected"}[run.returncode]
-    assert len(gate["sets"]) == len(BANDS) and all(s["kl_mean"] is not None for s in gate["sets"])
-    assert bool(gate["reasons"]) == (run.returncode == 1)
-    manifest = json.loads((Path(outcome["artifact_dir"]) / "manifest.json").read_text())
-    assert "g64" in manifest["layers"]["model.layers.0.mlp.up_proj"] or "group 64" in manifest["layers"]["model.layers.0.mlp.up_proj"]
-
-
 def test_plan_says_a_recipe_that_cannot_apply_does_not_apply(converted: Path, tmp_path: Path, real_env: dict[str, str]) -> None:
+    """On the installed (CPU) target a fixed group of 128 cannot divide the 576-input layers: the plan says so and
+    names the sizes that would."""
     fixed = tmp_path / "g128.yaml"
     fixed.write_text((RECIPES_DIR / "w4a16.yaml").read_text().replace("group_size: auto", "group_size: 128").replace("name: w4a16", "name: g128"))
-    run = quantize(real_env, "plan", "--model", str(converted), "--recipe", "w4a16", str(fixed), "--gpu", "L4", "--max-model-len", "2048")
+    run = quantize(real_env, "plan", "--model", str(converted), "--recipe", "w4a16", str(fixed), "--gpu-memory-gib", "24", "--max-model-len", "2048")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "does not apply" in run.stdout and "group_size 128 does not divide" in run.stdout
+    rows = json.loads(run.stdout)["rows"]
+    refusals = [row["does_not_apply"] for row in rows if row["does_not_apply"]]
+    assert len(rows) == 3 and len(refusals) == 1, rows  # 16-bit and w4a16 (auto groups) apply
+    assert "group_size 128 does not divide the input size 576" in refusals[0] and "64" in refusals[0]
