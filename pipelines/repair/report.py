@@ -97,6 +97,11 @@ def render(result: RepairResult) -> str:
               "Predicted by the planner (pipelines.planner.predict_weight_bytes) unless measured; the 16-bit model, "
               "w8a8 and w4a16 as they would apply to this model."]
     parts += ["## Wall time (s)", md_table(["stage", "seconds"], time_rows(result))]
+    if result.orders:
+        parts += ["## Promotion order", md_table(
+            ["order", "moves", "first proposal (moves)", "simulated KL", "weight bytes", "searched"],
+            [[c.order, str(c.moves), str(c.first_k), f"{c.simulated_kl:.3g}", _mib(c.weight_bytes), "yes" if c.order == result.order else ""]
+             for c in result.orders])]
     parts += ["## Search path", md_table(
         ["#", "proposal", "moves", "modules moved", "weight bytes", "simulated KL", "gate KL by set", "verdict", "failed rules", "run"],
         path_rows(result))]

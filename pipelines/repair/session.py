@@ -24,12 +24,24 @@ from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.gate import GateReport, load_report
 from pipelines.hashing import sha256_text
 from pipelines.output import progress
-from pipelines.recipe import load_recipe
+from pipelines.recipe import GroupScheme, load_recipe
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun
 from pipelines.repair.pricing import Price, price, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
-from pipelines.repair.search import Budget, GateResult, Move, Search, SearchResult, SearchSettings, assignment_at, moved_units, promotion_sequence
+from pipelines.repair.search import (
+    Budget,
+    GateResult,
+    Move,
+    Search,
+    SearchResult,
+    SearchSettings,
+    assignment_at,
+    first_below,
+    level_sequence,
+    moved_units,
+    promotion_sequence,
+)
 from pipelines.repair.sensitivity import Sensitivity, SensitivityModel, SensitivitySettings, sensitivity_dir
 from pipelines.repair.units import Unit, quantized_units, recipe_units
 from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate, run_id
@@ -75,6 +87,14 @@ class Attempt(BaseModel):
     error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
 
 
+class OrderChoice(BaseModel):
+    order: str
+    moves: int
+    first_k: int = Field(description="the first proposal: the fewest moves simulated under the target")
+    simulated_kl: float
+    weight_bytes: int
+
+
 class Found(BaseModel):
     attempt: int
     recipe_file: str
@@ -104,6 +124,8 @@ class RepairResult(BaseModel):
     units: int
     ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
     sensitivity: Sensitivity | None = None
+    orders: list[OrderChoice] = Field(default=[], description="each promotion order and its first proposal")
+    order: str | None = Field(default=None, description="the order searched: its first proposal costs the fewest bytes")
     sequence: list[dict[str, Any]] = Field(default=[], description="the promotion sequence: unit, to, delta bytes, estimated KL removed")
     attempts: list[Attempt] = []
     search: SearchResult | None = None
@@ -176,14 +198,33 @@ class Repair:
         self.sensitivity = self.sensitivity_model.measure()
         self.result.sensitivity = self.sensitivity
         self.result.wall_s["sensitivity"] = round(self.now() - started, 2)
-        self.sequence = promotion_sequence(
-            self.current, {name: [o.scheme for o in ladder.options] for name, ladder in self.ladders.items()},
-            lambda unit, scheme: unit_bytes(self.by_name[unit], scheme), self.sensitivity.estimated_kl,
-        )
+        self.sequence = self._choose_order()
         self.result.sequence = [_move_record(move) for move in self.sequence]
-        progress(f"repair: {len(self.sequence)} moves in the promotion sequence over {len(self.units)} modules "
+        progress(f"repair: {len(self.sequence)} moves in the promotion sequence ({self.result.order}) over {len(self.units)} modules "
                  f"(sensitivity pass {self.result.wall_s['sensitivity']:.0f} s)")
         self._save()
+
+    def _choose_order(self) -> list[Move]:
+        """The promotion order whose first proposal (the fewest moves simulated under the target) costs the fewest
+        bytes: by KL removed per byte, or level by level (pipelines.repair.search explains both)."""
+        def cost(unit: str, scheme: GroupScheme | None) -> int:
+            return unit_bytes(self.by_name[unit], scheme)
+
+        estimate, ladders = self.sensitivity.estimated_kl, self.ladders.items()
+        orders = {
+            "by KL per byte": promotion_sequence(self.current, {n: [o.scheme for o in x.options] for n, x in ladders}, cost, estimate),
+            "level by level": level_sequence(self.current, {n: [(o.position, o.scheme) for o in x.options] for n, x in ladders},
+                                             cost, estimate, [entry.unit for entry in self.sensitivity.units]),
+        }
+        target, choices = self._target_kl(), []
+        for name, sequence in orders.items():
+            self.sequence, self._prices = sequence, {}
+            k = first_below(self._predict, 0, len(sequence), target) if sequence else 0
+            choices.append(OrderChoice(order=name, moves=len(sequence), first_k=k, simulated_kl=self._predict(k),
+                                       weight_bytes=self._price(k).weight_bytes))
+        best = min(choices, key=lambda c: (c.simulated_kl > target, c.weight_bytes))
+        self.result.orders, self.result.order, self._prices = choices, best.order, {}
+        return orders[best.order]
 
     def _search(self) -> None:
         search = Search(

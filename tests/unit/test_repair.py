@@ -27,7 +27,7 @@ from pipelines.repair.ladder import LADDERS_DIR, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import recipe_bytes, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text
-from pipelines.repair.search import Budget, GateResult, Search, SearchSettings, assignment_at, promotion_sequence
+from pipelines.repair.search import Budget, GateResult, Search, SearchSettings, assignment_at, level_sequence, promotion_sequence
 from pipelines.repair.sensitivity import SensitivitySettings
 from pipelines.repair.session import REPAIRED_RECIPE, RepairOptions, load_result, repair
 from pipelines.repair.simulate import RefPath
@@ -153,6 +153,20 @@ def test_free_moves_come_first_the_most_useful_of_them_first():
     assert free == sequence[: len(free)] and [m.delta_kl for m in free] == sorted((m.delta_kl for m in free), reverse=True)
     assert {m.unit for m in free} == {u.name for u in units if u.kind == "mlp"}  # the MLP's static activations
     assert all(m.label == "16-bit" for m in sequence[len(free):])
+
+
+def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
+    loaded, units = units_for(SMOLLM2, "w4a16")
+    by_name = {unit.name: unit for unit in units}
+    ladder = load_ladder(None, CPU).ladder
+    options = {u.name: [(o.position, o.scheme) for o in unit_ladder(u, ladder, loaded.recipe, CPU).options] for u in units}
+    ranking = [u.name for u in reversed(units)]
+    sequence = level_sequence({u.name: u.scheme for u in units}, options, lambda u, s: unit_bytes(by_name[u], s), lambda u, s: 0.0, ranking)
+    labels = [m.label for m in sequence]
+    assert labels.index("16-bit") > max(i for i, label in enumerate(labels) if label.startswith("w8"))  # int8 everywhere first
+    assert len(sequence) == sum(map(len, options.values()))
+    first_level = [m.unit for m in sequence if m.label == "w4 group64 sym / a16"]  # down_proj only: 128 -> 64
+    assert first_level == [name for name in ranking if name.endswith("mlp.down")]  # most sensitive first
 
 
 def test_a_proposal_is_judged_by_the_parents_policy_rules():
