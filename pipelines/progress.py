@@ -90,6 +90,7 @@ class Bar:
         self._emit = emit  # plain mode: where a periodic line goes (None on a live display)
         self._on_change = on_change  # live mode: refresh the display
         self._lock = threading.Lock()
+        self._anchor: tuple[float, int] | None = None  # (time, count) when the first unit was done
         self.finished = False
 
     # ---- counting
@@ -112,6 +113,7 @@ class Bar:
             self._completed += n
             if self._total is not None:
                 self._completed = min(self._completed, self._total)
+            self._anchor_at_first_unit()
         self._changed()
 
     def update(self, *, completed: int | None = None, total: int | None = None) -> None:
@@ -123,7 +125,12 @@ class Bar:
                 self._completed = max(0, completed)
             if self._total is not None:
                 self._completed = min(self._completed, self._total)
+            self._anchor_at_first_unit()
         self._changed()
+
+    def _anchor_at_first_unit(self) -> None:
+        if self._anchor is None and self._completed > 0:
+            self._anchor = (self._clock(), self._completed)
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -141,10 +148,13 @@ class Bar:
     # ---- text
 
     def time_left_s(self) -> float | None:
-        done, total = self._completed, self._total
-        if total is None or done <= 0 or done >= total:
+        """From the pace since the first unit was done: the time before it (loading a model, starting a server)
+        is warm-up, and counting it would promise a long stage for every stage that starts slowly."""
+        done, total, anchor = self._completed, self._total, self._anchor
+        if total is None or anchor is None or done <= anchor[1] or done >= total:
             return None
-        return self.elapsed_s / done * (total - done)
+        since, first_count = anchor
+        return (self._clock() - since) / (done - first_count) * (total - done)
 
     def line(self) -> str:
         """`quantize: layer 12/30, 40 s elapsed, ~60 s left` (what a plain log shows while it runs)."""

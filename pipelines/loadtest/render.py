@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipelines.loadtest.results import LevelFigures, Percentiles, PerformanceReport, PerformanceSummary, RatioInterval
+from pipelines.planner.gpus import GiB
 
 Rows = list[list[str]]
 LEVEL_COLUMNS = [
@@ -13,7 +14,6 @@ RATIO_COLUMNS = ["Concurrency", "Throughput ratio [95% CI]", "TTFT p95 ratio [95
 MEMORY_COLUMNS = ["Model", "Served by", "KV tokens (vLLM)", "KV tokens (planner)", "KV max concurrency", "Peak memory GiB"]
 TUNING_COLUMNS = ["Measured max_num_seqs", "Swept up to", "Planner max_num_seqs", "gpu_memory_utilization", "vLLM arguments"]
 PLOT_TITLES = {"throughput": "Output throughput against concurrency", "ttft_p95": "TTFT p95 against concurrency"}
-_GIB = 1024**3
 
 
 def _ms(values: Percentiles) -> str:
@@ -49,7 +49,7 @@ def memory_rows(report: PerformanceReport) -> Rows:
 
     return [
         [m.role, m.served_by, cell(m.kv_capacity_tokens), cell(m.kv_capacity_tokens_predicted), cell(m.kv_max_concurrency),
-         "-" if m.peak_memory_bytes is None else f"{m.peak_memory_bytes / _GIB:.2f}"]
+         "-" if m.peak_memory_bytes is None else f"{m.peak_memory_bytes / GiB:.2f}"]
         for m in report.models
     ]
 

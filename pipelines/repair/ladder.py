@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.compiler import ModuleScheme, check_plan, concrete_schemes, scheme_summary
+from pipelines.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
 from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
 from pipelines.recipe import GroupScheme, Recipe
@@ -27,7 +27,6 @@ from pipelines.targets import ServeTarget, serve_problem
 from pipelines.yamlio import parse_yaml_model, read_user_text
 
 LADDERS_DIR = RECIPES_DIR / "ladders"
-SIXTEEN_BIT = "16-bit"
 MAX_RUNGS = 32
 FamilyName = Literal["weight_only", "w8a8"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pipelines.artifact import MANIFEST_NAME, Manifest, read_manifest
+from pipelines.artifact import MANIFEST_NAME, Manifest, is_model_dir, read_manifest
 from pipelines.errors import InputError
 from pipelines.gate import GateReport, load_report
 from pipelines.hashing import sha256_file
@@ -85,7 +85,7 @@ def load_parent(run_id: str, runs_dir: Path, *, registry_path: Path | None, cali
 def _path(report: GateReport, key: str, run_dir: Path) -> Path:
     value = report.inputs.get(key)
     path = value.get("path") if isinstance(value, dict) else None
-    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+    if not isinstance(path, str) or not is_model_dir(Path(path)):
         raise InputError(f"gate.json names no {key} folder that still exists ({path})", file=run_dir / GATE_JSON, field=f"inputs.{key}.path")
     return Path(path)
 

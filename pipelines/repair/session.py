@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
 from pipelines.compiler import layout_from_model_dir, scheme_summary
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
-from pipelines.gate import GateReport, load_report
+from pipelines.gate import GateReport
 from pipelines.hashing import sha256_text
 from pipelines.output import progress
 from pipelines.recipe import GroupScheme, load_recipe
@@ -286,7 +286,7 @@ class Repair:
         return GateResult(passed=False, wall_s=wall_s, error=attempt.error)
 
     def _record(self, attempt: Attempt, outcome: RunOutcome, wall_s: float) -> None:
-        report = load_report(outcome.gate_json)
+        report = outcome.gate_report()
         attempt.verdict, attempt.reasons, attempt.wall_s = outcome.verdict, outcome.reasons, wall_s
         attempt.failed_rules = failed_rules(report)
         attempt.kl_by_set = {s.eval_set: s.kl_mean for s in report.gate.sets}

@@ -31,12 +31,25 @@ def test_durations_read_like_a_person_writes_them() -> None:
 def test_a_plain_line_has_the_count_the_time_spent_and_the_time_left() -> None:
     clock = Clock()
     bar = Bar("quantize", 30, "layer", clock=clock)
-    clock.now += 40
-    bar.advance(12)
-    assert bar.line() == "quantize: layer 12/30, 40 s elapsed, ~60 s left"
+    clock.now += 10
+    bar.advance(2)
+    clock.now += 30
+    bar.advance(10)
+    assert bar.line() == "quantize: layer 12/30, 40 s elapsed, ~54 s left"
     clock.now += 60
     bar.advance(18)
     assert bar.final_line() == "quantize: 30 layers in 1 min 40 s"
+
+
+def test_time_left_comes_from_the_pace_after_the_first_unit_not_from_the_warm_up() -> None:
+    clock = Clock()
+    bar = Bar("scoring", 100, "request", clock=clock)
+    clock.now += 300  # a server starting: no request done yet
+    bar.advance(1)
+    assert bar.time_left_s() is None and bar.line() == "scoring: request 1/100, 5 min elapsed"
+    clock.now += 9
+    bar.update(completed=10)
+    assert bar.time_left_s() == pytest.approx(90.0)
 
 
 def test_a_stage_of_unknown_size_shows_what_is_done_and_the_time() -> None:
