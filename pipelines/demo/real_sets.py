@@ -79,6 +79,29 @@ NEUTRAL = [
 SENTIMENTS = ["positive", "negative", "neutral"]
 
 
+def task_yaml(name: str, output_type: str, body: str, metric: str, about: str) -> str:
+    """An lm-eval task over the set's own data.jsonl: what every set shares, around what is its own."""
+    return (
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        "    test: data.jsonl\n"
+        "# data_files relative to this folder wherever lm-eval runs (lm-eval 0.4.13 reads them from the working directory)\n"
+        "custom_dataset: !function pipelines.evalsets.set_data\n"
+        "test_split: test\n"
+        f"output_type: {output_type}\n"
+        f"{body}"
+        "metric_list:\n"
+        f"- metric: {metric}\n"
+        "  aggregation: mean\n"
+        "  higher_is_better: true\n"
+        "metadata:\n"
+        "  version: 1.0\n"
+        f"  about: {about}\n"
+    )
+
+
 def sentiment_item(rng: random.Random) -> dict:
     label = rng.randrange(3)
     product = rng.choice(PRODUCTS)
@@ -87,30 +110,20 @@ def sentiment_item(rng: random.Random) -> dict:
     return {"review": review, "label": label, "answer": SENTIMENTS[label]}
 
 
-SENTIMENT_YAML = """\
-task: retail_sentiment
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: data.jsonl
-# data_files relative to this folder wherever lm-eval runs (lm-eval 0.4.13 reads them from the working directory)
-custom_dataset: !function pipelines.evalsets.set_data
-test_split: test
-output_type: multiple_choice
+SENTIMENT_YAML = task_yaml(
+    "retail_sentiment",
+    "multiple_choice",
+    """\
 doc_to_text: "Review: {{review}}\\nSentiment:"
 doc_to_choice:
 - positive
 - negative
 - neutral
 doc_to_target: label
-metric_list:
-- metric: acc
-  aggregation: mean
-  higher_is_better: true
-metadata:
-  version: 1.0
-  about: Sentiment of a short product review, positive / negative / neutral (multiple choice, log-likelihood).
-"""
+""",
+    "acc",
+    "Sentiment of a short product review, positive / negative / neutral (multiple choice, log-likelihood).",
+)
 
 # ---------------------------------------------------------------- retail_faulty_item
 
@@ -134,27 +147,17 @@ def faulty_item(rng: random.Random) -> dict:
     return {"message": message, "choices": choices, "label": choices.index(bad), "answer": bad}
 
 
-FAULTY_YAML = """\
-task: retail_faulty_item
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: data.jsonl
-# data_files relative to this folder wherever lm-eval runs (lm-eval 0.4.13 reads them from the working directory)
-custom_dataset: !function pipelines.evalsets.set_data
-test_split: test
-output_type: multiple_choice
+FAULTY_YAML = task_yaml(
+    "retail_faulty_item",
+    "multiple_choice",
+    """\
 doc_to_text: "Message: {{message}}\\nFaulty item:"
 doc_to_choice: choices
 doc_to_target: label
-metric_list:
-- metric: acc
-  aggregation: mean
-  higher_is_better: true
-metadata:
-  version: 1.0
-  about: Which of four products a complaint says is faulty; two of them are named in the message (multiple choice, log-likelihood).
-"""
+""",
+    "acc",
+    "Which of four products a complaint says is faulty; two of them are named in the message (multiple choice, log-likelihood).",
+)
 
 # ---------------------------------------------------------------- retail_order_id
 
@@ -184,16 +187,10 @@ def order_item(rng: random.Random) -> dict:
     return {"message": message, "answer": order}
 
 
-ORDER_YAML = """\
-task: retail_order_id
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: data.jsonl
-# data_files relative to this folder wherever lm-eval runs (lm-eval 0.4.13 reads them from the working directory)
-custom_dataset: !function pipelines.evalsets.set_data
-test_split: test
-output_type: generate_until
+ORDER_YAML = task_yaml(
+    "retail_order_id",
+    "generate_until",
+    """\
 doc_to_text: "Message: My toaster from order KT-40213 arrived with a dent. Call me on 0151 2234 889.\\nOrder number: KT-40213\\n\\nMessage: {{message}}\\nOrder number:"
 doc_to_target: answer
 generation_kwargs:
@@ -207,14 +204,10 @@ filter_list:
   filter:
   - function: remove_whitespace
   - function: take_first
-metric_list:
-- metric: exact_match
-  aggregation: mean
-  higher_is_better: true
-metadata:
-  version: 1.0
-  about: Copy the order number out of a customer message (exact match; one worked example in the prompt).
-"""
+""",
+    "exact_match",
+    "Copy the order number out of a customer message (exact match; one worked example in the prompt).",
+)
 
 SETS = [
     RealSet("retail_sentiment", sentiment_item, "review", SENTIMENT_YAML),
