@@ -230,7 +230,7 @@ class Repair:
         search = Search(
             len(self.sequence), predict=self._predict, price=lambda k: self._price(k).weight_bytes, fits=lambda k: self._price(k).fits,
             gate=self._gate, budget=self.options.budget, settings=self.options.search, target_kl=self._target_kl(),
-            expected_gate_s=self.parent.candidate_wall_s, started=self.started, clock=self.now,
+            expected_gate_s=self.parent.candidate_wall_s, kl_limit=self._kl_limit(), started=self.started, clock=self.now,
         )
         self.result.search = search.run()
 
@@ -346,10 +346,13 @@ class Repair:
             weight_bytes=attempt.measured_weight_bytes or attempt.weight_bytes, modules_moved=len(attempt.modules_moved),
         )
 
+    def _kl_limit(self) -> float | None:
+        """The policy's smallest max_kl over the parent's sets (None: no set has a KL rule)."""
+        return min((s.rules.max_kl for s in self.parent.report.gate.sets if s.rules.max_kl is not None), default=None)
+
     def _target_kl(self) -> float:
-        limits = [s.rules.max_kl for s in self.parent.report.gate.sets if s.rules.max_kl is not None]
-        settings = self.options.search
-        return settings.kl_safety * min(limits) if limits else settings.kl_target_without_rule
+        limit, settings = self._kl_limit(), self.options.search
+        return settings.kl_safety * limit if limit is not None else settings.kl_target_without_rule
 
     def _reference_bytes(self) -> dict[str, int | None]:
         found: dict[str, int | None] = {"16-bit": recipe_bytes(self.shape, None)}

@@ -5,6 +5,7 @@ real registry) whose lineage and evidence are complete."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,8 @@ def test_a_proposal_is_judged_by_the_parents_policy_rules():
 # ------------------------------------------------------------------------------------------- the search
 
 
-def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall_s: float = 1e6, gate_s: float = 10.0):
+def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall_s: float = 1e6, gate_s: float = 10.0,
+                predict: Callable[[int], float] = lambda k: 1.0 / (1 + k), target_kl: float = 0.1, kl_limit: float | None = None):
     """A search over `moves` moves whose gate passes from `threshold` moves on (None: never); a fake clock."""
     clock = {"now": 0.0}
     gated: list[int] = []
@@ -193,9 +195,9 @@ def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall
         clock["now"] += gate_s
         return GateResult(passed=threshold is not None and k >= threshold, wall_s=gate_s)
 
-    search = Search(moves, predict=lambda k: 1.0 / (1 + k), price=lambda k: 1000 + 10 * k, fits=lambda k: True, gate=gate,
-                    budget=Budget(max_gates=budget, max_wall_s=wall_s), settings=SearchSettings(min_saving=0.0), target_kl=0.1,
-                    expected_gate_s=gate_s, started=0.0, clock=lambda: clock["now"])
+    search = Search(moves, predict=predict, price=lambda k: 1000 + 10 * k, fits=lambda k: True, gate=gate,
+                    budget=Budget(max_gates=budget, max_wall_s=wall_s), settings=SearchSettings(min_saving=0.0), target_kl=target_kl,
+                    expected_gate_s=gate_s, kl_limit=kl_limit, started=0.0, clock=lambda: clock["now"])
     return search.run(), gated
 
 
@@ -214,6 +216,17 @@ def test_the_search_shrinks_to_the_fewest_moves_that_pass():
     result, gated = fake_search(13, budget=20)
     assert result.best == 13 and result.stop == "shrunk" and 12 in gated
     assert gated[0] == 9  # the first proposal: the fewest moves simulated under the target (1 / (1 + k) <= 0.1)
+
+
+def test_the_shrink_never_gates_a_proposal_simulated_over_max_kl():
+    def predict(k: int) -> float:
+        return 10.0 / (1 + k)  # within max_kl 1.0 from 9 moves on
+
+    result, gated = fake_search(5, budget=20, predict=predict, target_kl=0.5, kl_limit=1.0)
+    assert gated[0] == 19 and min(gated) == 9  # the gate would pass 5, but below 9 the KL rule would reject
+    assert result.best == 9 and result.stop == "shrunk"
+    unlimited, gated_without = fake_search(5, budget=20, predict=predict, target_kl=0.5)
+    assert unlimited.best == 5 and min(gated_without) == 4
 
 
 def test_the_search_reports_an_exhausted_ladder():
