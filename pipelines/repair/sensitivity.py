@@ -172,7 +172,9 @@ def proxy_texts(recipe: Recipe, calibration: str | None, eval_sets: list[EvalSet
 
 
 def cache_key(model_dir: Path, recipe_text: str, ladder_text: str, paths: list[RefPath], texts: list[str],
-              settings: SensitivitySettings, calibration: str | None) -> str:
+              settings: SensitivitySettings) -> str:
+    """The calibration is keyed by its texts, not by its name: a recipe that calibrates nothing measures the same
+    whether a run named `--calibration` or not (`quantize --repair` and `quantize repair RUN_ID` share the cache)."""
     return sha256_json({
         "version": SENSITIVITY_VERSION,
         "model": folder_hash(model_dir),
@@ -180,7 +182,6 @@ def cache_key(model_dir: Path, recipe_text: str, ladder_text: str, paths: list[R
         "ladder": sha256_text(ladder_text),
         "paths": sha256_json([p.model_dump() for p in paths]),
         "texts": sha256_json(texts),
-        "calibration": calibration,
         "settings": settings.model_dump(),
         "libraries": {name: version(name) for name in LIBRARIES},
     })
@@ -208,7 +209,7 @@ class SensitivityModel:
         started = time.monotonic()
         self.paths, self.source = reference_paths(model_dir, eval_sets, serve, baseline_cache_dir(cache_dir), self.settings)
         self.texts, self.text_source = proxy_texts(recipe, calibration, eval_sets, model_dir, self.settings)
-        self.key = cache_key(model_dir, recipe_text, ladder_text, self.paths, self.texts, self.settings, calibration)
+        self.key = cache_key(model_dir, recipe_text, ladder_text, self.paths, self.texts, self.settings)
         self.folder = cache_dir
         self.inputs_s = round(time.monotonic() - started, 2)
         self._simulator = None

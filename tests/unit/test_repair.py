@@ -376,6 +376,11 @@ def test_the_sensitivity_pass_is_cached(parent: ParentRun, tmp_path: Path):
     assert not first.sensitivity.cached and second.sensitivity.cached
     assert second.sensitivity.units == first.sensitivity.units
     assert fake.calls[0].text == fake.calls[1].text  # the same moves: the same proposal, hence the same artifact
+    # aggressive calibrates nothing: naming --calibration (quantize --repair) or not (quantize repair RUN_ID) measures the same
+    assert not parent.recipe.recipe.needs_calibration
+    named = parent.model_copy(update={"calibration": "from-eval-sets" if parent.calibration is None else None})
+    third = repair(named, RepairOptions(budget=Budget(max_gates=1), sensitivity=FAST), gate_fn=fake, target=CPU)
+    assert third.sensitivity.cached and third.sensitivity.key == first.sensitivity.key
 
 
 def test_w8a8_sensitivity_smooths_first_and_calibrates_static_scales(parent: ParentRun, tmp_path: Path):
