@@ -10,9 +10,9 @@ DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
 .PHONY: setup demo demo-reject demo-repair lint test test-unit test-integration clean-artifacts bench-gate
 
+# The two environments are built side by side (each pip is mostly one core; CI has two).
 setup:
-	@scripts/setup_env.sh project
-	@scripts/setup_env.sh serve
+	@scripts/setup_env.sh project & project=$$!; scripts/setup_env.sh serve; serve=$$?; wait $$project && exit $$serve
 
 ## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote.
 demo: setup

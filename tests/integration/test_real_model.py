@@ -28,12 +28,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 
 QUANTIZE = Path(sys.executable).with_name("quantize")
 MODEL = "smollm2-135m"
-SUBSET = 60
+SUBSET = 30
 REAL_SETS = ",".join(real_set.name for real_set in real_sets.SETS)
 # Per set: (lowest, highest) acceptable baseline on the first SUBSET items. The full sets (240 items,
 # served by vLLM on the CPU, scored by lm-eval) measured 62.9 / 50.8 / 51.7, their first 60 items
-# 55.0 / 56.7 / 53.3 (docs/real-model.md); the bands are the range the sets were written for (well above
-# chance, far from 100%) with room for a 60-item sample.
+# 55.0 / 56.7 / 53.3 (docs/real-model.md), their first 30 items 60.0 / 56.7 / 50.0; the bands are the range
+# the sets were written for (well above chance, far from 100%) with room for a 30-item sample.
 BANDS = {
     "retail_sentiment": (0.45, 0.85),  # 3 choices: chance 33.3
     "retail_faulty_item": (0.33, 0.75),  # 4 choices: chance 25
@@ -112,9 +112,10 @@ def test_the_sets_are_the_generator_s() -> None:
 
 
 def test_the_16_bit_model_gated_against_itself_passes_with_its_baseline_in_range(converted: Path, real_env: dict[str, str]) -> None:
-    """vLLM serves the converted folder twice (baseline, candidate), lm-eval scores both: nothing may fail."""
+    """vLLM serves the converted folder twice (baseline, candidate), lm-eval scores both: nothing may fail.
+    Without the load test (about two minutes of CI here; test_loadtest_e2e.py covers it on the demo model)."""
     run = quantize(real_env, "gate", "--artifact", str(converted), "--baseline", str(converted), "--allow-unverified",
-                   "--recipe-name", "sixteen-bit", "--eval-sets", REAL_SETS)
+                   "--recipe-name", "sixteen-bit", "--eval-sets", REAL_SETS, "--no-loadtest")
     assert run.returncode == 0, run.stderr[-3000:]
     gate = _gate(json.loads(run.stdout))
     assert gate["verdict"] == "promoted" and not gate["reasons"]
