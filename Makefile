@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # The demo model's business sets (pipelines.paths.DEMO_EVAL_SETS); eval_sets/ also holds the real model's.
 DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
-.PHONY: setup demo demo-reject demo-repair lint test test-unit test-integration clean-artifacts bench-gate
+.PHONY: setup demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate
 
 # The two environments are built side by side (each pip is mostly one core; CI has two).
 setup:
@@ -36,6 +36,10 @@ test: lint
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+## The fast tier while developing: the tests marked `unit` (all of tests/unit/; no lint, no real vLLM server; about 2 min).
+test-fast: setup
+	$(PY) -m pytest -m unit tests/unit
 
 test-integration: setup
 	$(PY) -m pytest tests/integration

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.artifact import read_model_config
+from pipelines.bounds import check_config_bounds
 from pipelines.errors import InputError
 from pipelines.recipe import AutoGroupSize, GroupScheme, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
 from pipelines.targets import Layer, ServeTarget, installed_target, serve_problem
@@ -104,8 +105,6 @@ def layout_from_model_dir(model_dir: Path) -> ModelLayout:
 def layout_from_config(config: dict[str, Any], source: Path | str = "config.json") -> ModelLayout:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pipelines.planner import check_config_bounds
 
     check_config_bounds(config, str(source))  # a meta model still loops over its layers: bound them first
     model_type = str(config.get("model_type"))

@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import BaseModel
 
 from pipelines.errors import ServeError
+from pipelines.serving import MAX_LOGPROBS, RunningServer
 
-if TYPE_CHECKING:  # serving imports TOP_K from here
-    from pipelines.serving import RunningServer
-
-TOP_K = 20
+TOP_K = MAX_LOGPROBS  # the KL reads every log-probability the server lists for a token
 MAX_NEW_TOKENS = 8
 KL_METHOD = (
     f"top-{TOP_K} coarse-grained KL(baseline||candidate) per generated token, greedy baseline path, "

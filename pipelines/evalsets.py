@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import random
 import re
 import shutil
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from pydantic import ValidationError
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hashing import sha256_file, sha256_json
 from pipelines.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
+from pipelines.output import progress
 from pipelines.schema import FrozenModel
 from pipelines.settings import current as current_settings
 from pipelines.yamlio import FunctionRef, dump_yaml, load_yaml_file
@@ -160,7 +160,8 @@ class SetFile(FrozenModel):
 # ---------------------------------------------------------------- YAML (pipelines.yamlio: `!function` kept as data)
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
+    """A path as a message shows it: relative to the working directory when under it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError, RuntimeError):
@@ -169,7 +170,7 @@ def _display(path: Path) -> str:
 
 def _load_yaml(path: Path) -> Any:
     """The product's one YAML loader: bounded size and depth, no aliases, UTF-8, `!function` as FunctionRef."""
-    return load_yaml_file(path, what="eval-set YAML", name=_display(path))
+    return load_yaml_file(path, what="eval-set YAML", name=display_path(path))
 
 
 def render_template(template: str, doc: dict) -> str:
@@ -198,7 +199,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused, as is
     nesting too deep for the JSON parser."""
     if not path.is_file():
-        raise InputError("data file not found", file=_display(path))
+        raise InputError("data file not found", file=display_path(path))
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"line {number}"
@@ -206,19 +207,19 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 byte = raw[error.start:error.start + 1].hex()
-                raise InputError(f"not UTF-8 text (byte 0x{byte} at column {error.start + 1})", file=_display(path), field=where) from None
+                raise InputError(f"not UTF-8 text (byte 0x{byte} at column {error.start + 1})", file=display_path(path), field=where) from None
             if not line.strip():
                 continue
             try:
                 value = json.loads(line, parse_constant=_no_constant)
             except json.JSONDecodeError as error:
-                raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=_display(path), field=where) from None
+                raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=display_path(path), field=where) from None
             except ValueError as error:
-                raise InputError(f"invalid JSON: {error}", file=_display(path), field=where) from None
+                raise InputError(f"invalid JSON: {error}", file=display_path(path), field=where) from None
             except RecursionError:
-                raise InputError("invalid JSON: nested too deep", file=_display(path), field=where) from None
+                raise InputError("invalid JSON: nested too deep", file=display_path(path), field=where) from None
             if not isinstance(value, dict):
-                raise InputError(f"expected a JSON object, got {type(value).__name__}", file=_display(path), field=where)
+                raise InputError(f"expected a JSON object, got {type(value).__name__}", file=display_path(path), field=where)
             yield number, value
 
 
@@ -230,7 +231,7 @@ def _set_hash(*files: Path) -> str:
 
 
 def _data_file(config: dict, folder: Path, yaml_path: Path) -> Path:
-    where = _display(yaml_path)
+    where = display_path(yaml_path)
     if config["dataset_path"] != "json":
         raise InputError(
             f"only local JSONL data is supported: use `dataset_path: json` (got {config['dataset_path']!r})", file=where, field="dataset_path",
@@ -328,7 +329,7 @@ def _render_item(compiled: dict[str, jinja2.Template], config: dict, item: dict,
                 problem = f"must render a Python list literal of choices (got {text[:80]!r})"
             else:
                 continue
-        raise InputError(f"{problem} (rendering {_display(data)} line {number})", file=where, field=key)
+        raise InputError(f"{problem} (rendering {display_path(data)} line {number})", file=where, field=key)
 
 
 def _is_choice_list(text: str) -> bool:
@@ -340,7 +341,7 @@ def _is_choice_list(text: str) -> bool:
 
 
 def _check_config(config: dict, yaml_path: Path) -> None:
-    where = _display(yaml_path)
+    where = display_path(yaml_path)
     unknown = sorted(set(config) - task_config_keys())
     if unknown:
         raise InputError("unknown key (not an lm-eval TaskConfig field)", file=where, field=unknown[0])
@@ -510,7 +511,7 @@ def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
 
 def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | None]:
     """The number of items (every one checked) and of the requests lm-eval sends for them."""
-    where = _display(yaml_path)
+    where = display_path(yaml_path)
     needs: dict[str, set[str]] = {
         "doc_to_text": _template_fields(config["doc_to_text"], bare_is_field=False, where=where, key="doc_to_text"),
         "doc_to_target": _template_fields(config["doc_to_target"], bare_is_field=True, where=where, key="doc_to_target"),
@@ -527,15 +528,15 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
         for key, fields in needs.items():
             missing = sorted(fields - set(item))
             if missing:
-                raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=_display(data), field=f"line {number}")
+                raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=display_path(data), field=f"line {number}")
         _render_item(compiled, config, item, where, data, number)
         label = item.get(target_field) if target_field else None
         if static_choices and isinstance(label, int) and not 0 <= label < len(static_choices):
             raise InputError(
-                f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=_display(data), field=f"line {number}",
+                f"{target_field} {label} is not an index into the {len(static_choices)} choices", file=display_path(data), field=f"line {number}",
             )
     if count == 0:
-        raise InputError("no items", file=_display(data))
+        raise InputError("no items", file=display_path(data))
     return count, requests
 
 
@@ -570,7 +571,7 @@ def _add_requests(so_far: int, config: dict, compiled: dict[str, jinja2.Template
 def load_task_config(yaml_path: Path) -> dict:
     config = _load_yaml(yaml_path)
     if not isinstance(config, dict):
-        raise InputError("a task YAML is a mapping of lm-eval TaskConfig keys", file=_display(yaml_path), field="(top level)")
+        raise InputError("a task YAML is a mapping of lm-eval TaskConfig keys", file=display_path(yaml_path), field="(top level)")
     return config
 
 
@@ -578,14 +579,14 @@ def validate_eval_set(folder: Path) -> EvalSet:
     folder = Path(folder)
     yaml_path = folder / f"{folder.name}.yaml"
     if not yaml_path.is_file():
-        raise InputError(f"no task YAML {yaml_path.name} (or {SET_FILE} with `kind: calibration`)", file=_display(folder))
+        raise InputError(f"no task YAML {yaml_path.name} (or {SET_FILE} with `kind: calibration`)", file=display_path(folder))
     config = load_task_config(yaml_path)
     _check_config(config, yaml_path)
     data = _data_file(config, folder, yaml_path)
-    metric = _metric_spec(config, _display(yaml_path))
+    metric = _metric_spec(config, display_path(yaml_path))
     if not data.is_file():
-        raise InputError(f"data file {_display(data)} not found", file=_display(yaml_path), field="dataset_kwargs.data_files")
-    chat_template, system_instruction = _chat_options(config, _display(yaml_path))
+        raise InputError(f"data file {display_path(data)} not found", file=display_path(yaml_path), field="dataset_kwargs.data_files")
+    chat_template, system_instruction = _chat_options(config, display_path(yaml_path))
     num_items, num_requests = _check_items(config, data, yaml_path)
     return EvalSet(
         name=folder.name,
@@ -610,15 +611,15 @@ def validate_calibration_set(folder: Path) -> CalibrationSet:
     try:
         SetFile.model_validate(_load_yaml(set_file) or {})
     except ValidationError as error:
-        raise from_validation_error(error, _display(set_file)) from None
+        raise from_validation_error(error, display_path(set_file)) from None
     data = folder / DATA_FILE
     count = 0
     for number, item in iter_jsonl(data):
         if not isinstance(item.get("text"), str) or not item["text"].strip():
-            raise InputError("calibration lines need a non-empty string field 'text'", file=_display(data), field=f"line {number}")
+            raise InputError("calibration lines need a non-empty string field 'text'", file=display_path(data), field=f"line {number}")
         count += 1
     if count == 0:
-        raise InputError("no calibration texts", file=_display(data))
+        raise InputError("no calibration texts", file=display_path(data))
     return CalibrationSet(name=folder.name, folder=folder, data=data, num_items=count, sha256=_set_hash(set_file, data))
 
 
@@ -630,7 +631,7 @@ def set_folders(root: Path | None = None) -> list[Path]:
     """Every folder under root (default: eval_sets/) that is a set (hidden folders and those starting with '_' skipped)."""
     root = current_settings().eval_sets_dir if root is None else root
     if not root.is_dir():
-        raise InputError("eval sets folder not found", file=_display(root))
+        raise InputError("eval sets folder not found", file=display_path(root))
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
@@ -659,6 +660,27 @@ def discover_eval_sets(root: Path | None = None) -> DiscoveredSets:
         except InputError as error:
             broken[folder.name] = error
     return DiscoveredSets(sets, broken)
+
+
+def select_eval_sets(names: list[str] | None, found: list[EvalSet] | None = None) -> list[EvalSet]:
+    """The sets a run scores: `names`, or every set. A broken set fails only a run that selects it (its own
+    error, exit 2); otherwise it is skipped with one warning line naming it. `found`: the sets already
+    discovered (a job's candidates select from one discovery: each task YAML is parsed once per job)."""
+    found = discover_eval_sets() if found is None else found
+    broken: dict[str, InputError] = getattr(found, "broken", {})
+    available = {s.name: s for s in found}
+    for name in (n for n in names or [] if n in broken):
+        raise broken[name]
+    for name, error in broken.items():
+        progress(f"eval set {name} skipped: {error.one_line()}")
+    if not names:
+        if broken and not available:  # nothing left to score: the first broken set is the error
+            raise next(iter(broken.values()))
+        return list(available.values())
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise InputError(f"unknown eval set(s) {unknown}; available: {sorted(available)}", field="--eval-sets")
+    return [available[n] for n in names]
 
 
 def set_data(config_source: str | None = None, data_files: dict | str | None = None, **_metadata: Any):
@@ -696,28 +718,3 @@ def materialize_task(eval_set: EvalSet, dest_dir: Path) -> Path:
         shutil.copy2(helper, dest_dir / helper.name)
     (dest_dir / eval_set.task_yaml.name).write_text(dump_yaml(config), encoding="utf-8")
     return dest_dir
-
-
-def resolve_calibration_data(name_or_path: str, root: Path | None = None) -> Path:
-    """A set name under eval_sets/ (or root), a folder holding data.jsonl, or a JSONL file."""
-    root = current_settings().eval_sets_dir if root is None else root
-    candidate = Path(name_or_path)
-    for path in (candidate, root / name_or_path):
-        if path.is_file():
-            return path
-        if path.is_dir():
-            return path / DATA_FILE
-    raise InputError("calibration data not found (a set under eval_sets/, a folder or a JSONL file)", file=name_or_path, field="calibration.dataset")
-
-
-def load_calibration_texts(name_or_path: str, num_samples: int, seed: int) -> list[str]:
-    """`num_samples` texts drawn without replacement, in a seed-fixed order."""
-    data = resolve_calibration_data(name_or_path)
-    texts = []
-    for number, item in iter_jsonl(data):
-        if not isinstance(item.get("text"), str):
-            raise InputError("calibration lines need a string field 'text'", file=_display(data), field=f"line {number}")
-        texts.append(item["text"])
-    if num_samples > len(texts):
-        raise InputError(f"asks for {num_samples} samples but the data has {len(texts)}", file=_display(data), field="calibration.num_samples")
-    return random.Random(seed).sample(texts, num_samples)

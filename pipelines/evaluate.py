@@ -215,6 +215,9 @@ def _lm_eval_chat_template(eval_set: EvalSet, tokenizer_dir: Path):
     return model.apply_chat_template
 
 
+ANSWER_RESERVE_TOKENS = 32  # tokens every prompt leaves free for its answer in the served context
+
+
 def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir: Path, max_model_len: int, reserve: int) -> None:
     """Refuse, before any server starts, an item that cannot fit the served context."""
     from transformers import AutoTokenizer

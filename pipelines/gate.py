@@ -21,7 +21,8 @@ from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError, from_validation
 from pipelines.loadtest.results import PerformanceReport
 from pipelines.metrics import MetricSpec, corpus_aggregation, value_range
 from pipelines.planner.gpus import GiB
-from pipelines.policy import Policy, RecipeIdentity, SetPolicy
+from pipelines.policy import Policy, SetPolicy
+from pipelines.recipe import RecipeIdentity
 from pipelines.schema import StrictModel
 
 SCHEMA_VERSION: Literal[2] = 2

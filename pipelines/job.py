@@ -30,17 +30,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelines import runner
+from pipelines import evalsets
 from pipelines.artifact import check_model_dir, is_model_dir, parse_json_strict, verify_artifact
 from pipelines.atomic import write_json_atomic
+from pipelines.bounds import MAX_CONTEXT
 from pipelines.errors import InputError, QuantGateError
-from pipelines.evalsets import EvalSet
+from pipelines.evalsets import EvalSet, select_eval_sets
 from pipelines.hashing import folder_hash, sha256_file, sha256_json
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.output import progress
-from pipelines.policy import MAX_CONTEXT, FitRequirement
+from pipelines.policy import FitRequirement, load_gate_policy
 from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, load_recipe
-from pipelines.runner import GateSettings, load_gate_policy, quantize_and_gate, select_eval_sets
+from pipelines.runner import GateSettings, quantize_and_gate
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.schema import StrictModel
 from pipelines.serving import ServeSettings
@@ -152,7 +153,7 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
         found = len(problems)  # every check runs, so one pass over the file reports everything
         settings = None
         try:
-            discovered = runner.discover_eval_sets() if discovered is None else discovered
+            discovered = evalsets.discover_eval_sets() if discovered is None else discovered
             settings = _settings(job, spec, base, discovered)
         except QuantGateError as error:
             problems.append(f"{where}: {error.one_line()}")
@@ -234,7 +235,7 @@ def _calibration(
         value = str((base / value).resolve())  # relative to the job file, like model and policy
     if settings is None:
         return value, None  # the eval sets are unknown: the settings' own problem is already reported
-    from pipelines.quantize import check_calibration_source
+    from pipelines.calibration import check_calibration_source
 
     try:
         return value, check_calibration_source(value, settings.eval_sets)

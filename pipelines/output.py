@@ -72,7 +72,7 @@ def say(value: Any) -> None:
     console.print(literal(value) if isinstance(value, (str, int, float)) or value is None else value)
 
 
-# Called before each progress line (pipelines.progress: says once where library output went, when it did).
+# Called before each progress line (pipelines.capture: says once where library output went, when it did).
 before_progress: Callable[[], None] | None = None
 
 

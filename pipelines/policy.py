@@ -19,22 +19,23 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT, MAX_GPU_MEMORY_GIB
+from pipelines.errors import InputError
 from pipelines.loadtest.config import PerformanceOverrides, PerformancePolicy
 from pipelines.paths import REPO_ROOT
+from pipelines.planner.gpus import gpu_spec, known_gpus
+from pipelines.recipe import RecipeIdentity
 from pipelines.schema import FrozenModel
 from pipelines.yamlio import load_yaml_model
 
 POLICIES_DIR = REPO_ROOT / "policies"
 DEFAULT_POLICY = POLICIES_DIR / "default.yaml"
 
-# Bounds: finite everywhere; sizes far beyond any real deployment refused at load, before any work.
-# (The planner's own limits, in pipelines/planner/, are the same numbers: it cannot be imported here.)
+# Bounds: finite everywhere; sizes far beyond any real deployment refused at load, before any work
+# (context, concurrency and GPU memory: pipelines.bounds, shared with the planner).
 MAX_POINTS = 1e6  # drops and margins: points of a [0, 1] metric, or a BLEU / perplexity unit
 MAX_NATS = 1e6
 MAX_ITEMS = 10**9
-MAX_CONTEXT = 2**24  # = planner.MAX_CONTEXT
-MAX_CONCURRENCY = 1_000_000  # = planner.MAX_CONCURRENCY
-MAX_GPU_MEMORY_GIB = 2**20  # = planner.MAX_GPU_MEMORY_GIB
 
 Points = Annotated[float, Field(ge=0, le=MAX_POINTS, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
@@ -94,10 +95,6 @@ class FitRequirement(FrozenModel):
         """Refused at load, before any quantizing or serving: the gate's fit check needs the GPU's size."""
         if value is None:
             return value
-        # Imported here, not at the top: planner -> compiler -> recipe -> policy.
-        from pipelines.errors import InputError
-        from pipelines.planner import gpu_spec, known_gpus
-
         try:
             gpu_spec(value)
         except InputError:
@@ -117,23 +114,6 @@ class FitRequirement(FrozenModel):
 class RecipeOverrides(RuleOverrides):
     fit: FitRequirement | None = None
     performance: PerformanceOverrides | None = None  # the load test's block, fields named here win (docs/loadtest.md)
-
-
-class RecipeIdentity(FrozenModel):
-    """What policy `recipes:` keys match: the recipe's name, then its base, then its tags (in order)."""
-
-    name: str
-    base: str | None = None
-    tags: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, recipe: str | RecipeIdentity) -> RecipeIdentity:
-        return recipe if isinstance(recipe, RecipeIdentity) else cls(name=recipe)
-
-    def keys(self) -> list[str]:
-        """The policy keys that may match, in precedence order, without repeats."""
-        ordered = [self.name, *([self.base] if self.base else []), *self.tags]
-        return list(dict.fromkeys(ordered))
 
 
 class Policy(FrozenModel):
@@ -194,3 +174,9 @@ def load_policy(name_or_path: str | Path = DEFAULT_POLICY) -> Policy:
     """Parse and validate a policy file; unknown keys and bad values raise InputError naming file and field."""
     path = resolve_policy_path(name_or_path)
     return load_yaml_model(path, Policy, "policy")
+
+
+def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
+    """The policy a run is judged by (the default one when `path` is None) and the file it came from."""
+    policy_path = path or DEFAULT_POLICY
+    return load_policy(policy_path), policy_path

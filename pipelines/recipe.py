@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipelines.errors import InputError
 from pipelines.hashing import sha256_text
 from pipelines.paths import RECIPES_DIR
-from pipelines.policy import RecipeIdentity
 from pipelines.schema import FrozenModel
 from pipelines.yamlio import parse_yaml_model, read_user_text
 
@@ -31,7 +30,7 @@ MAX_TAGS = 32
 DEFAULT_AUTO_GROUP_CAP = 128  # `group_size: auto` means `group_size: {auto: 128}`
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # A calibration dataset (recipe, --calibration, a job's `calibration:`) naming no data but the held-out
-# prompts (calibration.jsonl) of the eval sets the run scores: pipelines.quantize.held_out_prompts.
+# prompts (calibration.jsonl) of the eval sets the run scores: pipelines.calibration.held_out_prompts.
 FROM_EVAL_SETS = "from-eval-sets"
 GROUP_SIZE_HELP = (
     "group_size is an even number of input columns per scale, `auto` (per layer: the largest power of two up to "
@@ -244,6 +243,23 @@ class Calibration(FrozenModel):
     num_samples: int = Field(default=64, gt=0, le=MAX_SAMPLES)
     max_seq_length: int = Field(default=256, gt=0, le=MAX_SEQ_LENGTH)
     seed: int = Field(default=0, ge=-MAX_SEED, le=MAX_SEED)
+
+
+class RecipeIdentity(FrozenModel):
+    """What policy `recipes:` keys match: the recipe's name, then its base, then its tags (in order)."""
+
+    name: str
+    base: str | None = None
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, recipe: str | RecipeIdentity) -> RecipeIdentity:
+        return recipe if isinstance(recipe, RecipeIdentity) else cls(name=recipe)
+
+    def keys(self) -> list[str]:
+        """The policy keys that may match, in precedence order, without repeats."""
+        ordered = [self.name, *([self.base] if self.base else []), *self.tags]
+        return list(dict.fromkeys(ordered))
 
 
 class Recipe(FrozenModel):

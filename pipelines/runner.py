@@ -18,11 +18,7 @@ of the next run (pipelines.reclaim).
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -33,11 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines import baseline as baseline_cache
 from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, ArtifactCheck, require_model_dir, verify_artifact
-from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
+from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
-from pipelines.evalsets import EvalSet, discover_eval_sets
-from pipelines.evaluate import SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
+from pipelines.evalsets import EvalSet
+from pipelines.evaluate import ANSWER_RESERVE_TOKENS, SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
 from pipelines.gate import FitCheck, GateReport, decide, load_report
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
@@ -45,17 +41,13 @@ from pipelines.loadtest.render import summary as performance_summary
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.output import progress
 from pipelines.pairing import pair_set
-from pipelines.policy import DEFAULT_POLICY, Policy, RecipeIdentity, load_policy
-from pipelines.progress import library_log
-from pipelines.recipe import LoadedRecipe, identity_from_text
-from pipelines.reclaim import reclaim_stale
+from pipelines.policy import Policy
+from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
 from pipelines.report import render_markdown
-from pipelines.safepath import ensure_inside, safe_component
+from pipelines.runfolder import run_folder
+from pipelines.safepath import safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
 from pipelines.settings import current as current_settings
-
-LIBRARY_LOG = "library.log"  # a run's library output (llm-compressor, transformers, lm-eval in-process), unless --verbose
-ANSWER_RESERVE_TOKENS = 32
 
 
 def default_runs_dir() -> Path:
@@ -146,40 +138,6 @@ def quantize_and_gate(
     return run_gate(job)
 
 
-def select_eval_sets(names: list[str] | None, found: list[EvalSet] | None = None) -> list[EvalSet]:
-    """The sets a run scores: `names`, or every set. A broken set fails only a run that selects it (its own
-    error, exit 2); otherwise it is skipped with one warning line naming it. `found`: the sets already
-    discovered (a job's candidates select from one discovery: each task YAML is parsed once per job)."""
-    found = discover_eval_sets() if found is None else found
-    broken: dict[str, InputError] = getattr(found, "broken", {})
-    available = {s.name: s for s in found}
-    for name in (n for n in names or [] if n in broken):
-        raise broken[name]
-    for name, error in broken.items():
-        progress(f"eval set {name} skipped: {error.one_line()}")
-    if not names:
-        if broken and not available:  # nothing left to score: the first broken set is the error
-            raise next(iter(broken.values()))
-        return list(available.values())
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise InputError(f"unknown eval set(s) {unknown}; available: {sorted(available)}", field="--eval-sets")
-    return [available[n] for n in names]
-
-
-def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
-    policy_path = path or DEFAULT_POLICY
-    return load_policy(policy_path), policy_path
-
-
-def run_id(recipe_name: str) -> str:
-    # The random suffix keeps two runs of one recipe in the same second (a job's fast failures) apart.
-    # pipelines.reclaim parses this shape (`<stamp>-<recipe>-<pid>-<hex>`) from staging folder names.
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    identifier = f"{stamp}-{safe_component(recipe_name, 'recipe')}-{os.getpid()}-{secrets.token_hex(3)}"
-    return safe_component(identifier, "run id", max_length=200)
-
-
 def run_gate(job: GateJob) -> RunOutcome:
     """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register."""
     safe_component(job.recipe_name, "recipe")  # it becomes part of the run folder's name
@@ -187,23 +145,9 @@ def run_gate(job: GateJob) -> RunOutcome:
     require_model_dir(job.artifact_dir, "--artifact")
     check = verify_before_serving(job.artifact_dir, allow_unverified=job.allow_unverified)
     register = _registrable(job, check)
-    runs_dir = job.settings.runs_dir
-    _reclaim(runs_dir)
-    identifier = run_id(job.recipe_name)
-    staging = ensure_inside(runs_dir, runs_dir / f".{identifier}.tmp", "run id")
-    try:
-        staging.mkdir(parents=True)
-    except OSError as error:
-        raise storage_error(error, staging) from error
-    try:
-        with library_log(staging / LIBRARY_LOG):  # this run's library output beside its other logs
-            report = _gate_in(staging, job, check)
-        final = _finish(staging, runs_dir / identifier)
-    except BaseException as error:
-        _keep_failed(staging, runs_dir / f"{identifier}-error", error)
-        if isinstance(error, OSError):
-            raise storage_error(error, staging) from error
-        raise
+    with run_folder(job.settings.runs_dir, job.recipe_name) as folder:
+        report = _gate_in(folder.path, job, check)
+    final = folder.final
     outcome = RunOutcome(
         verdict=report.gate.verdict, exit_code=report.gate.exit_code, run_dir=final,
         gate_json=final / "gate.json", report_md=final / "report.md", artifact_dir=job.artifact_dir,
@@ -215,15 +159,6 @@ def run_gate(job: GateJob) -> RunOutcome:
     if register:
         outcome.registry_version = _record_in_registry(job, outcome, check)
     return outcome
-
-
-def _reclaim(runs_dir: Path) -> None:
-    """Staging folders of runs that died (SIGKILL, OOM, power) are removed before this run adds its own."""
-    try:
-        for path in reclaim_stale(runs_dir):
-            progress(f"removed {path}, left by a run that is no longer alive")
-    except OSError as error:  # best effort: a read-only runs folder is reported by the run's own mkdir
-        progress(f"could not reclaim stale run folders in {runs_dir}: {error}")
 
 
 def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
@@ -405,32 +340,6 @@ def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
         "eval_sets": {s.name: s.sha256 for s in job.settings.eval_sets},
         "serve": job.settings.serve.model_dump(),
     }
-
-
-def _finish(staging: Path, final: Path) -> Path:
-    os.replace(staging, final)
-    return final
-
-
-def _keep_failed(staging: Path, failed: Path, error: BaseException) -> None:
-    """Keep a failed run's logs as `<run id>-error` with error.txt; every step is best effort, so that a
-    full or read-only disk never hides `error` (which the caller raises) behind a failure of its own."""
-    if not staging.exists():
-        return
-    try:
-        (staging / "error.txt").write_text("".join(traceback.format_exception(error)))
-    except OSError as own:
-        progress(f"could not write error.txt ({own.strerror or own})")
-    try:
-        shutil.rmtree(failed, ignore_errors=True)
-        os.replace(staging, failed)
-        progress(f"run failed; logs kept in {failed}")
-        return
-    except OSError as own:
-        progress(f"could not keep the failed run as {failed.name} ({own.strerror or own}); removing its staging folder")
-    shutil.rmtree(staging, ignore_errors=True)
-    if staging.exists():
-        progress(f"could not remove {staging} either; the next run reclaims it")
 
 
 def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck | None) -> int:

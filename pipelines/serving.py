@@ -29,7 +29,6 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.artifact import require_model_dir
-from pipelines.divergence import TOP_K
 from pipelines.errors import ServeError
 from pipelines.output import progress
 from pipelines.progress import track
@@ -37,6 +36,7 @@ from pipelines.reclaim import Watchdog, die_with_parent, shim_prefix, start_watc
 from pipelines.settings import current as current_settings
 
 LOOPBACK = "127.0.0.1"
+MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
 # Imported by every Python process of the server (API server, engine core) through PYTHONPATH.
@@ -172,7 +172,7 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
         "--gpu-memory-utilization", str(settings.memory_fraction),
         "--max-num-seqs", str(settings.max_num_seqs),
         "--seed", str(settings.seed),
-        "--max-logprobs", str(TOP_K),
+        "--max-logprobs", str(MAX_LOGPROBS),
         "--disable-log-stats",
     ]
     if settings.enforce_eager:

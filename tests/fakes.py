@@ -1,5 +1,8 @@
 """Fakes shared by the unit tests: real files in tmp folders, validated by the product's own code, and the
-stand-ins for vLLM, lm-eval and the KL requests (FakeStack; its fixtures are in tests/unit/conftest.py)."""
+stand-ins for vLLM, lm-eval and the KL requests (FakeStack; its fixtures are in tests/unit/conftest.py).
+
+Every helper more than one test module uses lives here (or, for the end-to-end tests only, in
+tests/integration/helpers.py): no test module imports from another test module or from a conftest.py."""
 
 from __future__ import annotations
 
@@ -10,15 +13,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
+from pipelines import job as job_module
 from pipelines import runner
 from pipelines.artifact import MANIFEST_FILES_KEY
 from pipelines.divergence import Reference
 from pipelines.evalsets import EvalSet, validate_eval_set
 from pipelines.evaluate import ItemScore, SetScore
+from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
 from pipelines.hashing import file_hashes
-from pipelines.policy import DEFAULT_POLICY, load_policy
+from pipelines.metrics import make_spec
+from pipelines.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
+from pipelines.recipe import LoadedRecipe
+from pipelines.registry import EvalSetRef, NewVersion
+from pipelines.runner import RunOutcome
 from pipelines.serving import ServeSettings
 
 N_ITEMS = 120
@@ -163,3 +173,128 @@ def gate_settings(
         serve=serve or ServeSettings(), registry_path=ws.registry if registry else None,
         runs_dir=ws.runs, cache_dir=ws.root / "cache",
     )
+
+
+# --------------------------------------------------------------------------------- artifacts and gate reports (the registry's inputs)
+
+
+def make_artifact(folder: Path, weights: bytes = b"weights") -> Path:
+    """A quantized-artifact folder as pipelines.quantize leaves it: files plus manifest.json."""
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "config.json").write_text('{"quantization_config": {}}')
+    (folder / "sub" / "tokenizer.json").write_text("{}")
+    manifest = {MANIFEST_FILES_KEY: file_hashes(folder)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def gate_report(verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> GateReport:
+    """A GateReport as the runner makes it: one pass/fail set of 200 items, 1 lost (promoted) or 40 (rejected)."""
+    lost = 1 if verdict == "promoted" else 40
+    items = [PairedItem(item_id=f"t{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=0.003) for i in range(200)]
+    comparison = SetComparison(eval_set="tickets", metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
+    report = GateReport(created_at=created_at, inputs={"recipe": "w8a8"}, gate=decide([comparison], load_policy(DEFAULT_POLICY), "w8a8"))
+    assert report.gate.verdict == verdict
+    return report
+
+
+def make_gate(path: Path, verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> Path:
+    """A gate.json as pipelines.runner writes it (a GateReport); another `created_at` is other evidence."""
+    path.write_text(json.dumps(gate_report(verdict, created_at).model_dump(mode="json")))
+    return path
+
+
+def new_version(artifact: Path, gate: Path | None = None, model: str = "demo-llama") -> NewVersion:
+    return NewVersion(
+        source_model=model, source_hash="src-hash", artifact_path=artifact, recipe_name="w8a8",
+        recipe_hash="recipe-hash", eval_sets=[EvalSetRef(name="tickets", hash="set-hash")], gate_path=gate,
+    )
+
+
+# --------------------------------------------------------------------------------- a rendered report's input
+
+REPORT_POLICY = Policy(
+    defaults=SetPolicy(
+        max_abs_drop=2.0, max_rel_drop=None, non_inferiority=True, ni_margin=5.0, max_flip_rate=0.05, max_kl=None, min_items=100
+    )
+)
+
+
+def set_comparison(name: str, lost: int, kept: int) -> SetComparison:
+    cells = [(1.0, 0.0)] * lost + [(1.0, 1.0)] * kept
+    items = [PairedItem(item_id=f"{name}{i}", baseline=b, candidate=c, kl=0.002) for i, (b, c) in enumerate(cells)]
+    return SetComparison(eval_set=name, metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
+
+
+def make_report(*, plan=None) -> GateReport:
+    """A rejected report (25 of 200 lost on `orders|v2`, a too-small `[tickets]`) with inputs, stage times and a fit check."""
+    gate = decide(
+        [set_comparison("orders|v2", lost=25, kept=175), set_comparison("[tickets]", lost=0, kept=20)],
+        REPORT_POLICY,
+        "w8a8",
+        fit=FitCheck(fits=True, required_bytes=3 * 1024**3, available_bytes=24 * 1024**3, gpu="L4-24GB"),
+    )
+    return GateReport(
+        created_at="2026-11-02T10:00:00Z",
+        inputs={
+            "model": {"path": "models/demo-llama", "hash": "a" * 64},
+            "artifact": {"path": "artifacts/demo-w8a8", "hash": "b" * 64},
+            "recipe": {"path": "recipes/w8a8.yaml", "hash": "c" * 64},
+            "eval_sets": {"orders": {"path": "eval_sets/orders", "hash": "d" * 64}},
+        },
+        stages={"quantize": 1.5, "serve": 28.25, "score": 40.0},
+        plan=plan,
+        gate=gate,
+    )
+
+
+# --------------------------------------------------------------------------------- the registry job's runner
+
+JOB_RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
+
+
+class FakeRunner:
+    """quantize_and_gate stand-in: a verdict (or an exception) per recipe; records every call."""
+
+    def __init__(self, tmp_path: Path, behaviour: dict[str, object]):
+        self.tmp_path = tmp_path
+        self.behaviour = behaviour
+        self.calls: list[tuple[str, str]] = []
+        self.kwargs: list[dict] = []
+
+    def __call__(self, loaded: LoadedRecipe, model_dir: Path, settings, *, force: bool = False, **kwargs) -> RunOutcome:
+        recipe = loaded.name  # the job hands over the recipe it parsed at plan time
+        self.calls.append((model_dir.name, recipe))
+        self.kwargs.append(kwargs)
+        what = self.behaviour.get(recipe, "promoted")
+        if isinstance(what, BaseException):
+            raise what
+        run_dir = self.tmp_path / "runs" / f"{recipe}-{len(self.calls)}"
+        artifact = self.tmp_path / "candidates" / model_dir.name / recipe
+        if not artifact.exists():  # what quantize leaves: the files and manifest.json
+            make_artifact(artifact, weights=recipe.encode())
+        return RunOutcome(
+            verdict=what, exit_code=0 if what == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
+            report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=len(self.calls),
+            reasons=[] if what == "promoted" else [f"tickets: drop 9.00 points > max_abs_drop 2.0 ({recipe})"], stages={},
+        )
+
+
+def write_job(folder: Path, text: str, name: str = "job.yaml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def demo_job(folder: Path, recipes: list[str] = JOB_RECIPES, extra: str = "") -> Path:
+    return write_job(
+        folder,
+        f"name: nightly\nregistry: registry.db\n{extra}candidates:\n  - model: models/demo-llama\n    recipes: [{', '.join(recipes)}]\n",
+    )
+
+
+def install(monkeypatch: pytest.MonkeyPatch, fake: FakeRunner) -> FakeRunner:
+    """The job runs `fake` instead of quantize_and_gate."""
+    monkeypatch.setattr(job_module, "quantize_and_gate", fake)
+    return fake

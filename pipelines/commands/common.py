@@ -8,13 +8,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipelines.cli import int_arg
+from pipelines.bounds import MAX_CONTEXT
+from pipelines.capture import add_verbose_option, library_output_to_log
+from pipelines.commands.args import int_arg
+from pipelines.evalsets import select_eval_sets
 from pipelines.output import emit, progress
-from pipelines.policy import MAX_CONTEXT
-from pipelines.progress import add_verbose_option, library_output_to_log
+from pipelines.policy import load_gate_policy
 from pipelines.registry import default_registry_path
 from pipelines.report import render_console
-from pipelines.runner import GateSettings, RunOutcome, load_gate_policy, select_eval_sets
+from pipelines.runner import GateSettings, RunOutcome
 from pipelines.serving import ServeSettings
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipelines.capture import add_verbose_option
 from pipelines.commands.common import library_output_on_stderr
 from pipelines.job import JobSummary, run_job
 from pipelines.output import console, emit, table
-from pipelines.progress import add_verbose_option
 
 
 def reasons_by_set(reasons: list[str]) -> str:

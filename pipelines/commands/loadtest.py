@@ -15,23 +15,23 @@ from pathlib import Path
 
 from pipelines.artifact import MANIFEST_NAME, require_model_dir, verify_artifact
 from pipelines.atomic import write_json_atomic, write_text_atomic
-from pipelines.cli import int_arg
+from pipelines.bounds import MAX_CONTEXT
+from pipelines.capture import add_verbose_option
+from pipelines.commands.args import int_arg
 from pipelines.commands.common import library_output_on_stderr
 from pipelines.errors import EXIT_OK, EXIT_REJECTED
-from pipelines.evalsets import EvalSet
-from pipelines.evaluate import check_prompt_lengths, load_prompts, materialize_tasks
+from pipelines.evalsets import EvalSet, select_eval_sets
+from pipelines.evaluate import ANSWER_RESERVE_TOKENS, check_prompt_lengths, load_prompts, materialize_tasks
 from pipelines.loadtest.config import MAX_LEVEL, PerformancePolicy
 from pipelines.loadtest.gate_hook import ServerPool
 from pipelines.loadtest.render import console_tables
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import StageInputs, plan_for, run_loadtest
 from pipelines.output import emit, progress, say, table
-from pipelines.policy import MAX_CONTEXT, FitRequirement, RecipeIdentity
-from pipelines.progress import add_verbose_option, library_log
-from pipelines.recipe import identity_from_text
+from pipelines.policy import FitRequirement, load_gate_policy
+from pipelines.recipe import RecipeIdentity, identity_from_text
 from pipelines.report import performance_markdown
-from pipelines.runner import ANSWER_RESERVE_TOKENS, LIBRARY_LOG, _finish, _keep_failed, _reclaim, load_gate_policy, run_id, select_eval_sets
-from pipelines.safepath import ensure_inside
+from pipelines.runfolder import run_folder
 from pipelines.schema import StrictModel
 from pipelines.serving import ServeSettings
 from pipelines.settings import current as current_settings
@@ -93,24 +93,14 @@ def stage_inputs(chosen: Options, run_dir: Path) -> StageInputs:
 
 
 def run(chosen: Options) -> tuple[PerformanceReport, Path]:
-    runs_dir = current_settings().runs_dir
-    _reclaim(runs_dir)
-    identifier = run_id("loadtest")
-    staging = ensure_inside(runs_dir, runs_dir / f".{identifier}.tmp", "run id")
-    staging.mkdir(parents=True)
-    try:
-        with library_log(staging / LIBRARY_LOG):
-            with ExitStack() as stack:  # every server (and the tool) this command starts stops here, however it ends
-                models: dict[Role, Path] = {"baseline": chosen.model, "candidate": chosen.artifact or chosen.model}
-                pool = ServerPool(stack, staging, chosen.serve, models, {})  # the tool's import starts now
-                report = run_loadtest(stage_inputs(chosen, staging), pool, pool.driver)
-            write_json_atomic(staging / "loadtest.json", report.model_dump(mode="json"))
-            write_text_atomic(staging / "loadtest.md", performance_markdown(report))
-        final = _finish(staging, runs_dir / identifier)
-    except BaseException as error:
-        _keep_failed(staging, runs_dir / f"{identifier}-error", error)
-        raise
-    return report, final
+    with run_folder(current_settings().runs_dir, "loadtest") as folder:
+        with ExitStack() as stack:  # every server (and the tool) this command starts stops here, however it ends
+            models: dict[Role, Path] = {"baseline": chosen.model, "candidate": chosen.artifact or chosen.model}
+            pool = ServerPool(stack, folder.path, chosen.serve, models, {})  # the tool's import starts now
+            report = run_loadtest(stage_inputs(chosen, folder.path), pool, pool.driver)
+        write_json_atomic(folder.path / "loadtest.json", report.model_dump(mode="json"))
+        write_text_atomic(folder.path / "loadtest.md", performance_markdown(report))
+    return report, folder.final
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipelines.cli import float_arg, int_arg
+from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT, MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
+from pipelines.commands.args import float_arg, int_arg
 from pipelines.errors import InputError, from_validation_error
 from pipelines.output import emit, say, table
 from pipelines.plan_view import (
@@ -21,10 +22,6 @@ from pipelines.plan_view import (
 from pipelines.planner import (
     KV_CACHE_DTYPES,
     MAX_BATCHED_TOKENS,
-    MAX_CONCURRENCY,
-    MAX_CONTEXT,
-    MAX_GPU_BANDWIDTH_GBS,
-    MAX_GPU_MEMORY_GIB,
     MAX_OVERHEAD_GIB,
     GiB,
     GpuSpec,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.artifact import read_json_object
-from pipelines.cli import int_arg
+from pipelines.commands.args import int_arg
 from pipelines.errors import InputError
 from pipelines.output import emit, say, table
 from pipelines.registry import AliasTarget, Event, Registry, Version

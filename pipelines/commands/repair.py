@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.cli import float_arg, int_arg
+from pipelines.capture import add_verbose_option
+from pipelines.commands.args import float_arg, int_arg
 from pipelines.commands.common import library_output_on_stderr, print_outcome
 from pipelines.output import console, emit, progress, table
-from pipelines.progress import add_verbose_option
 from pipelines.registry import default_registry_path
+from pipelines.repair.result import RepairResult
 from pipelines.repair.search import Budget
 from pipelines.repair.sensitivity import SensitivitySettings
-from pipelines.repair.session import RepairOptions, RepairResult
+from pipelines.repair.session import RepairOptions
 from pipelines.runner import GateSettings, RunOutcome
 
 

@@ -16,7 +16,7 @@ def handle(args: argparse.Namespace) -> int:
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
     extra = {}
     if args.calibration is not None:  # without it, the recipe's own calibration data (the call as it always was)
-        from pipelines.quantize import check_calibration_source
+        from pipelines.calibration import check_calibration_source
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration

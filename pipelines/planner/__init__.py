@@ -7,7 +7,7 @@ weights (predicted and measured weight bytes), kv (KV cache maths), plan (the se
 arguments). The formulas, their assumptions and their knobs are in docs/planner.md.
 """
 
-from pipelines.planner.gpus import MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB, GiB, GpuSpec, gpu_spec, known_gpus
+from pipelines.planner.gpus import GiB, GpuSpec, gpu_spec, known_gpus
 from pipelines.planner.kv import (
     KV_CACHE_DTYPES,
     kv_cache_bytes_for_context,
@@ -17,7 +17,6 @@ from pipelines.planner.kv import (
 )
 from pipelines.planner.plan import (
     MAX_BATCHED_TOKENS,
-    MAX_CONCURRENCY,
     MAX_OVERHEAD_GIB,
     Plan,
     PlanRow,
@@ -28,7 +27,7 @@ from pipelines.planner.plan import (
     plan,
     recipe_problem,
 )
-from pipelines.planner.shape import MAX_CONTEXT, ModelShape, check_config_bounds, load_config, model_shape
+from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import (
     WeightBreakdown,
     linear_bytes,
@@ -39,9 +38,8 @@ from pipelines.planner.weights import (
 )
 
 __all__ = [
-    "KV_CACHE_DTYPES", "MAX_BATCHED_TOKENS", "MAX_CONCURRENCY", "MAX_CONTEXT", "MAX_GPU_BANDWIDTH_GBS",
-    "MAX_GPU_MEMORY_GIB", "MAX_OVERHEAD_GIB", "GiB", "GpuSpec", "ModelShape", "Plan", "PlanRow", "PlanSettings",
-    "RecommendedArgs", "WeightBreakdown", "activation_bytes", "check_config_bounds", "gpu_spec", "gpu_target",
+    "KV_CACHE_DTYPES", "MAX_BATCHED_TOKENS", "MAX_OVERHEAD_GIB", "GiB", "GpuSpec", "ModelShape", "Plan", "PlanRow", "PlanSettings",
+    "RecommendedArgs", "WeightBreakdown", "activation_bytes", "gpu_spec", "gpu_target",
     "known_gpus", "kv_cache_bytes_for_context", "kv_cache_bytes_per_token", "kv_capacity_tokens", "kv_element_bytes",
     "linear_bytes", "linear_schemes", "load_config", "model_shape", "plan", "predict_weight_bytes", "recipe_problem",
     "safetensors_bytes", "shape_layout",

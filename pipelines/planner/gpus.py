@@ -9,13 +9,12 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
+from pipelines.bounds import MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
 from pipelines.errors import InputError, from_validation_error
 from pipelines.schema import StrictModel
 
 GiB = 1024**3
 GPU_TABLE = Path(__file__).resolve().parent.parent / "data" / "gpus.yaml"
-MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB on one device
-MAX_GPU_BANDWIDTH_GBS = 10**6  # 1 PB/s
 
 
 class GpuSpec(StrictModel):

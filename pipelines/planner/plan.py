@@ -13,18 +13,17 @@ from typing import Literal, NamedTuple
 from pydantic import ConfigDict, Field, computed_field
 
 from pipelines.artifact import is_model_dir
+from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT
 from pipelines.compiler import SIXTEEN_BIT, cannot_apply
 from pipelines.errors import InputError
 from pipelines.planner.gpus import GiB, GpuSpec
 from pipelines.planner.kv import kv_cache_bytes_for_context, kv_cache_bytes_per_token, kv_element_bytes
-from pipelines.planner.shape import MAX_CONTEXT, ModelShape, load_config, model_shape
+from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import WeightBreakdown, predict_weight_bytes, safetensors_bytes, shape_layout
 from pipelines.recipe import Recipe
 from pipelines.schema import StrictModel
 from pipelines.targets import CPU, ServeTarget, installed_target, parse_target
 
-MAX_CONCURRENCY_SEARCHED = 1_000_000
-MAX_CONCURRENCY = MAX_CONCURRENCY_SEARCHED
 MAX_BATCHED_TOKENS = 2**24
 MAX_OVERHEAD_GIB = 2**20
 
@@ -164,7 +163,7 @@ def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSetting
 
     memory = _memory(shape, scheme, settings, context, concurrency)
     context_limit = shape.max_position or 2**31 - 1
-    max_concurrency = _largest(lambda seqs: fits(context, seqs), MAX_CONCURRENCY_SEARCHED)
+    max_concurrency = _largest(lambda seqs: fits(context, seqs), MAX_CONCURRENCY)
     max_context = _largest(lambda ctx: fits(ctx, concurrency), context_limit)
     applies = scheme.does_not_apply is None
     return PlanRow(

@@ -1,7 +1,7 @@
 """The model's shape, from config.json alone: sizes, attention layout, sliding windows, a quantized KV cache.
 
 load_config reads a config.json (a dict, a file or a model folder); model_shape validates what the planner
-needs and derives the shape; check_config_bounds is the bound every reader of a config.json applies first.
+needs and derives the shape, each size checked against pipelines.bounds.
 """
 
 from __future__ import annotations
@@ -13,30 +13,9 @@ from typing import Any
 from pydantic import Field
 
 from pipelines.artifact import CONFIG_NAME, read_config_json
+from pipelines.bounds import bounded_size
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-
-# Input bounds: far beyond any real model, small enough that a plan stays a fraction of a second (the
-# weight count loops over layers) and no product of them overflows a float or a C integer.
-MAX_CONTEXT = 2**24  # tokens: 16.8 M (the largest published context is about 10 M)
-CONFIG_BOUNDS = {  # the largest value config.json may give each size
-    "hidden_size": 2**20,
-    "num_hidden_layers": 10_000,
-    "num_attention_heads": 2**16,
-    "num_key_value_heads": 2**16,
-    "head_dim": 2**16,
-    "intermediate_size": 2**22,
-    "moe_intermediate_size": 2**22,
-    "shared_expert_intermediate_size": 2**22,
-    "vocab_size": 2**24,
-    "num_local_experts": 2**16,
-    "num_experts": 2**16,
-    "num_experts_per_tok": 2**16,
-    "max_position_embeddings": MAX_CONTEXT,
-    "sliding_window": MAX_CONTEXT,
-    "sliding_window_pattern": 10_000,
-    "max_window_layers": 10_000,
-}
 
 
 class ModelShape(StrictModel):
@@ -86,43 +65,6 @@ def load_config(config: dict | Path) -> tuple[dict, str]:
     return read_config_json(path), str(path)
 
 
-def _bounded(key: str, value: Any, source: str, *, low: int = 1) -> int:
-    """A config size: an integer from `low` to its CONFIG_BOUNDS entry, else an InputError naming the key."""
-    most = CONFIG_BOUNDS.get(key, 2**31 - 1)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= most:
-        raise InputError(f"needs an integer from {low} to {most} (got {value!r})", file=source, field=key)
-    return value
-
-
-def check_config_bounds(config: dict, source: str = "config.json") -> None:
-    """What any reader of a config.json checks before building from it (even a meta-device model, whose
-    construction loops over the layers): every size named in CONFIG_BOUNDS that is given, here or in
-    `text_config`, is an integer of at most its bound, and no number anywhere is NaN or infinite.
-
-    Lenient on purpose (a size may be absent, null or 0): model_shape checks what the planner needs."""
-    _check_finite_json(config, source, "")
-    nested = config.get("text_config")
-    for cfg in (config, nested if isinstance(nested, dict) else {}):
-        for key in CONFIG_BOUNDS:
-            value = cfg.get(key)
-            if value is None or isinstance(value, bool):
-                continue
-            _bounded(key, value, source, low=0)
-
-
-def _check_finite_json(value: Any, source: str, where: str, depth: int = 0) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InputError(f"must be a finite number (got {value})", file=source, field=where or "(top level)")
-    if depth > 64:
-        raise InputError("nested deeper than 64 levels", file=source, field=where)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_finite_json(item, source, f"{where}.{key}" if where else str(key), depth + 1)
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_finite_json(item, source, f"{where}[{index}]", depth + 1)
-
-
 def model_shape(config: dict, source: str = "config.json") -> ModelShape:
     """Validate config.json's fields and derive the shape. Multimodal configs plan their text model."""
     cfg = {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else config
@@ -134,7 +76,7 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             got = "missing" if key not in cfg else f"got {value!r}"
             raise InputError(f"needs a positive integer ({got})", file=source, field=key)
-        return _bounded(key, value, source)
+        return bounded_size(key, value, source)
 
     hidden, layers, heads = need("hidden_size"), need("num_hidden_layers"), need("num_attention_heads")
     kv_heads = need("num_key_value_heads", heads)
@@ -148,12 +90,12 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
     quantization = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
     max_position = cfg.get("max_position_embeddings")
     if isinstance(max_position, int) and not isinstance(max_position, bool):
-        _bounded("max_position_embeddings", max_position, source)
+        bounded_size("max_position_embeddings", max_position, source)
     else:
         max_position = None
     shared = cfg.get("shared_expert_intermediate_size") or 0
     if experts and shared:
-        _bounded("shared_expert_intermediate_size", shared, source)
+        bounded_size("shared_expert_intermediate_size", shared, source)
     return ModelShape(
         name=str(cfg.get("_name_or_path") or Path(source).parent.name or "model"),
         hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
@@ -186,10 +128,10 @@ def _layer_windows(cfg: dict, layers: int, source: str) -> list[int | None]:
     elif not window or ("use_sliding_window" in cfg and not cfg["use_sliding_window"]):
         return [None] * layers
     elif "use_sliding_window" in cfg:  # Qwen2 family: the layers from max_window_layers on slide
-        start = _bounded("max_window_layers", cfg.get("max_window_layers") or 0, source, low=0)
+        start = bounded_size("max_window_layers", cfg.get("max_window_layers") or 0, source, low=0)
         sliding = [index >= start for index in range(layers)]
     elif cfg.get("sliding_window_pattern"):  # Gemma 3: every pattern-th layer is global
-        pattern = _bounded("sliding_window_pattern", cfg["sliding_window_pattern"], source)
+        pattern = bounded_size("sliding_window_pattern", cfg["sliding_window_pattern"], source)
         sliding = [(index + 1) % pattern != 0 for index in range(layers)]
     elif cfg.get("model_type") == "gemma2":  # alternating, sliding first
         sliding = [index % 2 == 0 for index in range(layers)]
@@ -198,7 +140,7 @@ def _layer_windows(cfg: dict, layers: int, source: str) -> list[int | None]:
     if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise InputError(f"sliding layers need a positive integer window (got {window!r})", file=source, field="sliding_window")
     if any(sliding):
-        _bounded("sliding_window", window, source)
+        bounded_size("sliding_window", window, source)
     return [window if slides else None for slides in sliding]
 
 

@@ -14,12 +14,14 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.artifact import MANIFEST_NAME, Manifest, is_model_dir, read_manifest
+from pipelines.calibration import source_of
 from pipelines.errors import InputError
+from pipelines.evalsets import select_eval_sets
 from pipelines.gate import GateReport, load_report
 from pipelines.hashing import sha256_file
-from pipelines.policy import Policy, RecipeIdentity, SetPolicy
-from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, parse_recipe
-from pipelines.runner import GateSettings, load_gate_policy, select_eval_sets
+from pipelines.policy import Policy, SetPolicy, load_gate_policy
+from pipelines.recipe import LoadedRecipe, RecipeIdentity, parse_recipe
+from pipelines.runner import GateSettings
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.serving import ServeSettings
 
@@ -77,7 +79,7 @@ def load_parent(run_id: str, runs_dir: Path, *, registry_path: Path | None, cali
     check_same_rules(report, settings.policy, identity, settings.policy_path, run_dir / GATE_JSON)
     return ParentRun(
         run_id=run_id, run_dir=run_dir, report=report, model_dir=model_dir, artifact_dir=artifact_dir, manifest=manifest, recipe=recipe,
-        calibration=calibration if calibration is not None else _calibration(manifest),
+        calibration=calibration if calibration is not None else source_of(manifest.calibration),
         settings=settings.model_copy(update={"loadtest": loadtest}),
     )
 
@@ -88,14 +90,6 @@ def _path(report: GateReport, key: str, run_dir: Path) -> Path:
     if not isinstance(path, str) or not is_model_dir(Path(path)):
         raise InputError(f"gate.json names no {key} folder that still exists ({path})", file=run_dir / GATE_JSON, field=f"inputs.{key}.path")
     return Path(path)
-
-
-def _calibration(manifest: Manifest) -> str | None:
-    """The calibration data the rejected artifact was made with, as `--calibration` would name it."""
-    record = manifest.calibration
-    if record is None:
-        return None
-    return FROM_EVAL_SETS if record.dataset.startswith(FROM_EVAL_SETS) else record.dataset
 
 
 def _settings(report: GateReport, run_dir: Path, runs_dir: Path, registry_path: Path | None) -> GateSettings:

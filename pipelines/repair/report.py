@@ -9,14 +9,11 @@ moves, and the sensitivity ranking (plot + table, with the proxy/KL rank agreeme
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipelines.atomic import write_text_atomic
+from pipelines.repair.result import RepairResult
+from pipelines.repair.sensitivity import Sensitivity
 from pipelines.report import md_list, md_table
-
-if TYPE_CHECKING:
-    from pipelines.repair.sensitivity import Sensitivity
-    from pipelines.repair.session import RepairResult
 
 REPORT_MD = "report.md"
 PLOT_PNG = "sensitivity.png"

@@ -30,13 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines import baseline as baseline_cache
 from pipelines.atomic import write_json_atomic
+from pipelines.calibration import calibration_inputs, draw_prompts, texts_sha256
 from pipelines.compiler import scheme_summary
 from pipelines.divergence import MAX_NEW_TOKENS
 from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
 from pipelines.hashing import folder_hash, sha256_json, sha256_text
 from pipelines.output import progress
-from pipelines.quantize import calibration_inputs, draw_prompts
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
 from pipelines.repair.units import Assignment, RefPath, Unit
@@ -181,7 +181,7 @@ def cache_key(model_dir: Path, recipe_text: str, ladder_text: str, paths: list[R
         "recipe": sha256_text(recipe_text),
         "ladder": sha256_text(ladder_text),
         "paths": sha256_json([p.model_dump() for p in paths]),
-        "texts": sha256_json(texts),
+        "texts": texts_sha256(texts),
         "settings": settings.model_dump(),
         "libraries": {name: version(name) for name in LIBRARIES},
     })

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.atomic import storage_error, write_json_atomic, write_text_atomic
+from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.compiler import layout_from_model_dir, scheme_summary
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.gate import GateReport
@@ -29,12 +29,12 @@ from pipelines.repair.ladder import LoadedLadder, UnitLadder, load_ladder, unit_
 from pipelines.repair.parent import ParentRun
 from pipelines.repair.pricing import Price, price, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
+from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, Status
 from pipelines.repair.search import (
     Budget,
     GateResult,
     Move,
     Search,
-    SearchResult,
     SearchSettings,
     assignment_at,
     first_below,
@@ -42,15 +42,14 @@ from pipelines.repair.search import (
     moved_units,
     promotion_sequence,
 )
-from pipelines.repair.sensitivity import Sensitivity, SensitivityModel, SensitivitySettings, sensitivity_dir
+from pipelines.repair.sensitivity import SensitivityModel, SensitivitySettings, sensitivity_dir
 from pipelines.repair.units import Unit, quantized_units, recipe_units
-from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate, run_id
+from pipelines.runfolder import run_folder
+from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate
 from pipelines.targets import ServeTarget, installed_target
 
-REPAIR_JSON = "repair.json"
 REPAIRED_RECIPE = "repaired.yaml"
 RULES = ("max_abs_drop", "max_rel_drop", "ni_margin", "max_flip_rate", "max_kl", "fit")
-Status = Literal["running", "repaired", "budget exhausted", "ladder exhausted", "does not fit", "error"]
 GateFn = Callable[..., RunOutcome]
 
 
@@ -63,82 +62,6 @@ class RepairOptions(BaseModel):
     ladder: Path | None = Field(default=None, description="ladder file; default: recipes/ladders/<target>.yaml")
 
 
-class Attempt(BaseModel):
-    number: int
-    moves: int = Field(description="k: how many moves of the promotion sequence this proposal makes")
-    why: str
-    recipe_name: str
-    recipe_file: str
-    modules_moved: dict[str, str] = Field(description="unit -> the scheme it moved to")
-    overrides_added: list[dict[str, Any]]
-    predicted_kl: float
-    weight_bytes: int = Field(description="the planner's prediction")
-    price: Price
-    gated: bool = True
-    verdict: Literal["promoted", "rejected"] | None = None
-    reasons: list[str] = []
-    failed_rules: list[str] = Field(default=[], description="`set: rule` for every rule that failed")
-    kl_by_set: dict[str, float | None] = {}
-    run_dir: str | None = None
-    artifact_dir: str | None = None
-    measured_weight_bytes: int | None = None
-    registry_version: int | None = None
-    wall_s: float = 0.0
-    error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
-
-
-class OrderChoice(BaseModel):
-    order: str
-    moves: int
-    first_k: int = Field(description="the first proposal: the fewest moves simulated under the target")
-    simulated_kl: float
-    weight_bytes: int
-
-
-class Found(BaseModel):
-    attempt: int
-    recipe_file: str
-    recipe_name: str
-    artifact_dir: str
-    run_dir: str
-    registry_version: int | None
-    weight_bytes: int
-    modules_moved: int
-
-
-class RepairResult(BaseModel):
-    """repair.json."""
-
-    schema_version: Literal[1] = 1
-    repair_id: str
-    created_at: str
-    status: Status
-    exit_code: int = Field(default=EXIT_ERROR, description="0 repaired, 1 no proposal passed, 2 error (or still running)")
-    repair_dir: str
-    parent: dict[str, Any]
-    model: str
-    target: str
-    ladder: dict[str, str]
-    budget: Budget
-    settings: dict[str, Any]
-    units: int
-    ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
-    sensitivity: Sensitivity | None = None
-    orders: list[OrderChoice] = Field(default=[], description="each promotion order and its first proposal")
-    order: str | None = Field(default=None, description="the order searched: its first proposal costs the fewest bytes")
-    sequence: list[dict[str, Any]] = Field(default=[], description="the promotion sequence: unit, to, delta bytes, estimated KL removed")
-    attempts: list[Attempt] = []
-    search: SearchResult | None = None
-    found: Found | None = None
-    closest: dict[str, Any] | None = Field(default=None, description="when nothing passed: the attempt that came closest, and why it failed")
-    bytes: dict[str, int | None] = Field(default={}, description="weight bytes of the 16-bit model, the shipped recipes and the parent "
-                                                                 "(predicted by the planner) and of the parent artifact (measured)")
-    wall_s: dict[str, float] = {}
-    report_md: str | None = None
-    plot: str | None = None
-    error: str | None = None
-
-
 class Repair:
     """The state of one repair while it runs; `run()` returns the final RepairResult."""
 
@@ -149,30 +72,36 @@ class Repair:
         self.started = now()
         self.target = target or installed_target()
         self.ladder: LoadedLadder = load_ladder(options.ladder, self.target)
-        self.folder = _make_folder(parent)
-        self.result = RepairResult(
-            repair_id=self.folder.name, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), status="running",
-            repair_dir=str(self.folder), parent=_parent_record(parent), model=str(parent.model_dir), target=str(self.target),
-            ladder={"path": str(self.ladder.path), "sha256": sha256_text(self.ladder.text)}, budget=options.budget,
-            settings={"search": options.search.model_dump(), "sensitivity": options.sensitivity.model_dump()}, units=0,
-        )
         self._prices: dict[int, Price] = {}
         self.outcomes: dict[int, RunOutcome] = {}  # attempt number -> its run's outcome
 
     # ------------------------------------------------------------------------------------ phases
 
     def run(self) -> RepairResult:
-        try:
-            self._prepare()
-            self._measure()
-            self._search()
-        except BaseException as error:
-            self.result.status, self.result.exit_code = "error", EXIT_ERROR
-            self.result.error = error.one_line() if isinstance(error, QuantGateError) else f"{type(error).__name__}: {error}"
-            self._save()
-            raise
-        self._finish()
+        """The repair, in its own folder under runs/ (evidence written in place as it goes: pipelines.runfolder)."""
+        with run_folder(self.parent.settings.runs_dir, f"repair-{self.parent.recipe.name}", staged=False) as folder:
+            self.folder = folder.path
+            self.result = self._new_result()
+            try:
+                self._prepare()
+                self._measure()
+                self._search()
+            except BaseException as error:
+                self.result.status, self.result.exit_code = "error", EXIT_ERROR
+                self.result.error = error.one_line() if isinstance(error, QuantGateError) else f"{type(error).__name__}: {error}"
+                self._save()
+                raise
+            self._finish()
         return self.result
+
+    def _new_result(self) -> RepairResult:
+        options, parent = self.options, self.parent
+        return RepairResult(
+            repair_id=self.folder.name, created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), status="running",
+            repair_dir=str(self.folder), parent=_parent_record(parent), model=str(parent.model_dir), target=str(self.target),
+            ladder={"path": str(self.ladder.path), "sha256": sha256_text(self.ladder.text)}, budget=options.budget,
+            settings={"search": options.search.model_dump(), "sensitivity": options.sensitivity.model_dump()}, units=0,
+        )
 
     def _prepare(self) -> None:
         parent = self.parent
@@ -372,15 +301,6 @@ class Repair:
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _make_folder(parent: ParentRun) -> Path:
-    folder = parent.settings.runs_dir / run_id(f"repair-{parent.recipe.name}")
-    try:
-        folder.mkdir(parents=True)
-    except OSError as error:
-        raise storage_error(error, folder) from error
-    return folder
-
-
 def _parent_record(parent: ParentRun) -> dict[str, Any]:
     return {
         "run_id": parent.run_id, "run_dir": str(parent.run_dir), "gate_json": str(parent.gate_json), "recipe": parent.recipe.name,
@@ -471,9 +391,3 @@ def repair_outcome(outcome: RunOutcome, settings: GateSettings, calibration: str
     closest_note = f"; closest attempt {result.closest['attempt']} failed {', '.join(result.closest['failed_rules'])}" if result.closest else ""
     note = f"repair: {result.status} after {len(result.attempts)} gate(s){closest_note} ({result.repair_dir})"
     return outcome.model_copy(update={"reasons": [*outcome.reasons, note]}), result
-
-
-def load_result(folder: Path) -> RepairResult:
-    return RepairResult.model_validate_json((folder / REPAIR_JSON).read_text())
-
-

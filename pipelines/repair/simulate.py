@@ -60,7 +60,7 @@ class Simulator:
         it changes the weights the schemes then quantize, not what the model computes."""
         from llmcompressor import oneshot
 
-        from pipelines.quantize import calibration_dataset
+        from pipelines.calibration import calibration_dataset
 
         recipe = yaml.safe_dump({"smooth_stage": {"smooth_modifiers": {"SmoothQuantModifier": {"smoothing_strength": strength}}}})
         dataset = calibration_dataset(tokenizer, texts, max_seq_length)

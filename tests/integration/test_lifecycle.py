@@ -22,7 +22,7 @@ import uuid
 
 import psutil
 import pytest
-from conftest import MARKER, QUANTIZE, Workspace, processes_with_marker
+from helpers import MARKER, QUANTIZE, Workspace, processes_with_marker
 
 from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
 from pipelines.reclaim import SHIM_PREFIX, reclaim_stale

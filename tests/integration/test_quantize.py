@@ -15,10 +15,10 @@ import pytest
 from safetensors import safe_open
 
 from pipelines.artifact import MANIFEST_NAME, artifact_file_hashes
+from pipelines.calibration import calibration_dataset, load_calibration_texts
 from pipelines.errors import InputError
-from pipelines.evalsets import load_calibration_texts
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
-from pipelines.quantize import QuantizeResult, calibration_dataset, quantize_model
+from pipelines.quantize import QuantizeResult, quantize_model
 
 pytestmark = pytest.mark.integration
 

@@ -7,6 +7,8 @@ test passes the same on a machine without .venv-serve.
 
 The gate fixtures (`stack`, `workspace`, `cli`) run the runner with vLLM, lm-eval and the KL requests
 faked (tests/fakes.py: FakeStack); everything else is real.
+
+Every test collected here is marked `unit` (the fast tier: `make test-fast`, `pytest -m unit tests/unit`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import pytest
 from fakes import N_ITEMS, FakeStack, gate_workspace
 
 from pipelines import baseline as baseline_cache
-from pipelines import runner
+from pipelines import evalsets, runner
 from pipelines.evaluate import Prompt
 from pipelines.targets import TARGET_ENV
+
+UNIT_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/unit/ is a `unit` test (the hook sees the whole session's items: only ours are marked)."""
+    for item in items:
+        if Path(item.path).resolve().is_relative_to(UNIT_DIR):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +78,7 @@ def cli(stack: FakeStack, workspace: SimpleNamespace, monkeypatch: pytest.Monkey
     from pipelines.cli import main
 
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace.root / "artifacts"))
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [workspace.eval_set])
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: [workspace.eval_set])
     handler = signal.getsignal(signal.SIGTERM)
 
     def run(*extra: str) -> int:

@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from test_registry import make_artifact
+from fakes import make_artifact
 
 from pipelines.artifact import (
     check_model_dir,
@@ -99,3 +99,28 @@ def test_the_manifest_recipe_is_read_alone_and_the_check_carries_the_recipe_text
     with pytest.raises(InputError, match="must be a string") as caught:
         manifest_recipe(artifact)
     assert (caught.value.file, caught.value.field) == (str(manifest), "recipe")
+
+
+# --- verify_artifact: the files against manifest.json -------------------------------------------------
+
+
+def test_verify_artifact_accepts_an_intact_artifact(tmp_path: Path) -> None:
+    verify_artifact(make_artifact(tmp_path / "a"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (lambda a: (a / "model.safetensors").write_bytes(b"tampered"), "model.safetensors"),
+        (lambda a: (a / "sub" / "tokenizer.json").unlink(), "tokenizer.json"),
+        (lambda a: (a / "extra.bin").write_bytes(b"x"), "extra.bin"),
+        (lambda a: (a / "manifest.json").unlink(), "manifest.json"),
+        (lambda a: (a / "manifest.json").write_text('{"other": 1}'), "manifest.json"),
+    ],
+    ids=["changed", "missing", "added", "no-manifest", "manifest-without-files"],
+)
+def test_verify_artifact_names_the_bad_file(tmp_path: Path, damage, named: str) -> None:
+    artifact = make_artifact(tmp_path / "a")
+    damage(artifact)
+    with pytest.raises(InputError, match=named):
+        verify_artifact(artifact)

@@ -10,21 +10,20 @@ from pathlib import Path
 import pytest
 from fakes import make_model
 
-from pipelines import cli, quantize, runner
-from pipelines.commands import run as run_command
-from pipelines.errors import InputError
-from pipelines.evalsets import validate_eval_set
-from pipelines.quantize import (
-    FROM_EVAL_SETS,
+from pipelines import calibration, cli, evalsets
+from pipelines.calibration import (
     calibration_inputs,
     check_calibration_source,
     draw_prompts,
-    gather_inputs,
     held_out_prompts,
     is_demo_model,
     warn_if_demo_calibration,
 )
-from pipelines.recipe import Calibration
+from pipelines.commands import run as run_command
+from pipelines.errors import InputError
+from pipelines.evalsets import validate_eval_set
+from pipelines.quantize import gather_inputs
+from pipelines.recipe import FROM_EVAL_SETS, Calibration
 from pipelines.runner import RunOutcome
 
 ROUTING_YAML = """task: routing
@@ -196,7 +195,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_input_key_and_the_record_follow_the_calibration(tmp_path: Path, model: Path, monkeypatch) -> None:
-    monkeypatch.setattr(quantize, "DEMO_CALIBRATION_DIR", tmp_path / "no-demo-set")
+    monkeypatch.setattr(calibration, "DEMO_CALIBRATION_DIR", tmp_path / "no-demo-set")
     mine = jsonl(tmp_path / "mine.jsonl", [{"text": f"my traffic {i}"} for i in range(64)])
     default = gather_inputs("w8a8", model)
     own = gather_inputs("w8a8", model, calibration=str(mine))
@@ -215,8 +214,8 @@ def demo(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     demo_set = tmp_path / "eval_sets" / "calibration"
     demo_set.mkdir(parents=True)
     jsonl(demo_set / "data.jsonl", [{"text": f"Ticket: demo {i}\nDepartment: Billing"} for i in range(8)])
-    monkeypatch.setattr(quantize, "DEMO_MODEL_DIR", demo_model)
-    monkeypatch.setattr(quantize, "DEMO_CALIBRATION_DIR", demo_set)
+    monkeypatch.setattr(calibration, "DEMO_MODEL_DIR", demo_model)
+    monkeypatch.setattr(calibration, "DEMO_CALIBRATION_DIR", demo_set)
     return demo_model, demo_set / "data.jsonl"
 
 
@@ -253,8 +252,8 @@ def test_the_demo_model_or_other_data_gets_no_warning(demo, tmp_path: Path, caps
 
 def test_a_quantize_of_another_model_on_the_recipes_default_warns(demo, model: Path, capsys, monkeypatch) -> None:
     _, demo_data = demo
-    monkeypatch.setattr(quantize, "load_calibration_texts", lambda *a: ["x"] * 64)
-    monkeypatch.setattr(quantize, "resolve_calibration_data", lambda name: demo_data)
+    monkeypatch.setattr(calibration, "load_calibration_texts", lambda *a: ["x"] * 64)
+    monkeypatch.setattr(calibration, "resolve_calibration_data", lambda name: demo_data)
     gather_inputs("gptq", model)
     assert warnings(capsys.readouterr().err)[0].startswith("WARNING: calibrating other-llama")
     gather_inputs("w4a16", model)  # round-to-nearest calibrates nothing: nothing to warn about
@@ -266,7 +265,7 @@ def test_a_quantize_of_another_model_on_the_recipes_default_warns(demo, model: P
 
 @pytest.fixture
 def cli_world(monkeypatch, tmp_path: Path, sets):
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: list(sets))
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: list(sets))
     calls: list = []
 
     def fake(recipe, model_dir, settings, *, force=False, **kwargs):

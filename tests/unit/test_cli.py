@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import cli, runner
+from pipelines import cli, evalsets
 from pipelines.commands import gate as gate_command
 from pipelines.commands import job as job_command
 from pipelines.commands import run as run_command
@@ -33,7 +33,7 @@ def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
 
 @pytest.fixture(autouse=True)
 def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(runner, "discover_eval_sets", list)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", list)
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "library-logs-root"))  # library logs stay out of the repository
 
 
@@ -82,7 +82,7 @@ def test_recipe_without_a_command_dispatches_to_run(capsys, recorded):
 NOISY_RUN = """
 import os, sys
 from pathlib import Path
-from pipelines import cli, runner
+from pipelines import cli, evalsets, runner
 from pipelines.commands import run as run_command
 from pipelines.output import progress
 from pipelines.runner import RunOutcome
@@ -97,7 +97,7 @@ def noisy(*args, **kwargs):
     return RunOutcome(verdict="promoted", exit_code=0, run_dir=folder, gate_json=folder / "gate.json",
                       report_md=folder / "report.md", artifact_dir=folder, reasons=[], stages={})
 
-runner.discover_eval_sets = lambda: []
+evalsets.discover_eval_sets = lambda: []
 run_command.quantize_and_gate = noisy
 sys.exit(cli.main(["--recipe", "w8a8", "--no-registry", *sys.argv[2:]]))
 """
@@ -126,7 +126,7 @@ def test_json_stays_parseable_and_library_output_goes_to_a_log(tmp_path):
 
 
 def test_library_output_stays_off_the_result_on_stdout(tmp_path):
-    from test_report import make_report
+    from fakes import make_report
 
     (tmp_path / "gate.json").write_text(make_report().model_dump_json())
     result = noisy_run(tmp_path)
@@ -469,8 +469,8 @@ def test_control_characters_in_an_error_are_shown_escaped(capsys, monkeypatch):
 def test_registry_output_shows_markup_literally_and_renders_no_link(capsys, monkeypatch, tmp_path):
     import io
 
+    from fakes import make_artifact, make_gate, new_version
     from rich.console import Console
-    from test_registry import make_artifact, make_gate, new_version
 
     from pipelines import output
     from pipelines.registry import Registry

@@ -12,6 +12,7 @@ import yaml
 from fakes import TASK_CONFIG, write_eval_set
 
 from pipelines import evalsets
+from pipelines.calibration import load_calibration_texts
 from pipelines.cli import main
 from pipelines.errors import InputError
 from pipelines.metrics import make_spec
@@ -322,19 +323,19 @@ def test_materialize_keeps_function_tags(tmp_path: Path) -> None:
 def test_calibration_texts_are_sampled_reproducibly(tmp_path: Path) -> None:
     data = tmp_path / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(50)))
-    first = evalsets.load_calibration_texts(str(data), 10, seed=3)
-    assert first == evalsets.load_calibration_texts(str(data), 10, seed=3)
-    assert first != evalsets.load_calibration_texts(str(data), 10, seed=4)
+    first = load_calibration_texts(str(data), 10, seed=3)
+    assert first == load_calibration_texts(str(data), 10, seed=3)
+    assert first != load_calibration_texts(str(data), 10, seed=4)
     assert len(set(first)) == 10 and all(text.startswith("line ") for text in first)
     with pytest.raises(InputError, match="asks for 51"):
-        evalsets.load_calibration_texts(str(data), 51, seed=3)
+        load_calibration_texts(str(data), 51, seed=3)
 
 
 def test_calibration_line_without_text(tmp_path: Path) -> None:
     data = tmp_path / "calib.jsonl"
     data.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
     with pytest.raises(InputError) as caught:
-        evalsets.load_calibration_texts(str(data), 1, seed=0)
+        load_calibration_texts(str(data), 1, seed=0)
     assert caught.value.field == "line 2"
 
 
@@ -627,34 +628,31 @@ def test_requests_are_counted_per_item_and_choice(tmp_path: Path) -> None:
 
 
 def test_a_run_skips_a_broken_set_it_does_not_select_with_one_warning(tmp_path: Path, monkeypatch, capsys) -> None:
-    from pipelines import runner
 
     write_set(tmp_path, "refunds")
     write_set(tmp_path, "warranty")
     write_set(tmp_path, "broken", lines=['{"question": "q", "answer": "a"}', "not json"])
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
-    assert [s.name for s in runner.select_eval_sets(None)] == ["refunds", "warranty"]
-    assert [s.name for s in runner.select_eval_sets(["warranty"])] == ["warranty"]
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path))
+    assert [s.name for s in evalsets.select_eval_sets(None)] == ["refunds", "warranty"]
+    assert [s.name for s in evalsets.select_eval_sets(["warranty"])] == ["warranty"]
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("> eval set broken skipped: ") and "line 2: invalid JSON" in line for line in lines)
 
 
 def test_a_run_that_selects_a_broken_set_fails_naming_it(tmp_path: Path, monkeypatch) -> None:
-    from pipelines import runner
 
     write_set(tmp_path, "refunds")
     write_set(tmp_path, "broken", lines=["not json"])
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path))
     with pytest.raises(InputError) as caught:
-        runner.select_eval_sets(["refunds", "broken"])
+        evalsets.select_eval_sets(["refunds", "broken"])
     assert "broken" in caught.value.one_line() and "invalid JSON" in caught.value.message
 
 
 def test_the_cli_exits_2_naming_a_selected_broken_set(tmp_path: Path, monkeypatch, capsys) -> None:
-    from pipelines import runner
 
     write_set(tmp_path, "broken", lines=["not json"])
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path))
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path))
     assert main(["--recipe", "w8a8", "--eval-sets", "broken", "--no-registry"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("quantize: error: ") and "broken/data.jsonl: line 1: invalid JSON" in line
@@ -695,10 +693,10 @@ def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) ->
     names = ("alpha", "beta", "gamma")
     for name in names:
         make_eval_set(workspace.root / "sets", name)
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(workspace.root / "sets"))
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(workspace.root / "sets"))
     monkeypatch.setattr(runner, "load_all_prompts", evaluate.load_all_prompts)  # lm-eval builds the prompts, as in a real run
     counts = counted_task_yaml_parses(monkeypatch, names)
-    settings = gate_settings(workspace).model_copy(update={"eval_sets": runner.select_eval_sets(None)})
+    settings = gate_settings(workspace).model_copy(update={"eval_sets": evalsets.select_eval_sets(None)})
     runner.run_gate(runner.GateJob(artifact_dir=workspace.artifact, baseline_dir=workspace.baseline, recipe_name="w8a8", settings=settings))
     # The product parses each YAML once (validation); lm-eval reads its copy twice (index, task) for the prompts of
     # all sets together, not once per set per set loaded. (Each lm-eval subprocess that scores reads it too.)
@@ -708,12 +706,12 @@ def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) ->
 def test_a_job_discovers_the_eval_sets_once_for_all_its_candidates(tmp_path: Path, monkeypatch) -> None:
     from fakes import make_model
 
-    from pipelines import job, runner
+    from pipelines import job
 
     names = ("alpha", "beta")
     for name in names:
         write_set(tmp_path / "sets", name)
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: evalsets.discover_eval_sets(tmp_path / "sets"))
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path / "sets"))
     monkeypatch.setattr(job, "_model_layout", lambda model, field: None)  # no recipe is compiled here
     for model in ("m1", "m2", "m3"):
         make_model(tmp_path / model)

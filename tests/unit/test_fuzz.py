@@ -296,7 +296,7 @@ class HeavyWorkStarted(AssertionError):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     """A private artifacts root with a registry holding one promoted version, and a folder of inputs."""
-    from test_registry import make_artifact, make_gate, new_version
+    from fakes import make_artifact, make_gate, new_version
 
     from pipelines.registry import Registry
 
@@ -314,6 +314,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
 @pytest.fixture
 def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Callable[..., tuple[int, str, str]]:
     """Run the CLI in-process against the private artifacts root, with every heavy step a tripwire."""
+    import pipelines.evalsets
     import pipelines.job
     import pipelines.quantize
     import pipelines.runner
@@ -328,7 +329,7 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     for module, name in ((pipelines.quantize, "run_oneshot"), (pipelines.runner, "vllm_server"), (pipelines.runner, "score_eval_sets"),
                          (pipelines.job, "_run_candidate"), (gate_command, "run_gate")):
         monkeypatch.setattr(module, name, tripwire)
-    monkeypatch.setattr(pipelines.runner, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
+    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
     # A job compiles each recipe against its model's layout, built by importing torch and transformers
     # (10 s); the demo model is valid and no case here is about it.
     monkeypatch.setattr(pipelines.job, "_model_layout", lambda model, field: None, raising=False)

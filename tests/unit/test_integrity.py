@@ -14,11 +14,9 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from fakes import make_eval_set, make_model
-from test_job import FakeRunner, demo_job, install
-from test_registry import make_artifact, make_gate, new_version
+from fakes import FakeRunner, demo_job, install, make_artifact, make_eval_set, make_gate, make_model, new_version
 
-from pipelines import runner
+from pipelines import evalsets, runner
 from pipelines.cli import main
 from pipelines.errors import InputError
 from pipelines.hashing import sha256_file
@@ -122,7 +120,7 @@ def test_resolve_and_register_refuse_a_tampered_manifest(two_promoted):
 @pytest.fixture
 def job_workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")
     return tmp_path
 

@@ -7,70 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
-from fakes import LLAMA_CONFIG, make_eval_set, make_model
-from test_registry import make_artifact
+from fakes import JOB_RECIPES, LLAMA_CONFIG, FakeRunner, demo_job, install, make_eval_set, make_model, write_job
 
+from pipelines import evalsets
 from pipelines import job as job_module
-from pipelines import runner
 from pipelines.errors import InputError, ServeError
 from pipelines.job import JobSummary, load_job, plan_candidates, run_job
-from pipelines.recipe import LoadedRecipe
-from pipelines.runner import RunOutcome
-
-RECIPES = ["w8a8", "w4a16", "gptq", "aggressive"]
-
-
-class FakeRunner:
-    """quantize_and_gate stand-in: a verdict (or an exception) per recipe; records every call."""
-
-    def __init__(self, tmp_path: Path, behaviour: dict[str, object]):
-        self.tmp_path = tmp_path
-        self.behaviour = behaviour
-        self.calls: list[tuple[str, str]] = []
-        self.kwargs: list[dict] = []
-
-    def __call__(self, loaded: LoadedRecipe, model_dir: Path, settings, *, force: bool = False, **kwargs) -> RunOutcome:
-        recipe = loaded.name  # the job hands over the recipe it parsed at plan time
-        self.calls.append((model_dir.name, recipe))
-        self.kwargs.append(kwargs)
-        what = self.behaviour.get(recipe, "promoted")
-        if isinstance(what, BaseException):
-            raise what
-        run_dir = self.tmp_path / "runs" / f"{recipe}-{len(self.calls)}"
-        artifact = self.tmp_path / "candidates" / model_dir.name / recipe
-        if not artifact.exists():  # what quantize leaves: the files and manifest.json
-            make_artifact(artifact, weights=recipe.encode())
-        return RunOutcome(
-            verdict=what, exit_code=0 if what == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
-            report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=len(self.calls),
-            reasons=[] if what == "promoted" else [f"tickets: drop 9.00 points > max_abs_drop 2.0 ({recipe})"], stages={},
-        )
 
 
 @pytest.fixture
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets"), make_eval_set(tmp_path / "eval_sets", "orders")]
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")  # config.json + safetensors: the compiler can check recipes against it
     return tmp_path
-
-
-def write_job(folder: Path, text: str, name: str = "job.yaml") -> Path:
-    path = folder / name
-    path.write_text(text)
-    return path
-
-
-def demo_job(folder: Path, recipes: list[str] = RECIPES, extra: str = "") -> Path:
-    return write_job(
-        folder,
-        f"name: nightly\nregistry: registry.db\n{extra}candidates:\n  - model: models/demo-llama\n    recipes: [{', '.join(recipes)}]\n",
-    )
-
-
-def install(monkeypatch: pytest.MonkeyPatch, fake: FakeRunner) -> FakeRunner:
-    monkeypatch.setattr(job_module, "quantize_and_gate", fake)
-    return fake
 
 
 def statuses(summary: JobSummary) -> dict[str, tuple[str, bool]]:
@@ -114,7 +64,7 @@ def test_a_failing_candidate_is_recorded_and_the_job_goes_on(workspace, monkeypa
     behaviour = {"w4a16": ServeError("vLLM exited during start-up"), "gptq": RuntimeError("oom"), "aggressive": "rejected"}
     fake = install(monkeypatch, FakeRunner(workspace, behaviour))
     summary = run_job(demo_job(workspace), jobs_dir=workspace / "jobs")
-    assert [recipe for _, recipe in fake.calls] == RECIPES
+    assert [recipe for _, recipe in fake.calls] == JOB_RECIPES
     assert statuses(summary) == {
         "w8a8": ("promoted", False), "w4a16": ("error", False), "gptq": ("error", False), "aggressive": ("rejected", False),
     }

@@ -17,11 +17,12 @@ from types import SimpleNamespace
 import pytest
 from fakes import gate_settings
 
-from pipelines import runner
+from pipelines import evalsets, runner
 from pipelines.errors import LoadTestError
 from pipelines.loadtest import bench, gate_hook, stage
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.loadtest.workload import Workload, WorkloadItem
+from pipelines.policy import DEFAULT_POLICY, load_policy
 from pipelines.registry import Registry
 from pipelines.targets import TARGET_ENV
 
@@ -106,14 +107,14 @@ def servers(stack, monkeypatch) -> Servers:
 
 def write_policy(tmp_path: Path, performance: str) -> Path:
     path = tmp_path / "policy.yaml"
-    path.write_text(runner.DEFAULT_POLICY.read_text().split("\nperformance:")[0] + "\n" + performance)
+    path.write_text(DEFAULT_POLICY.read_text().split("\nperformance:")[0] + "\n" + performance)
     return path
 
 
 def gate(ws, *, policy: Path | None = None, loadtest: bool = True) -> runner.RunOutcome:
     settings = gate_settings(ws)
     if policy is not None:
-        settings = settings.model_copy(update={"policy": runner.load_policy(policy), "policy_path": policy})
+        settings = settings.model_copy(update={"policy": load_policy(policy), "policy_path": policy})
     job = runner.GateJob(artifact_dir=ws.artifact, baseline_dir=ws.baseline, recipe_name="w8a8",
                          settings=settings.model_copy(update={"loadtest": loadtest}))
     return runner.run_gate(job)
@@ -214,13 +215,12 @@ def test_no_loadtest_on_the_command_line(tool, servers, cli, workspace):
 
 
 def test_a_job_result_and_its_ledger_carry_the_load_tests_headline(tmp_path, monkeypatch):
-    from fakes import make_eval_set, make_model
-    from test_job import FakeRunner, demo_job, install
+    from fakes import FakeRunner, demo_job, install, make_eval_set, make_model
 
     from pipelines import job as job_module
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")
     headline = PerformanceSummary(enforced=False, passed=True, target="cpu", deployment_concurrency=16, throughput_ratio=0.8,
                                   ttft_p95_ratio=1.1, measured_max_num_seqs=16)

@@ -474,7 +474,7 @@ def test_cli_absurd_numbers_exit_2_with_one_line(argv: list[str], capsys: pytest
     ({"text_config": {"vocab_size": 2**40}}, "vocab_size"),
 ])
 def test_config_bounds_for_any_reader(change: dict, field: str) -> None:
-    from pipelines.planner import check_config_bounds
+    from pipelines.bounds import check_config_bounds
 
     with pytest.raises(InputError) as caught:
         check_config_bounds({**TINY, **change}, "m/config.json")
@@ -482,7 +482,7 @@ def test_config_bounds_for_any_reader(change: dict, field: str) -> None:
 
 
 def test_config_bounds_accept_real_configs_with_absent_null_or_zero_sizes() -> None:
-    from pipelines.planner import check_config_bounds
+    from pipelines.bounds import check_config_bounds
 
     for path in (LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, MISTRAL_7B):
         check_config_bounds(json.loads(path.read_text()))

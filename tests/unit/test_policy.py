@@ -199,7 +199,7 @@ def test_aliases_are_read_and_an_alias_bomb_is_refused(tmp_path):
 
 
 def test_recipe_overrides_match_name_then_base_then_tags(tmp_path):
-    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import RecipeIdentity
 
     policy = load_policy(write_policy(tmp_path, recipes={
         "w4a16": {"max_kl": 0.2},
@@ -219,14 +219,14 @@ def test_recipe_overrides_match_name_then_base_then_tags(tmp_path):
 
 
 def test_the_eval_set_override_still_beats_a_base_match(tmp_path):
-    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import RecipeIdentity
 
     policy = load_policy(write_policy(tmp_path, recipes={"w4a16": {"max_kl": 0.2}}, eval_sets={"orders": {"max_kl": 0.01}}))
     assert policy.for_set(RecipeIdentity(name="v", base="w4a16"), "orders").max_kl == 0.01
 
 
 def test_fit_for_follows_the_same_match(tmp_path):
-    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import RecipeIdentity
 
     policy = load_policy(write_policy(
         tmp_path, fit={"gpu": "A100-80GB", "max_model_len": 8192},
@@ -239,7 +239,7 @@ def test_fit_for_follows_the_same_match(tmp_path):
 
 
 def test_identity_keys_are_ordered_and_unique():
-    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import RecipeIdentity
 
     assert RecipeIdentity(name="a", base="a", tags=("b", "a", "c")).keys() == ["a", "b", "c"]
     assert RecipeIdentity.of("w8a8") == RecipeIdentity(name="w8a8")

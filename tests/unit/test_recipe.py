@@ -230,7 +230,7 @@ def test_shipped_four_bit_recipes_use_auto_group_sizes_capped_at_128() -> None:
 
 
 def test_base_and_tags_make_the_identity(tmp_path: Path) -> None:
-    from pipelines.policy import RecipeIdentity
+    from pipelines.recipe import RecipeIdentity
 
     recipe = load_recipe(str(write(tmp_path, "base: w4a16\ntags: [int4, mine]\n" + GOOD))).recipe
     assert recipe.identity == RecipeIdentity(name="t", base="w4a16", tags=("int4", "mine"))
@@ -254,8 +254,7 @@ def test_bad_base_and_tags_are_refused(tmp_path: Path, prefix: str, field: str, 
 
 
 def test_identity_from_a_manifests_recipe_text() -> None:
-    from pipelines.policy import RecipeIdentity
-    from pipelines.recipe import identity_from_text
+    from pipelines.recipe import RecipeIdentity, identity_from_text
 
     assert identity_from_text("base: w4a16\ntags: [int4]\n" + GOOD, "renamed") == RecipeIdentity(name="renamed", base="w4a16", tags=("int4",))
     assert identity_from_text("not: a recipe\n", "x") == RecipeIdentity(name="x")  # an older schema: the name alone

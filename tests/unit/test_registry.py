@@ -9,56 +9,19 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from fakes import gate_report, make_artifact, make_gate, new_version
 
 from pipelines.artifact import artifact_hash
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.gate import GateReport, PairedItem, SetComparison, decide, load_report
-from pipelines.hashing import file_hashes, sha256_file, sha256_json
-from pipelines.metrics import make_spec
-from pipelines.policy import DEFAULT_POLICY, load_policy
+from pipelines.gate import load_report
+from pipelines.hashing import sha256_file, sha256_json
 from pipelines.registry import (
     MANIFEST_FILES_KEY,
     EvalSetRef,
-    NewVersion,
     Registry,
     default_registry_path,
-    verify_artifact,
 )
-
-
-def make_artifact(folder: Path, weights: bytes = b"weights") -> Path:
-    """A quantized-artifact folder as pipelines.quantize leaves it: files plus manifest.json."""
-    (folder / "sub").mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(weights)
-    (folder / "config.json").write_text('{"quantization_config": {}}')
-    (folder / "sub" / "tokenizer.json").write_text("{}")
-    manifest = {MANIFEST_FILES_KEY: file_hashes(folder)}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return folder
-
-
-def gate_report(verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> GateReport:
-    """A GateReport as the runner makes it: one pass/fail set of 200 items, 1 lost (promoted) or 40 (rejected)."""
-    lost = 1 if verdict == "promoted" else 40
-    items = [PairedItem(item_id=f"t{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=0.003) for i in range(200)]
-    comparison = SetComparison(eval_set="tickets", metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
-    report = GateReport(created_at=created_at, inputs={"recipe": "w8a8"}, gate=decide([comparison], load_policy(DEFAULT_POLICY), "w8a8"))
-    assert report.gate.verdict == verdict
-    return report
-
-
-def make_gate(path: Path, verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> Path:
-    """A gate.json as pipelines.runner writes it (a GateReport); another `created_at` is other evidence."""
-    path.write_text(json.dumps(gate_report(verdict, created_at).model_dump(mode="json")))
-    return path
-
-
-def new_version(artifact: Path, gate: Path | None = None, model: str = "demo-llama") -> NewVersion:
-    return NewVersion(
-        source_model=model, source_hash="src-hash", artifact_path=artifact, recipe_name="w8a8",
-        recipe_hash="recipe-hash", eval_sets=[EvalSetRef(name="tickets", hash="set-hash")], gate_path=gate,
-    )
 
 
 @pytest.fixture
@@ -74,28 +37,6 @@ def promoted(registry: Registry, tmp_path: Path, name: str) -> int:
 
 
 # --- integrity ----------------------------------------------------------------------------------------
-
-
-def test_verify_artifact_accepts_an_intact_artifact(tmp_path: Path) -> None:
-    verify_artifact(make_artifact(tmp_path / "a"))
-
-
-@pytest.mark.parametrize(
-    ("damage", "named"),
-    [
-        (lambda a: (a / "model.safetensors").write_bytes(b"tampered"), "model.safetensors"),
-        (lambda a: (a / "sub" / "tokenizer.json").unlink(), "tokenizer.json"),
-        (lambda a: (a / "extra.bin").write_bytes(b"x"), "extra.bin"),
-        (lambda a: (a / "manifest.json").unlink(), "manifest.json"),
-        (lambda a: (a / "manifest.json").write_text('{"other": 1}'), "manifest.json"),
-    ],
-    ids=["changed", "missing", "added", "no-manifest", "manifest-without-files"],
-)
-def test_verify_artifact_names_the_bad_file(tmp_path: Path, damage, named: str) -> None:
-    artifact = make_artifact(tmp_path / "a")
-    damage(artifact)
-    with pytest.raises(InputError, match=named):
-        verify_artifact(artifact)
 
 
 def test_artifact_hash_is_the_hash_of_the_manifest_file_hashes(tmp_path: Path) -> None:

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import make_eval_set
-from test_registry import make_artifact
+from fakes import make_artifact, make_eval_set
 
 from pipelines.artifact import CalibrationRecord, Manifest, PeakMemory, WeightBytes
 from pipelines.cli import main
@@ -28,9 +27,10 @@ from pipelines.repair.ladder import LADDERS_DIR, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import recipe_bytes, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text
+from pipelines.repair.result import load_result
 from pipelines.repair.search import Budget, GateResult, Search, SearchSettings, assignment_at, level_sequence, promotion_sequence
 from pipelines.repair.sensitivity import SensitivitySettings
-from pipelines.repair.session import REPAIRED_RECIPE, RepairOptions, load_result, repair
+from pipelines.repair.session import REPAIRED_RECIPE, RepairOptions, repair
 from pipelines.repair.simulate import RefPath
 from pipelines.repair.units import quantized_units, recipe_units
 from pipelines.runner import GateSettings, RunOutcome
@@ -439,9 +439,9 @@ def test_parent_runs_are_read_back_with_their_gate(tmp_path, monkeypatch, tiny_l
     """A rejected run folder as the runner writes it: model, artifact (manifest with the recipe), sets, policy."""
     pytest.importorskip("safetensors")
     eval_set = make_eval_set(tmp_path / "eval_sets", "tickets")
-    from pipelines import runner
+    from pipelines import evalsets
 
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [eval_set])
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: [eval_set])
     loaded = load_recipe("aggressive")
     artifact = tmp_path / "artifact"
     artifact.mkdir()
@@ -471,15 +471,14 @@ def test_parent_runs_are_read_back_with_their_gate(tmp_path, monkeypatch, tiny_l
 
 
 def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, monkeypatch):
-    from test_job import FakeRunner
-    from test_runner import make_model
+    from fakes import FakeRunner, make_model
 
+    from pipelines import evalsets
     from pipelines import job as job_module
-    from pipelines import runner
     from pipelines.repair import session
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")
     fake = FakeRunner(tmp_path, {"aggressive": "rejected"})
     monkeypatch.setattr(job_module, "quantize_and_gate", fake)
@@ -505,7 +504,8 @@ def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, mo
 
 
 def test_a_policy_edit_is_accepted_unless_it_changes_the_rules_that_judged_the_run(tmp_path):
-    from pipelines.policy import RecipeIdentity, RecipeOverrides
+    from pipelines.policy import RecipeOverrides
+    from pipelines.recipe import RecipeIdentity
     from pipelines.repair.parent import check_same_rules
 
     policy = load_policy()

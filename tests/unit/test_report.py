@@ -4,46 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fakes import REPORT_POLICY, make_report, set_comparison
 from rich.console import Console
 
-from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
-from pipelines.metrics import make_spec
+from pipelines.gate import GateReport, decide
 from pipelines.planner import gpu_spec, plan
-from pipelines.policy import Policy, SetPolicy
 from pipelines.report import plan_tables, render_console, render_markdown
-
-POLICY = Policy(
-    defaults=SetPolicy(
-        max_abs_drop=2.0, max_rel_drop=None, non_inferiority=True, ni_margin=5.0, max_flip_rate=0.05, max_kl=None, min_items=100
-    )
-)
-
-
-def comparison(name: str, lost: int, kept: int) -> SetComparison:
-    cells = [(1.0, 0.0)] * lost + [(1.0, 1.0)] * kept
-    items = [PairedItem(item_id=f"{name}{i}", baseline=b, candidate=c, kl=0.002) for i, (b, c) in enumerate(cells)]
-    return SetComparison(eval_set=name, metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
-
-
-def make_report(*, plan=None) -> GateReport:
-    gate = decide(
-        [comparison("orders|v2", lost=25, kept=175), comparison("[tickets]", lost=0, kept=20)],
-        POLICY,
-        "w8a8",
-        fit=FitCheck(fits=True, required_bytes=3 * 1024**3, available_bytes=24 * 1024**3, gpu="L4-24GB"),
-    )
-    return GateReport(
-        created_at="2026-11-02T10:00:00Z",
-        inputs={
-            "model": {"path": "models/demo-llama", "hash": "a" * 64},
-            "artifact": {"path": "artifacts/demo-w8a8", "hash": "b" * 64},
-            "recipe": {"path": "recipes/w8a8.yaml", "hash": "c" * 64},
-            "eval_sets": {"orders": {"path": "eval_sets/orders", "hash": "d" * 64}},
-        },
-        stages={"quantize": 1.5, "serve": 28.25, "score": 40.0},
-        plan=plan,
-        gate=gate,
-    )
 
 
 def test_markdown_has_header_sets_reasons_warnings_and_stage_times():
@@ -71,7 +37,7 @@ def test_markdown_rules_table_shows_turned_off_rules_as_dash():
 
 
 def test_markdown_promoted_report_says_no_reasons():
-    gate = decide([comparison("orders", lost=0, kept=300)], POLICY, "w8a8")
+    gate = decide([set_comparison("orders", lost=0, kept=300)], REPORT_POLICY, "w8a8")
     text = render_markdown(GateReport(gate=gate))
     assert text.startswith("# Quantization gate: PROMOTED")
     assert "| Recipe | w8a8 |" in text

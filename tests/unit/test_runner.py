@@ -19,7 +19,7 @@ import pytest
 from fakes import gate_settings, make_eval_set, make_model
 
 from pipelines import baseline as baseline_cache
-from pipelines import evaluate, runner
+from pipelines import evalsets, evaluate, runner
 from pipelines.errors import EvalError, InputError, ServeError
 from pipelines.hashing import sha256_file
 from pipelines.registry import Registry
@@ -269,10 +269,10 @@ def test_quantize_and_gate_records_the_quantize_step(stack, workspace, monkeypat
 
 
 def test_select_eval_sets_names_unknown_sets(monkeypatch, workspace):
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: [workspace.eval_set])
-    assert runner.select_eval_sets(None) == [workspace.eval_set]
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: [workspace.eval_set])
+    assert evalsets.select_eval_sets(None) == [workspace.eval_set]
     with pytest.raises(InputError, match=r"--eval-sets.*\['nope'\].*tickets"):
-        runner.select_eval_sets(["tickets", "nope"])
+        evalsets.select_eval_sets(["tickets", "nope"])
 
 
 # --- files readable as the umask allows --------------------------------------------------------------

@@ -13,10 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
-from fakes import gate_settings, make_model
-from test_job import FakeRunner, install
+from fakes import FakeRunner, gate_settings, install, make_model
 
-from pipelines import runner
+from pipelines import evalsets, runfolder, runner
 from pipelines.errors import InputError
 from pipelines.job import run_job
 from pipelines.safepath import MAX_COMPONENT, ensure_inside, inside, safe_component, safe_relative
@@ -168,7 +167,7 @@ def job_root(tmp_path, monkeypatch):
     from fakes import make_eval_set
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
-    monkeypatch.setattr(runner, "discover_eval_sets", lambda: sets)
+    monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")
     return tmp_path
 
@@ -207,6 +206,6 @@ def test_quantize_refuses_a_model_folder_name_before_any_work(tmp_path, monkeypa
 
 
 def test_run_ids_are_safe_components(monkeypatch):
-    identifier = runner.run_id("w8a8")
+    identifier = runfolder.run_id("w8a8")
     assert safe_component(identifier, "run id", max_length=200) == identifier
     assert identifier.split("-")[1] == "w8a8" and str(os.getpid()) in identifier

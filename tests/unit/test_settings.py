@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from pipelines import paths, runner, settings
+from pipelines.capture import library_logs_dir
 from pipelines.job import default_jobs_dir, load_job
-from pipelines.progress import library_logs_dir
+from pipelines.policy import load_gate_policy
 from pipelines.registry import default_registry_path
 
 
@@ -31,7 +32,7 @@ def test_every_artifacts_path_follows_the_environment_set_after_import(monkeypat
     assert tmp_path == paths.ARTIFACTS_DIR
     assert runner.default_runs_dir() == tmp_path / "runs" and default_jobs_dir() == tmp_path / "jobs"
     assert library_logs_dir() == tmp_path / "logs" and default_registry_path() == tmp_path / "registry.db"
-    policy, policy_path = runner.load_gate_policy(None)
+    policy, policy_path = load_gate_policy(None)
     assert runner.GateSettings(eval_sets=[], policy=policy, policy_path=policy_path).cache_dir == tmp_path / "cache" / "baseline"
 
 

@@ -1,0 +1,98 @@
+"""repair.json: the evidence of one repair (RepairResult), its attempts, the orders weighed and what was found.
+
+The session (pipelines.repair.session) writes it after every attempt; the report and the command read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pipelines.errors import EXIT_ERROR
+from pipelines.repair.pricing import Price
+from pipelines.repair.search import Budget, SearchResult
+from pipelines.repair.sensitivity import Sensitivity
+
+REPAIR_JSON = "repair.json"
+Status = Literal["running", "repaired", "budget exhausted", "ladder exhausted", "does not fit", "error"]
+
+
+class Attempt(BaseModel):
+    number: int
+    moves: int = Field(description="k: how many moves of the promotion sequence this proposal makes")
+    why: str
+    recipe_name: str
+    recipe_file: str
+    modules_moved: dict[str, str] = Field(description="unit -> the scheme it moved to")
+    overrides_added: list[dict[str, Any]]
+    predicted_kl: float
+    weight_bytes: int = Field(description="the planner's prediction")
+    price: Price
+    gated: bool = True
+    verdict: Literal["promoted", "rejected"] | None = None
+    reasons: list[str] = []
+    failed_rules: list[str] = Field(default=[], description="`set: rule` for every rule that failed")
+    kl_by_set: dict[str, float | None] = {}
+    run_dir: str | None = None
+    artifact_dir: str | None = None
+    measured_weight_bytes: int | None = None
+    registry_version: int | None = None
+    wall_s: float = 0.0
+    error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
+
+
+class OrderChoice(BaseModel):
+    order: str
+    moves: int
+    first_k: int = Field(description="the first proposal: the fewest moves simulated under the target")
+    simulated_kl: float
+    weight_bytes: int
+
+
+class Found(BaseModel):
+    attempt: int
+    recipe_file: str
+    recipe_name: str
+    artifact_dir: str
+    run_dir: str
+    registry_version: int | None
+    weight_bytes: int
+    modules_moved: int
+
+
+class RepairResult(BaseModel):
+    """repair.json."""
+
+    schema_version: Literal[1] = 1
+    repair_id: str
+    created_at: str
+    status: Status
+    exit_code: int = Field(default=EXIT_ERROR, description="0 repaired, 1 no proposal passed, 2 error (or still running)")
+    repair_dir: str
+    parent: dict[str, Any]
+    model: str
+    target: str
+    ladder: dict[str, str]
+    budget: Budget
+    settings: dict[str, Any]
+    units: int
+    ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
+    sensitivity: Sensitivity | None = None
+    orders: list[OrderChoice] = Field(default=[], description="each promotion order and its first proposal")
+    order: str | None = Field(default=None, description="the order searched: its first proposal costs the fewest bytes")
+    sequence: list[dict[str, Any]] = Field(default=[], description="the promotion sequence: unit, to, delta bytes, estimated KL removed")
+    attempts: list[Attempt] = []
+    search: SearchResult | None = None
+    found: Found | None = None
+    closest: dict[str, Any] | None = Field(default=None, description="when nothing passed: the attempt that came closest, and why it failed")
+    bytes: dict[str, int | None] = Field(default={}, description="weight bytes of the 16-bit model, the shipped recipes and the parent "
+                                                                 "(predicted by the planner) and of the parent artifact (measured)")
+    wall_s: dict[str, float] = {}
+    report_md: str | None = None
+    plot: str | None = None
+    error: str | None = None
+
+
+def load_result(folder: Path) -> RepairResult:
+    return RepairResult.model_validate_json((folder / REPAIR_JSON).read_text())

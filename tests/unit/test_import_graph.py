@@ -1,0 +1,144 @@
+"""The package's import graph has no circles and no arrow back up to a package that holds the importer.
+
+Every import counts: at the top of a module, inside a function (a lazy import hides a circle, it does not
+remove it) and under TYPE_CHECKING. The graph is read from the source with ast; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pipelines"
+
+
+def module_files(package: Path) -> dict[str, Path]:
+    files = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The module `name` names, or the nearest package above it that is one of ours."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: dict[str, Path]) -> set[str]:
+    """The modules of ours one import statement loads: `from pkg import sub` loads pkg.sub, `from pkg.mod import name` pkg.mod."""
+    if isinstance(node, ast.Import):
+        named = [_known(alias.name, modules) for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the importer's package, one level up per extra dot
+            package = module.split(".") if is_package else module.split(".")[:-1]
+            base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+        named = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else _known(base, modules) for alias in node.names]
+    return {name for name in named if name}
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    modules = module_files(package)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                targets |= _targets(node, module, path.name == "__init__.py", modules)
+        graph[module] = targets - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """A module importing a package that contains it (its __init__ imports the package's modules)."""
+    return sorted((source, target) for source, targets in graph.items() for target in targets if source.startswith(target + "."))
+
+
+def test_the_package_has_no_import_circles() -> None:
+    assert circles(import_graph(PACKAGE)) == []
+
+
+def test_no_module_imports_a_package_above_it() -> None:
+    assert upward_arrows(import_graph(PACKAGE)) == []
+
+
+def test_the_graph_is_read_whole() -> None:
+    graph = import_graph(PACKAGE)
+    assert {"pipelines.cli", "pipelines.runner", "pipelines.planner.plan", "pipelines.repair.session"} <= graph.keys()
+    assert "pipelines.compiler" in graph["pipelines.planner.plan"]
+    assert "pipelines.planner" in graph["pipelines.commands.plan"]  # `from pipelines.planner import ...`
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"a.py": "from pkg import b\n", "b.py": "def f():\n    from pkg.a import x\n"}, [["pkg.a", "pkg.b"]]),
+        ({"a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n", "b.py": "import pkg.a\n"}, [["pkg.a", "pkg.b"]]),
+        ({"a.py": "from . import b\n", "b.py": "from .c import y\n", "c.py": "from pkg.a import z\n"}, [["pkg.a", "pkg.b", "pkg.c"]]),
+        ({"a.py": "from pkg import b\n", "b.py": "import json\n"}, []),
+    ],
+)
+def test_a_circle_is_found_however_it_is_imported(tmp_path: Path, files: dict[str, str], expected: list[list[str]]) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (package / name).write_text(text)
+    assert circles(import_graph(package)) == expected
+
+
+def test_an_arrow_to_the_package_above_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "pkg" / "sub"
+    package.mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from pkg.sub.leaf import x\n")
+    (package / "leaf.py").write_text("from pkg.sub import y\n")
+    assert upward_arrows(import_graph(tmp_path / "pkg")) == [("pkg.sub.leaf", "pkg.sub")]
