@@ -379,3 +379,21 @@ def verify_artifact(
         artifact_dir=artifact_dir, manifest_sha256=document.sha256, artifact_hash=sha256_json(document.files),
         fingerprint=seen, files=dict(document.files), hashed=hashed, recipe_text=document.recipe_text,
     )
+
+
+def verify_before_serving(artifact_dir: Path, *, allow_unverified: bool = False) -> ArtifactCheck | None:
+    """Check the artifact file by file (full sha256) against its manifest before it is served.
+
+    A missing manifest.json is refused unless `allow_unverified` (then None: nothing was verified);
+    a malformed one, a changed, missing or added file is always an InputError naming the file.
+    """
+    manifest = artifact_dir / MANIFEST_NAME
+    if not manifest.exists():
+        if allow_unverified:
+            return None
+        raise InputError(
+            "the artifact has no manifest.json, so its files cannot be verified; gate it anyway with"
+            " --allow-unverified (reported as unverified, never registered)",
+            file=manifest, field="--artifact",
+        )
+    return verify_artifact(artifact_dir)

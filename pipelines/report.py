@@ -227,3 +227,19 @@ def render_console(report: GateReport, console: Console | None = None) -> None:
         console_tables(report.performance, _table, lambda value: out.print(escape(value) if isinstance(value, str) else value))
     if report.stages:
         out.print(_table("Stage times", ["Stage", "Seconds"], stage_rows(report.stages)))
+
+
+UNVERIFIED_NOTE = (
+    "> **UNVERIFIED artifact**: it has no manifest.json, so its files could not be checked against recorded"
+    " hashes. It was gated with `--allow-unverified` and was not written to the registry."
+)
+
+
+def with_unverified_note(markdown: str, unverified: bool) -> str:
+    """report.md of an artifact gated without a manifest: the warning right under its title."""
+    if not unverified:
+        return markdown
+    first, _, rest = markdown.partition("\n")
+    if first.startswith("#"):
+        return f"{first}\n\n{UNVERIFIED_NOTE}\n{rest}"
+    return f"{UNVERIFIED_NOTE}\n\n{markdown}"

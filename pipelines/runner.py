@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines import baseline as baseline_cache
-from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, ArtifactCheck, require_model_dir, verify_artifact
+from pipelines.artifact import CONFIG_NAME, ArtifactCheck, require_model_dir, verify_artifact, verify_before_serving
 from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
@@ -43,7 +43,7 @@ from pipelines.output import progress
 from pipelines.pairing import pair_set
 from pipelines.policy import Policy
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
-from pipelines.report import render_markdown
+from pipelines.report import render_markdown, with_unverified_note
 from pipelines.runfolder import run_folder
 from pipelines.safepath import safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
@@ -177,24 +177,6 @@ def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
     return False
 
 
-def verify_before_serving(artifact_dir: Path, *, allow_unverified: bool = False) -> ArtifactCheck | None:
-    """Check the artifact file by file (full sha256) against its manifest before it is served.
-
-    A missing manifest.json is refused unless `allow_unverified` (then None: nothing was verified);
-    a malformed one, a changed, missing or added file is always an InputError naming the file.
-    """
-    manifest = artifact_dir / MANIFEST_NAME
-    if not manifest.exists():
-        if allow_unverified:
-            return None
-        raise InputError(
-            "the artifact has no manifest.json, so its files cannot be verified; gate it anyway with"
-            " --allow-unverified (reported as unverified, never registered)",
-            file=manifest, field="--artifact",
-        )
-    return verify_artifact(artifact_dir)
-
-
 def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateReport:
     stages = dict(job.stages)
     include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
@@ -227,23 +209,8 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
         performance=performance,
     )
     write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
-    write_text_atomic(staging / "report.md", _with_unverified_note(render_markdown(report), check is None))
+    write_text_atomic(staging / "report.md", with_unverified_note(render_markdown(report), check is None))
     return report
-
-
-UNVERIFIED_NOTE = (
-    "> **UNVERIFIED artifact**: it has no manifest.json, so its files could not be checked against recorded"
-    " hashes. It was gated with `--allow-unverified` and was not written to the registry."
-)
-
-
-def _with_unverified_note(markdown: str, unverified: bool) -> str:
-    if not unverified:
-        return markdown
-    first, _, rest = markdown.partition("\n")
-    if first.startswith("#"):
-        return f"{first}\n\n{UNVERIFIED_NOTE}\n{rest}"
-    return f"{UNVERIFIED_NOTE}\n\n{markdown}"
 
 
 def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages, pool: ServerPool | None = None) -> dict[str, baseline_cache.BaselineEntry]:

@@ -23,6 +23,7 @@ from pipelines import evalsets, evaluate, runner
 from pipelines.errors import EvalError, InputError, ServeError
 from pipelines.hashing import sha256_file
 from pipelines.registry import Registry
+from pipelines.report import UNVERIFIED_NOTE
 from pipelines.serving import ServeSettings
 
 
@@ -214,7 +215,7 @@ def test_an_unverified_artifact_is_gated_and_reported_but_never_registered(stack
     assert "UNVERIFIED" in capsys.readouterr().err
     artifact = json.loads(outcome.gate_json.read_text())["inputs"]["artifact"]
     assert artifact["verified"] is False and artifact["manifest_sha256"] is None and "unverified" in artifact
-    assert runner.UNVERIFIED_NOTE in outcome.report_md.read_text()
+    assert UNVERIFIED_NOTE in outcome.report_md.read_text()
 
 
 def test_a_rejected_unverified_run_still_exits_by_its_verdict(stack, workspace):
