@@ -39,7 +39,7 @@ test-unit: setup
 
 ## The fast tier while developing: the tests marked `unit` (all of tests/unit/; no lint, no real vLLM server; about 2 min).
 test-fast: setup
-	$(PY) -m pytest -m unit tests/unit
+	$(PY) -m pytest -m "unit and not integration" tests/unit
 
 test-integration: setup
 	$(PY) -m pytest tests/integration
@@ -47,9 +47,12 @@ test-integration: setup
 clean-artifacts:
 	find artifacts -mindepth 1 ! -name README.md -exec rm -rf {} +
 
-## Operating characteristics of the gate policy (P(promote) by true drop and noise; not a test).
+## Operating characteristics of the gate policy (P(promote) by true drop and noise; not a test), for your own sets:
+## EVAL_SETS=a,b (their sizes from eval_sets/), REPORT=artifacts/runs/ID/gate.json (a run's sizes, baselines and
+## discordance), RECIPE=name (its policy overrides), POLICY=file.
 bench-gate: setup
-	$(PY) -m pipelines.benchmarks.gate_oc --policy $(or $(POLICY),policies/default.yaml)
+	$(PY) -m pipelines.benchmarks.gate_oc --policy $(or $(POLICY),policies/default.yaml) --recipe $(or $(RECIPE),w8a8) \
+		$(if $(EVAL_SETS),--eval-sets $(EVAL_SETS)) $(if $(REPORT),--report $(REPORT))
 
 ## The load test's cost against the quality gate, and its ratios, for w8a8 and w4a16 on the demo model (not a test).
 .PHONY: bench-loadtest

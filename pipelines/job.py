@@ -39,7 +39,7 @@ from pipelines.evalsets import EvalSet, select_eval_sets
 from pipelines.hashing import folder_hash, sha256_file, sha256_json
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.output import progress
-from pipelines.policy import FitRequirement, load_gate_policy
+from pipelines.policy import FitRequirement, check_attainable, load_gate_policy
 from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, load_recipe
 from pipelines.runner import GateSettings, quantize_and_gate
 from pipelines.safepath import ensure_inside, safe_component
@@ -213,11 +213,14 @@ def _cannot_apply(recipe: LoadedRecipe, layout: Any) -> str | None:
 def _settings(job: JobFile, spec: CandidateSpec, base: Path, discovered: list[EvalSet]) -> GateSettings:
     merged = {**job.defaults.model_dump(exclude_unset=True), **spec.model_dump(exclude_unset=True)}
     policy_file = merged.get("policy")
+    eval_sets = select_eval_sets(merged.get("eval_sets"), discovered)
     policy, policy_path = load_gate_policy(_resolve(base, policy_file) if policy_file is not None else None)
+    for recipe in spec.recipes:  # a policy the selected sets cannot meet fails the candidate now, not after quantizing
+        check_attainable(policy, eval_sets, recipe, file=policy_path)
     if merged.get("target") is not None:
         policy = policy.model_copy(update={"fit": FitRequirement.model_validate(merged["target"])})
     return GateSettings(
-        eval_sets=select_eval_sets(merged.get("eval_sets"), discovered), policy=policy, policy_path=policy_path,
+        eval_sets=eval_sets, policy=policy, policy_path=policy_path,
         serve=ServeSettings(max_model_len=job.max_model_len), registry_path=_resolve(base, job.registry),
     )
 

@@ -12,6 +12,10 @@ Kinds:
 Scale: every score, delta and bound is reported in `unit`s, metric value x `scale`. Metrics that live
 in [0, 1] are reported in points (x100); metrics lm-eval already reports on 0-100 (bleu, chrf, ter)
 or unbounded (perplexity) keep their own unit (x1).
+
+Tolerances follow the unit: a metric in points is judged in points (the policy's ni_margin, max_abs_drop)
+and optionally relative to its baseline (max_rel_drop); a metric in its own unit only relative to its
+baseline (rel_margin, max_rel_drop): 3 points mean nothing to a perplexity of 7 or a bits_per_byte of 0.9.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ class MetricSpec(FrozenModel):
     @property
     def scale(self) -> float:
         return 1.0 if self.name in OWN_UNIT_METRICS else 100.0
+
+    @property
+    def in_points(self) -> bool:
+        """Reported in points: absolute tolerances in points apply to it; otherwise only relative ones."""
+        return self.unit == POINTS
+
+    @property
+    def relative_scale(self) -> bool:
+        """Unbounded (perplexities, bits_per_byte): one item can move the score by about the score itself."""
+        return self.name in OWN_UNIT_METRICS and self.name not in PERCENT_SCALE_METRICS
 
     @property
     def bounded_unit_interval(self) -> bool:

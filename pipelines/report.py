@@ -21,12 +21,17 @@ Rows = list[list[str]]
 
 SET_COLUMNS = [
     "Eval set", "Metric", "n", "Baseline", "Candidate", "Delta [95% CI]", "Interval", "McNemar p",
-    "Flips R->W / W->R", "KL mean / max", "Min. detectable drop", "Verdict",
+    "Flips R->W / W->R", "KL mean / max", "Min. detectable drop", "Worse by at most / tolerance",
+    "Certifiable / items needed", "P(reject unchanged)", "Verdict",
 ]
 # The terminal table leaves out what the warnings already say, to stay readable at ~100 columns.
-_CONSOLE_SKIP = ("Metric", "Interval", "Min. detectable drop")
+_CONSOLE_SKIP = ("Metric", "Interval", "Min. detectable drop", "Certifiable / items needed", "P(reject unchanged)")
 INTERVAL_NOTES = {
     "tango-score": "Tango's asymptotic score interval for a difference of paired proportions",
+    "tango-score-scaled-floored": (
+        "Tango's score interval on effective discordant counts (m = sum d^2 / sum |d|; losses, gains = sum of the negative, "
+        "positive differences / m), times m, widened to at least range x z^2/(n+z^2) each side"
+    ),
     "bca-bootstrap-floored": "paired BCa bootstrap of the mean difference, widened to at least range x z^2/(n+z^2) each side",
     "percentile-bootstrap-floored": "paired percentile bootstrap of the difference of corpus-level scores, widened likewise",
 }
@@ -64,16 +69,72 @@ def _unit_suffix(verdict: SetVerdict) -> str:
     return "" if verdict.unit == "points" else f" {verdict.unit}"
 
 
+def _bound(verdict: SetVerdict) -> str:
+    """The one-sided bound of the worsening against the tightest tolerance: what the tolerance rules read."""
+    if verdict.worsening_bound is None:
+        return "-"
+    tolerance = "no tolerance" if verdict.tolerance is None else f"{verdict.tolerance:.2f}"
+    return f"{verdict.worsening_bound:.2f} / {tolerance}"
+
+
+def _sizing(verdict: SetVerdict) -> str:
+    if verdict.min_certifiable_tolerance is None:
+        return "-"
+    needed = "-" if verdict.items_needed is None else f"{verdict.items_needed:,}"
+    return f"{verdict.min_certifiable_tolerance:.2f} / {needed}"
+
+
+def _probability(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def set_rows(gate: GateResult) -> Rows:
-    """One row per eval set; scores in the set's unit with one decimal."""
+    """One row per eval set; scores in the set's unit with one decimal, bounds and tolerances with two."""
     return [
         [
             v.eval_set, _metric(v), str(v.n), _number(v.baseline_score), _number(v.candidate_score),
             f"{v.delta:+.1f} [{v.ci_low:+.1f}, {v.ci_high:+.1f}]{_unit_suffix(v)}", v.interval_method,
-            _p_value(v.mcnemar_p), _flips(v), _kl(v), _number(v.min_detectable_drop), "pass" if v.passed else "FAIL",
+            _p_value(v.mcnemar_p), _flips(v), _kl(v), _number(v.min_detectable_drop), _bound(v), _sizing(v),
+            _probability(v.unchanged_reject_probability), "pass" if v.passed else "FAIL",
         ]
         for v in gate.sets
     ]
+
+
+def guarantee_notes(gate: GateResult) -> list[str]:
+    """What each rule in force guarantees, in words (docs/gate-json.md, "Known error rates")."""
+    notes: dict[str, None] = {}
+    for v in gate.sets:
+        r, sure = v.rules, f"{v.rules.confidence:.0%}"
+        miss = f"{1 - r.confidence:.0%}"
+        if r.non_inferiority and v.unit == "points":
+            notes[f"`ni_margin` {r.ni_margin}: a candidate whose true {_word(v)} is {r.ni_margin} points passes at most {miss} "
+                  f"of the time (the {sure} one-sided bound of the {_word(v)} must stay within it)"] = None
+        if r.non_inferiority and v.unit != "points" and r.rel_margin is not None:
+            notes[f"`rel_margin` {r.rel_margin}: a metric in its own unit whose true worsening is {r.rel_margin:.0%} of its "
+                  f"baseline passes at most {miss} of the time"] = None
+        if r.max_rel_drop is not None:
+            notes[f"`max_rel_drop` {r.max_rel_drop}: read on the {sure} bound; a true worsening of {r.max_rel_drop:.0%} of the "
+                  f"baseline passes at most {miss} of the time"] = None
+        if r.max_abs_drop is not None and v.unit == "points":
+            notes[f"`max_abs_drop` {r.max_abs_drop}: reads the observed {_word(v)}, no error rate of its own (a true "
+                  f"{_word(v)} of {r.max_abs_drop} points passes it about half the time); the tolerance is the guarantee"] = None
+        if r.max_flip_rate is not None and v.binary:
+            notes[f"`max_flip_rate` {r.max_flip_rate}: read on the {sure} lower bound of the right->wrong rate; a candidate "
+                  f"that breaks exactly this share of items is rejected by it at most {miss} of the time"] = None
+        if r.max_kl is not None:
+            effect = "rejects" if r.max_kl_action == "reject" else "warns only"
+            notes[f"`max_kl` {r.max_kl} ({effect}, max_kl_action: {r.max_kl_action}): no stated error rate; the KL is a "
+                  f"top-k lower bound of the full KL"] = None
+    whole = gate.unchanged_reject_probability
+    if whole is not None:
+        notes[f"whole run: an unchanged candidate with these sets' observed discordance is rejected by at least one set "
+              f"{whole:.1%} of the time (sets taken as independent; warned above 10%)"] = None
+    return list(notes)
+
+
+def _word(verdict: SetVerdict) -> str:
+    return "drop" if verdict.higher_is_better else "rise"
 
 
 def interval_notes(gate: GateResult) -> list[str]:
@@ -178,10 +239,16 @@ def render_markdown(report: GateReport) -> str:
               f"baseline with its {gate.settings.confidence:.0%} confidence interval; min. detectable drop: the smallest "
               f"worsening the set detects at alpha {gate.settings.alpha}, power {gate.settings.power}. Intervals:",
               _md_list(interval_notes(gate))]
+    parts += ["Worse by at most: the one-sided bound of the worsening (the tolerance rules read it) against the tightest "
+              "tolerance in force. Certifiable: the smallest tolerance an unchanged candidate with this set's observed "
+              "discordance passes 80% of the time, and the items the tolerance needs at that discordance. P(reject unchanged): "
+              "how often this set rejects an unchanged candidate with that discordance (KL not counted)."]
     parts += ["## Reasons", _md_list(gate.reasons) if gate.reasons else "None: every rule passed."]
     if gate.warnings:
         parts += ["## Warnings", _md_list(gate.warnings)]
     parts += ["## Rules applied", _md_table(RULE_COLUMNS, rule_rows(gate))]
+    if gate.sets:
+        parts += ["## What the rules guarantee", _md_list(guarantee_notes(gate))]
     if gate.fit is not None:
         parts += ["## Fit", _md_table(["GPU", "Required GiB", "Available GiB", "Fits"], fit_rows(gate))]
     for title, columns, rows in plan_tables(report.plan):
@@ -214,6 +281,8 @@ def render_console(report: GateReport, console: Console | None = None) -> None:
     keep = [i for i, column in enumerate(SET_COLUMNS) if column not in _CONSOLE_SKIP]
     rows = [[row[i] for i in keep] for row in set_rows(gate)]
     out.print(_table("Eval sets (points)", [SET_COLUMNS[i] for i in keep], rows))
+    if gate.unchanged_reject_probability is not None and gate.sets:
+        out.print(f"Whole run: an unchanged candidate with these discordances is rejected {gate.unchanged_reject_probability:.1%} of the time")
     for title, items, style in (("Reasons", gate.reasons, "red"), ("Warnings", gate.warnings, "yellow")):
         if items:
             out.print(f"[bold]{title}[/bold]")

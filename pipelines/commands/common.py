@@ -13,7 +13,7 @@ from pipelines.capture import add_verbose_option, library_output_to_log
 from pipelines.commands.args import int_arg
 from pipelines.evalsets import select_eval_sets
 from pipelines.output import emit, progress
-from pipelines.policy import load_gate_policy
+from pipelines.policy import check_attainable, load_gate_policy
 from pipelines.registry import default_registry_path
 from pipelines.report import render_console
 from pipelines.runner import GateSettings, RunOutcome
@@ -52,8 +52,11 @@ def gate_settings(args: argparse.Namespace) -> GateSettings:
     """Everything the options say, validated before any heavy work starts."""
     policy, policy_path = load_gate_policy(args.policy)
     names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    eval_sets = select_eval_sets(names)
+    # A policy the selected sets cannot meet is refused now (exit 2), not after quantizing and serving.
+    check_attainable(policy, eval_sets, getattr(args, "recipe", None), file=policy_path)
     return GateSettings(
-        eval_sets=select_eval_sets(names), policy=policy, policy_path=policy_path,
+        eval_sets=eval_sets, policy=policy, policy_path=policy_path,
         serve=ServeSettings(max_model_len=args.max_model_len),
         registry_path=None if args.no_registry else args.registry, loadtest=not args.no_loadtest,
     )

@@ -1,4 +1,5 @@
-"""`quantize eval-sets list|validate`: the business eval sets under eval_sets/ and their state."""
+"""`quantize eval-sets list|validate|power`: the business eval sets under eval_sets/, their state, and what the
+gate policy's tolerances need of their size."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import argparse
 from pathlib import Path
 
 from pipelines.errors import InputError
-from pipelines.evalsets import CalibrationSet, EvalSet, set_folders, validate_folder
+from pipelines.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
 from pipelines.output import emit, say, table
 from pipelines.paths import EVAL_SETS_DIR
+
+POWER_DISCORDANCES = (0.02, 0.04, 0.1)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,11 +20,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, handler, text in (
         ("list", list_sets, "list the eval sets and calibration sets"),
         ("validate", validate_sets, "check every set: YAML keys, data lines, fields the prompts need"),
+        ("power", power_sets, "per set: the tolerance its size can certify and the items the policy's tolerance needs"),
     ):
         sub = actions.add_parser(name, help=text)
         sub.add_argument("--root", type=Path, default=EVAL_SETS_DIR, help="folder of sets (default: eval_sets/)")
         sub.add_argument("--json", action="store_true", help="print JSON on stdout")
         sub.set_defaults(handler=handler)
+        if name == "power":
+            sub.add_argument("--eval-sets", help="comma-separated eval set names (default: every set)")
+            sub.add_argument("--policy", type=Path, help="gate policy YAML (default: policies/default.yaml)")
+            sub.add_argument("--recipe", help="recipe name whose policy overrides apply (default: none)")
+            sub.add_argument("--discordance", default=",".join(str(d) for d in POWER_DISCORDANCES),
+                             help="comma-separated shares of items the candidate may answer differently (default: %(default)s)")
+            sub.add_argument("--baseline-score", type=float, default=0.8,
+                             help="baseline accuracy assumed for the whole-run false-rejection figure (default: %(default)s)")
 
 
 def _row(found: EvalSet | CalibrationSet) -> dict:
@@ -70,3 +82,114 @@ def validate_sets(args: argparse.Namespace) -> int:
         raise errors[0]
     emit(rows, as_json=args.json, render=_render)
     return 0
+
+
+def _fractions(text: str, option: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"not a comma-separated list of numbers: {text!r}", field=option) from None
+    if not values or not all(0.0 <= value <= 1.0 for value in values):
+        raise InputError(f"each value must lie in [0, 1] (got {text!r})", field=option)
+    return values
+
+
+def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float]) -> list[dict]:
+    """Per set, under its rules: the tolerance, the identical-model minimum, and for each discordance psi the smallest
+    tolerance its n certifies (an unchanged candidate passing 80% of the time) and the items the tolerance needs
+    (Nam 1997 with Tango's score test: pipelines.stats.items_needed). Pass/fail sets only have the last two; other
+    metrics' noise is known once scored (each run's report gives them)."""
+    from pipelines import stats
+    from pipelines.policy import unattainable
+
+    rows = []
+    for eval_set in eval_sets:
+        rules = policy.for_set(recipe, eval_set.name)
+        spec, n = eval_set.metric, eval_set.num_items
+        refused = unattainable(policy, recipe, eval_set)
+        row: dict = {
+            "name": eval_set.name, "metric": spec.name, "unit": spec.unit, "items": n, "confidence": rules.confidence,
+            "tolerance": (rules.ni_margin if rules.non_inferiority else None) if spec.in_points else rules.rel_margin,
+            "tolerance_kind": "points" if spec.in_points else "relative",
+            "refused": None if refused is None else f"{refused[1]}: {refused[0]}",
+            "identical_items_needed": None, "by_discordance": [],
+        }
+        fraction = row["tolerance"] / spec.scale if spec.in_points and row["tolerance"] is not None else (
+            row["tolerance"] if spec.relative_scale else None)
+        if fraction is not None:
+            row["identical_items_needed"] = stats.identical_items_needed(fraction, confidence=rules.confidence)
+        if spec.kind == "binary":
+            for psi in discordances:
+                certifies = spec.scale * stats.certifiable_tolerance(n, psi, confidence=rules.confidence)
+                needed = None if fraction is None else (1 if fraction >= 1 else stats.items_needed(fraction, psi, confidence=rules.confidence))
+                row["by_discordance"].append({"discordance": psi, "certifies": round(certifies, 4), "items_needed": needed})
+        rows.append(row)
+    return rows
+
+
+def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float) -> list[dict]:
+    """P(at least one pass/fail set rejects an unchanged candidate) per discordance, each set at `baseline_score`."""
+    from pipelines import stats
+    from pipelines.gate import table_rejects
+
+    binary = [s for s in eval_sets if s.metric.kind == "binary"]
+    rows = []
+    for psi in discordances:
+        probabilities = []
+        for eval_set in binary:
+            rules, n = policy.for_set(recipe, eval_set.name), eval_set.num_items
+            right = round(baseline_score * n)
+            p_lose, p_gain = stats.unchanged_flip_probabilities(psi, right, n)
+            higher = eval_set.metric.higher_is_better
+
+            def rejects(lost: int, gained: int, rules=rules, n=n, right=right, higher=higher) -> bool:
+                return table_rejects(rules, higher, n, right, lost, gained)
+
+            probabilities.append(stats.table_probability(rejects, n, right, p_lose, p_gain))
+        rows.append({"discordance": psi, "sets": len(binary), "reject_probability": round(stats.any_rejects(probabilities), 6)})
+    return rows
+
+
+def power_sets(args: argparse.Namespace) -> int:
+    """`quantize eval-sets power`: sizing against the policy, before any model is served (docs/gate-json.md, "Sizing")."""
+    from pipelines.policy import load_gate_policy
+
+    discordances = _fractions(args.discordance, "--discordance")
+    if not 0.0 < args.baseline_score < 1.0:
+        raise InputError(f"must lie in (0, 1) (got {args.baseline_score})", field="--baseline-score")
+    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    eval_sets = select_eval_sets(names, discover_eval_sets(args.root))
+    policy, policy_path = load_gate_policy(args.policy)
+    document = {
+        "policy": str(policy_path), "recipe": args.recipe, "sets": power_rows(eval_sets, policy, args.recipe, discordances),
+        "whole_run": whole_run_rows(eval_sets, policy, args.recipe, discordances, args.baseline_score),
+        "baseline_score": args.baseline_score,
+    }
+    emit(document, as_json=args.json, render=_render_power)
+    return 0
+
+
+def _render_power(document: dict) -> None:
+    sets = document["sets"]
+    discordances = [entry["discordance"] for entry in document["whole_run"]]
+    columns = ["name", "metric", "items", "tolerance", "identical needs"] + [f"psi {psi:g}: certifies / needs" for psi in discordances]
+    rows = []
+    for row in sets:
+        unit = "" if row["tolerance_kind"] == "points" else " (relative)"
+        cells = [
+            row["name"], row["metric"], str(row["items"]), "-" if row["tolerance"] is None else f"{row['tolerance']:g}{unit}",
+            "-" if row["identical_items_needed"] is None else str(row["identical_items_needed"]),
+        ]
+        by = {entry["discordance"]: entry for entry in row["by_discordance"]}
+        for psi in discordances:
+            entry = by.get(psi)
+            needed = "-" if entry is None or entry["items_needed"] is None else str(entry["items_needed"])
+            cells.append("-" if entry is None else f"{entry['certifies']:.2f} / {needed}")
+        rows.append(cells)
+    say(table(f"Sizing against {document['policy']} (one-sided bounds; an unchanged candidate passing 80% of the time)", columns, rows))
+    for row in sets:
+        if row["refused"]:
+            say(f"refused at load: {row['refused']}")
+    for entry in document["whole_run"]:
+        say(f"unchanged candidate, discordance {entry['discordance']:g}, baseline {document['baseline_score']:.0%}: rejected by at least "
+            f"one of the {entry['sets']} pass/fail sets {entry['reject_probability']:.1%} of the time")

@@ -8,6 +8,7 @@ from pathlib import Path
 from pipelines.artifact import MANIFEST_NAME, manifest_recipe
 from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
 from pipelines.errors import InputError
+from pipelines.policy import check_attainable
 from pipelines.runner import GateJob, run_gate
 from pipelines.safepath import safe_component
 
@@ -29,9 +30,13 @@ def handle(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         raise InputError(f"not a usable path ({error})", field="--artifact/--baseline") from None
     recipe_name = recipe_name_for(artifact, args.recipe_name)
+    settings = gate_settings(args)
+    # A policy the selected sets cannot meet (a set too small for its tolerance, a metric in its own unit without a
+    # relative one) is exit 2 now, before any server starts: one line naming the policy file, the field, the set and n.
+    check_attainable(settings.policy, settings.eval_sets, recipe_name, file=settings.policy_path)
     job = GateJob(
         artifact_dir=artifact, baseline_dir=baseline, recipe_name=recipe_name,
-        settings=gate_settings(args), allow_unverified=args.allow_unverified,
+        settings=settings, allow_unverified=args.allow_unverified,
     )
     with library_output_on_stderr(verbose=args.verbose):
         outcome = run_gate(job)

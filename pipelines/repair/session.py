@@ -49,7 +49,7 @@ from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate
 from pipelines.targets import ServeTarget, installed_target
 
 REPAIRED_RECIPE = "repaired.yaml"
-RULES = ("max_abs_drop", "max_rel_drop", "ni_margin", "max_flip_rate", "max_kl", "fit")
+RULES = ("max_abs_drop", "max_rel_drop", "rel_margin", "ni_margin", "max_flip_rate", "max_kl", "fit")
 GateFn = Callable[..., RunOutcome]
 
 
@@ -276,11 +276,15 @@ class Repair:
         )
 
     def _kl_limit(self) -> float | None:
-        """The policy's smallest max_kl over the parent's sets (None: no set has a KL rule)."""
-        return min((s.rules.max_kl for s in self.parent.report.gate.sets if s.rules.max_kl is not None), default=None)
+        """The smallest max_kl that rejects (max_kl_action: reject) over the parent's sets (None: no set's KL rule rejects;
+        by default max_kl only warns, so a proposal simulated over it is still gated)."""
+        sets = self.parent.report.gate.sets
+        return min((s.rules.max_kl for s in sets if s.rules.max_kl is not None and s.rules.max_kl_action == "reject"), default=None)
 
     def _target_kl(self) -> float:
-        limit, settings = self._kl_limit(), self.options.search
+        """The simulated KL the first proposal aims under: a share of the smallest max_kl, warning or not."""
+        limit = min((s.rules.max_kl for s in self.parent.report.gate.sets if s.rules.max_kl is not None), default=None)
+        settings = self.options.search
         return settings.kl_safety * limit if limit is not None else settings.kl_target_without_rule
 
     def _reference_bytes(self) -> dict[str, int | None]:

@@ -78,12 +78,13 @@ def make_set(root: Path, name: str, yaml_text: str, scored: list[dict], held_out
 def sets(tmp_path: Path):
     routing = make_set(
         tmp_path / "eval_sets", "routing", ROUTING_YAML,
-        [{"ticket": f"scored ticket {i}", "label": i % 2, "answer": ["Billing", "Shipping"][i % 2]} for i in range(6)],
+        # 60 scored items: enough for the default policy's tolerance (fewer are refused before any work)
+        [{"ticket": f"scored ticket {i}", "label": i % 2, "answer": ["Billing", "Shipping"][i % 2]} for i in range(60)],
         [{"ticket": f"held-out ticket {i}", "label": 0, "answer": "Billing"} for i in range(5)],
     )
     dates = make_set(
         tmp_path / "eval_sets", "dates", DATES_YAML,
-        [{"written": f"Date: {i} May 2020\nISO date:", "answer": f"2020-05-{i:02d}"} for i in range(1, 7)],
+        [{"written": f"Date: {i % 28 + 1} May {2000 + i}\nISO date:", "answer": f"{2000 + i}-05-{i % 28 + 1:02d}"} for i in range(60)],
         [{"written": f"Date: {i} June 2021\nISO date:"} for i in range(1, 4)],  # answers may be left out altogether
     )
     return routing, dates

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import cli, evalsets
+from pipelines import cli
 from pipelines.commands import gate as gate_command
 from pipelines.commands import job as job_command
 from pipelines.commands import run as run_command
@@ -33,7 +33,9 @@ def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
 
 @pytest.fixture(autouse=True)
 def no_eval_sets_needed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(evalsets, "discover_eval_sets", list)
+    # An empty eval-sets folder, not a patched function: a command module imported during the test keeps what it imported.
+    (tmp_path / "no-eval-sets").mkdir()
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path / "no-eval-sets"))
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "library-logs-root"))  # library logs stay out of the repository
 
 

@@ -709,8 +709,8 @@ def test_a_job_discovers_the_eval_sets_once_for_all_its_candidates(tmp_path: Pat
     from pipelines import job
 
     names = ("alpha", "beta")
-    for name in names:
-        write_set(tmp_path / "sets", name)
+    for name in names:  # 60 items: enough for the default policy's tolerance (fewer are refused at planning)
+        write_set(tmp_path / "sets", name, lines=[GOOD_ITEMS[i % len(GOOD_ITEMS)] for i in range(60)])
     monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path / "sets"))
     monkeypatch.setattr(job, "_model_layout", lambda model, field: None)  # no recipe is compiled here
     for model in ("m1", "m2", "m3"):

@@ -30,12 +30,18 @@ def write_policy(tmp_path: Path, **sections) -> Path:
 def test_shipped_default_policy_loads_with_documented_values():
     policy = load_policy(DEFAULT_POLICY)
     rules = policy.for_set("any-recipe", "any-set")
-    # The numbers docs/gate-json.md's operating-characteristics table was computed for.
-    assert rules.max_abs_drop == 3.0
-    assert rules.non_inferiority and rules.ni_margin == 6.5
+    # The numbers docs/gate-json.md's operating-characteristics tables were computed for.
+    assert rules.non_inferiority and rules.ni_margin == 5.5 and rules.confidence == 0.95
+    assert rules.max_abs_drop == 5.5 and rules.max_rel_drop is None and rules.rel_margin == 0.05
     assert rules.max_flip_rate == 0.05
-    assert rules.max_kl == 0.1
+    assert rules.max_kl == 0.1 and rules.max_kl_action == "warn"
     assert policy.for_set("w8a8", "payment_reference").max_flip_rate == 0.03
+
+
+def test_rules_left_out_of_an_older_policy_take_their_defaults(tmp_path):
+    # A policy written before confidence, rel_margin and max_kl_action existed still loads.
+    rules = load_policy(write_policy(tmp_path)).for_set("w8a8", "tickets")
+    assert (rules.confidence, rules.rel_margin, rules.max_kl_action) == (0.95, None, "warn")
 
 
 def test_policy_by_name_resolves_to_policies_folder():
@@ -93,6 +99,12 @@ def test_unknown_keys_are_refused_naming_file_and_field(tmp_path, sections, fiel
         ({"eval_sets": {"orders": {"ni_margin": None}}}, "eval_sets.orders.ni_margin"),
         ({"recipes": {"w8a8": {"min_items": None}}}, "recipes.w8a8.min_items"),
         ({"schema_version": 2}, "schema_version"),
+        ({"defaults": {**DEFAULTS, "confidence": 0.3}}, "defaults.confidence"),
+        ({"defaults": {**DEFAULTS, "confidence": 1.0}}, "defaults.confidence"),
+        ({"defaults": {**DEFAULTS, "rel_margin": 0}}, "defaults.rel_margin"),
+        ({"defaults": {**DEFAULTS, "max_kl_action": "fail"}}, "defaults.max_kl_action"),
+        ({"eval_sets": {"orders": {"confidence": None}}}, "eval_sets.orders.confidence"),
+        ({"eval_sets": {"orders": {"max_kl_action": None}}}, "eval_sets.orders.max_kl_action"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(tmp_path, sections, field):
@@ -251,3 +263,83 @@ def test_shipped_recipes_identities_match_the_default_policy():
     policy = load_policy(DEFAULT_POLICY)
     assert policy.recipe_key(load_recipe("w4a16").recipe.identity) == "w4a16"
     assert policy.recipe_key(load_recipe("gptq").recipe.identity) is None  # tags int4/weight-only name no override there
+
+
+# --- a policy the selected sets cannot meet: refused at load ------------------------------------------------
+
+
+def sized(name: str, n: int, metric: str = "exact_match", aggregation: str = "mean", higher_is_better: bool = True):
+    from types import SimpleNamespace
+
+    from pipelines.metrics import make_spec
+
+    return SimpleNamespace(name=name, num_items=n, metric=make_spec(metric, aggregation, higher_is_better))
+
+
+def test_a_set_too_small_for_its_tolerance_is_refused_at_load_naming_file_field_set_and_n(tmp_path):
+    from pipelines.policy import check_attainable, load_gate_policy
+
+    path = write_policy(tmp_path, eval_sets={"tiny": {"ni_margin": 3.0}})
+    policy = load_policy(path)
+    check_attainable(policy, [sized("tickets", 60), sized("tiny", 200)], file=path)  # 5.0 needs 52, 3.0 needs 88
+    with pytest.raises(InputError) as raised:
+        load_gate_policy(path, [sized("tickets", 60), sized("tiny", 80)])
+    error = raised.value
+    assert error.file == str(path) and error.field == "eval_sets.tiny.ni_margin" and error.exit_code == 2
+    assert error.message == ("eval set tiny: 80 items cannot show a worsening under ni_margin 3 points at 95% confidence even "
+                             "against an identical model (its bound is at least 3.27 points); it needs at least 88 items")
+    assert "\n" not in error.one_line()
+    with pytest.raises(InputError) as raised:
+        load_gate_policy(path, [sized("tickets", 51)])
+    assert raised.value.field == "defaults.ni_margin" and "it needs at least 52 items" in raised.value.message
+
+
+def test_the_recipe_override_that_sets_the_tolerance_is_named(tmp_path):
+    from pipelines.policy import check_attainable
+
+    policy = load_policy(write_policy(tmp_path, recipes={"w4a16": {"ni_margin": 8.0, "confidence": 0.99}}))
+    check_attainable(policy, [sized("tickets", 80)], "w8a8")
+    with pytest.raises(InputError) as raised:
+        check_attainable(policy, [sized("tickets", 60)], "w4a16")  # 99%: z^2 (1 - T) / T = 5.41 x 0.92 / 0.08 = 62.3
+    assert raised.value.field == "recipes.w4a16.ni_margin" and "at 99% confidence" in raised.value.message
+    assert "it needs at least 63 items" in raised.value.message
+
+
+def test_the_shipped_policy_accepts_the_demo_and_the_cut_real_sets(tmp_path):
+    from pipelines.policy import load_gate_policy
+
+    load_gate_policy(None, [sized(name, 250) for name in ("ticket_routing", "payment_reference", "date_normalisation")])
+    load_gate_policy(None, [sized(name, 60, "acc") for name in ("retail_sentiment", "retail_faulty_item")], "sixteen-bit")
+    with pytest.raises(InputError, match="it needs at least 47 items"):
+        load_gate_policy(None, [sized("retail_order_id", 30)])
+
+
+def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
+    from pipelines.policy import check_attainable
+
+    path = write_policy(tmp_path)  # no rel_margin, max_rel_drop 0.05
+    wiki = sized("wiki", 400, "word_perplexity", "weighted_perplexity", False)
+    check_attainable(load_policy(path), [wiki])  # max_rel_drop applies
+    path = write_policy(tmp_path, eval_sets={"wiki": {"max_rel_drop": None}})
+    with pytest.raises(InputError) as raised:
+        check_attainable(load_policy(path), [wiki], file=path)
+    assert raised.value.field == "defaults.rel_margin" and raised.value.file == str(path)
+    assert "metric word_perplexity is in its own unit, not points" in raised.value.message
+    assert "set rel_margin" in raised.value.message
+    # A perplexity's floor is relative (its value range is the score itself): 2% needs 133 items at 95%.
+    tight = load_policy(write_policy(tmp_path, eval_sets={"wiki": {"max_rel_drop": None, "rel_margin": 0.02}}))
+    check_attainable(tight, [sized("wiki", 133, "word_perplexity", "weighted_perplexity", False)])
+    with pytest.raises(InputError, match="it needs at least 133 items") as raised:
+        check_attainable(tight, [sized("wiki", 100, "word_perplexity", "weighted_perplexity", False)])
+    assert raised.value.field == "eval_sets.wiki.rel_margin"
+    # bleu's floor depends on its baseline: not judged at load
+    check_attainable(tight, [sized("mt", 20, "bleu", "bleu")])
+
+
+def test_rule_source_follows_precedence(tmp_path):
+    policy = load_policy(write_policy(tmp_path, recipes={"w4a16": {"max_kl": 0.2}}, eval_sets={"orders": {"max_kl": None}}))
+    assert policy.rule_source("w4a16", "orders", "max_kl") == "eval_sets.orders.max_kl"
+    assert policy.rule_source("w4a16", "tickets", "max_kl") == "recipes.w4a16.max_kl"
+    assert policy.rule_source("w8a8", "tickets", "max_kl") == "defaults.max_kl"
+    assert policy.rule_source(None, "tickets", "max_kl") == "defaults.max_kl"
+    assert policy.for_set(None, "tickets").max_kl == 0.1

@@ -70,3 +70,25 @@ def test_console_renders_the_same_numbers_with_markup_escaped():
     assert "orders|v2: drop 12.50 points > max_abs_drop 2.0" in text
     assert "Stage times" in text and "69.8" in text
     assert "Model: models/demo-llama (aaaaaaaaaaaa)" in text
+
+
+def test_markdown_gives_each_set_s_bound_tolerance_sizing_and_what_the_rules_guarantee():
+    text = render_markdown(make_report())
+    # 25 of 200 lost: one-sided 95% bound 16.85 points against ni_margin 5.0; at 12.5% discordance 200 items certify
+    # 6.54 points at best and 5.0 needs 331; 20 identical items cannot show 5.0 points (11.92), 52 would.
+    assert "| 16.85 / 5.00 | 6.54 / 331 | 0.0% | FAIL |" in text
+    assert "| 11.92 / 5.00 | 11.92 / 52 | 100.0% | FAIL |" in text
+    assert "## What the rules guarantee" in text
+    assert "- `ni_margin` 5.0: a candidate whose true drop is 5.0 points passes at most 5% of the time" in text
+    assert "`max_abs_drop` 2.0: reads the observed drop, no error rate of its own" in text
+    assert "whole run: an unchanged candidate with these sets' observed discordance is rejected by at least one set 100.0%" in text
+
+
+def test_a_kl_rule_that_only_warns_says_so():
+    from fakes import REPORT_POLICY
+
+    policy = REPORT_POLICY.model_copy(update={"defaults": REPORT_POLICY.defaults.model_copy(update={"max_kl": 0.001})})
+    text = render_markdown(GateReport(gate=decide([set_comparison("orders", lost=0, kept=300)], policy, "w8a8")))
+    assert text.startswith("# Quantization gate: PROMOTED")
+    assert "`max_kl` 0.001 (warns only, max_kl_action: warn): no stated error rate; the KL is a top-k lower bound" in text
+    assert "orders: mean KL 0.0020 nats/token > max_kl 0.001: a warning, not a rejection" in text
