@@ -190,6 +190,19 @@ class WeightBytes(StrictModel):
     ratio: float
 
 
+class SmoothingRecord(StrictModel):
+    """The SmoothQuant mappings a quantization used: derived from the model's forward, checked to be an
+    identity before calibration (pipelines.smoothing)."""
+
+    mappings: list[tuple[list[str], str]]  # llm-compressor's [[balance regexes], smooth regex]
+    layers: list[str]  # each mapping as the layers it reaches
+    skipped: list[str]  # projection groups not smoothed, and why
+    max_relative_difference: float  # of the logits, SmoothQuant alone vs none, float32
+    tolerance: float
+    check_samples: int
+    check_s: float
+
+
 class PeakMemory(StrictModel):
     bytes: int
     note: str = "process peak RSS (resource.getrusage ru_maxrss): covers everything this process did, not only quantization"
@@ -216,6 +229,7 @@ class Manifest(StrictModel):
     # GPTQ and SmoothQuant sum in a thread-count-dependent order: the same inputs give the same bits on
     # the same device and thread count, and may differ in the last bit elsewhere.
     compute: str = ""
+    smoothing: SmoothingRecord | None = None  # when the recipe smooths (absent in manifests written before it)
 
 
 def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:

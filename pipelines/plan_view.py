@@ -10,7 +10,7 @@ from pipelines.planner import GiB, Plan, PlanRow, known_gpus
 
 PLAN_COLUMNS = [
     "scheme", "weights", "KV/token KiB", "KV total", "activations", "overhead", "total", "fits",
-    "max conc.", "max context", "recommended util / len / seqs", "decode tok/s",
+    "max conc.", "max context", "recommended util / len / seqs", "vLLM KV tokens", "decode tok/s",
 ]
 
 
@@ -31,7 +31,8 @@ def plan_title(result: Plan) -> str:
     bandwidth = f", {gpu.bandwidth_bytes_per_s / 1e9:g} GB/s" if gpu.bandwidth_bytes_per_s else ""
     device = f"{gpu.name} ({gib(gpu.memory_bytes)} GiB{bandwidth})" if gpu.name in known_gpus() else f"{gpu.name}{bandwidth}"
     kernels = f" (recipes checked for {result.target})" if result.target else ""
-    return f"{result.model} on {device}: {result.max_model_len:,} tokens x {result.concurrency} sequences{kernels}"
+    layers = f"; layers: {result.attention}" if result.attention else ""
+    return f"{result.model} on {device}: {result.max_model_len:,} tokens x {result.concurrency} sequences{layers}{kernels}"
 
 
 def plan_row_cells(row: PlanRow) -> list[str]:
@@ -42,6 +43,7 @@ def plan_row_cells(row: PlanRow) -> list[str]:
         size(row.activation_bytes), size(row.overhead_bytes), size(row.total_bytes),
         fits_cell(row), f"{row.max_concurrency:,}", f"{row.max_context:,}",
         f"{advice.gpu_memory_utilization:.2f} / {advice.max_model_len:,} / {advice.max_num_seqs}" if advice else "-",
+        f"{row.vllm_kv_tokens:,}" if row.vllm_kv_tokens is not None else "-",
         f"{row.decode_tokens_per_s:,.0f}" if row.decode_tokens_per_s is not None else "-",
     ]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
@@ -26,6 +26,7 @@ from pipelines.artifact import (
     CalibrationRecord,
     Manifest,
     PeakMemory,
+    SmoothingRecord,
     WeightBytes,
     artifact_file_hashes,
     check_model_dir,
@@ -38,10 +39,12 @@ from pipelines.compiler import CompiledRecipe, compile_recipe, layout_from_model
 from pipelines.evalsets import EvalSet
 from pipelines.hashing import file_hashes, sha256_json
 from pipelines.output import progress
-from pipelines.progress import Bar, track
+from pipelines.progress import track
+from pipelines.quantize_progress import following_llmcompressor
 from pipelines.recipe import LoadedRecipe, load_recipe
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.settings import current as current_settings
+from pipelines.smoothing import checked_smoothing, with_mappings
 
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 KEY_HEX = 12
@@ -98,8 +101,8 @@ def quantize_model(
         return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=True)
     # atomic_dir gives the folder and manifest.json the umask's permissions (mkdtemp's would be private).
     with _removing_new_folders(artifact_dir.parent, stop_at=artifacts_root.parent), atomic_dir(artifact_dir) as staging:
-        quantize_s = run_oneshot(inputs, staging)
-        manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started)
+        quantize_s, smoothing = run_oneshot(inputs, staging)
+        manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started, smoothing)
         write_json_atomic(staging / MANIFEST_NAME, manifest.model_dump(mode="json"))
     progress(f"artifact {artifact_dir}")
     return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=False)
@@ -152,8 +155,9 @@ def artifact_path(artifacts_root: Path, inputs: _Inputs) -> Path:
 # ------------------------------------------------------------------------------- heavy work
 
 
-def run_oneshot(inputs: _Inputs, out_dir: Path) -> float:
-    """Load, calibrate + quantize with llm-compressor, save compressed with the tokenizer; returns seconds."""
+def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord | None]:
+    """Load, calibrate + quantize with llm-compressor, save compressed with the tokenizer; returns seconds and
+    the SmoothQuant mappings used (derived from the model's forward and checked before calibration)."""
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -165,6 +169,7 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> float:
         tokenizer = AutoTokenizer.from_pretrained(inputs.model_dir)
         model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype="auto")
         kwargs: dict[str, Any] = {}
+        smoothing: SmoothingRecord | None = None
         if inputs.calibration is not None:
             dataset = calibration_dataset(tokenizer, inputs.texts, inputs.calibration.max_seq_length)
             kwargs = {
@@ -173,47 +178,23 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> float:
                 "shuffle_calibration_samples": False,
                 "max_seq_length": inputs.calibration.max_seq_length,
             }
+            if inputs.recipe.recipe.smoothquant is not None:  # mappings from the model's own forward, checked first
+                smoothing = checked_smoothing(model, dataset, strength=inputs.recipe.recipe.smoothquant.strength,
+                                              max_seq_length=inputs.calibration.max_seq_length, source=inputs.model_dir)
         progress(f"running llm-compressor oneshot ({len(inputs.texts)} calibration samples, {'GPU' if torch.cuda.is_available() else 'CPU'})")
-        layers = decoder_layers(model)
-        with track("quantize", total=len(layers) or None, unit="layer") as bar, counting_layers(layers, bar):
-            oneshot(model=model, recipe=inputs.compiled.yaml, **kwargs)
-            bar.update(completed=len(layers))
+        # subgraph k/n as llm-compressor's own pipeline finishes them (pipelines.quantize_progress)
+        with track("quantize", unit="subgraph") as bar, following_llmcompressor(bar):
+            oneshot(model=model, recipe=_recipe_run(inputs, smoothing), **kwargs)
+            bar.update(completed=bar.total)  # returned: all done (a data-free recipe traces nothing: no total)
         progress("saving the compressed model")
         model.save_pretrained(out_dir, save_compressed=True)
         tokenizer.save_pretrained(out_dir)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, smoothing
 
 
-def decoder_layers(model: Any) -> list[Any]:
-    """The model's stack of decoder layers: the ModuleList as long as config.num_hidden_layers (empty if none)."""
-    import torch
-
-    count = getattr(model.config, "num_hidden_layers", None)
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
-            return list(module)
-    return []
-
-
-@contextmanager
-def counting_layers(layers: list[Any], bar: Bar) -> Iterator[None]:
-    """Advance `bar` to layer k when layer k's forward first runs.
-
-    llm-compressor's sequential pipeline calibrates (and GPTQ compresses) one layer's subgraph at a time, so
-    the first forward of layer k means layers before it are done; data-free recipes (RTN) run no forward
-    and the bar jumps to the end when oneshot returns."""
-    def reached(index: int) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if index > bar.completed:
-                bar.update(completed=index)
-        return hook
-
-    handles = [layer.register_forward_pre_hook(reached(index)) for index, layer in enumerate(layers)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+def _recipe_run(inputs: _Inputs, smoothing: SmoothingRecord | None) -> str:
+    """The llm-compressor recipe oneshot runs: the compiled one, with the derived SmoothQuant mappings."""
+    return inputs.compiled.yaml if smoothing is None else with_mappings(inputs.compiled.llmcompressor, smoothing.mappings)
 
 
 @contextmanager
@@ -248,7 +229,7 @@ def _removing_new_folders(folder: Path, *, stop_at: Path) -> Iterator[None]:
         raise
 
 
-def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: float) -> Manifest:
+def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: float, smoothing: SmoothingRecord | None = None) -> Manifest:
     before, after = tensor_bytes(inputs.model_dir), tensor_bytes(artifact_dir)
     return Manifest(
         recipe=inputs.recipe.name,
@@ -257,7 +238,7 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         input_key=inputs.key,
         recipe_file=str(inputs.recipe.path),
         recipe_text=inputs.recipe.text,
-        compiled_recipe=inputs.compiled.yaml,
+        compiled_recipe=_recipe_run(inputs, smoothing),
         calibration=inputs.calibration,
         versions=inputs.versions,
         source_files=inputs.source_files,
@@ -268,6 +249,7 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         peak_memory=PeakMemory(bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         stages={"quantize_s": round(quantize_s, 3)},
         compute=compute_description(),
+        smoothing=smoothing,
     )
 
 

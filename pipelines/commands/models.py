@@ -18,11 +18,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add = actions.add_parser(
         "add",
         help="convert a GGUF into a 16-bit model folder models/NAME/ (a complete folder is left alone)",
-        description="Convert a Llama-family GGUF into the bf16 HF folder the pipeline quantizes and serves. "
-        "NAME is a catalogue model (smollm2-135m) or any name with --gguf FILE.",
+        description="Convert a GGUF (llama.cpp architectures llama, qwen2, qwen3, gemma2, gemma3, phi3) into the bf16 HF "
+        "folder the pipeline quantizes and serves; its tokenizer is checked against the GGUF's own vocabulary (and "
+        "rebuilt from it when transformers' conversion is wrong). NAME is a catalogue model (smollm2-135m, gemma3-270m) "
+        "or any name with --gguf FILE.",
     )
-    add.add_argument("name", help="model name: a catalogue model (smollm2-135m) or your own with --gguf")
-    add.add_argument("--gguf", type=Path, help="a local GGUF file of a Llama-family model")
+    add.add_argument("name", help="model name: a catalogue model (smollm2-135m, gemma3-270m) or your own with --gguf")
+    add.add_argument("--gguf", type=Path, help="a local GGUF file (llama, qwen2, qwen3, gemma2, gemma3 or phi3)")
     add.add_argument("--force", action="store_true", help="convert again and replace an existing folder")
     add.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="where model folders live (default: models/)")
     add.add_argument("--json", action="store_true", help="print JSON on stdout")

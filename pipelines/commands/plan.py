@@ -134,6 +134,9 @@ def render_plan(result: Plan) -> None:
     say(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
     for row in result.rows:
         say(f"{row.scheme}: {vllm_arguments(row)}")
+    for row in result.rows:
+        if row.vllm_kv_layout:
+            say(f"{row.scheme}: vLLM KV cache {row.vllm_kv_tokens:,} tokens: {row.vllm_kv_layout}")
 
 
 def _render_gpus(gpus: list[GpuSpec]) -> None:

@@ -17,7 +17,18 @@ from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT
 from pipelines.compiler import SIXTEEN_BIT, cannot_apply
 from pipelines.errors import InputError
 from pipelines.planner.gpus import GiB, GpuSpec
-from pipelines.planner.kv import kv_cache_bytes_for_context, kv_cache_bytes_per_token, kv_element_bytes
+from pipelines.planner.kv import (
+    CPU_BATCHES_IN_FLIGHT,
+    CPU_BLOCK_SIZE,
+    CUDA_BATCHES_IN_FLIGHT,
+    CUDA_BLOCK_SIZE,
+    VllmKvCache,
+    attention_summary,
+    kv_cache_bytes_for_context,
+    kv_cache_bytes_per_token,
+    kv_element_bytes,
+    vllm_kv_cache,
+)
 from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import WeightBreakdown, predict_weight_bytes, safetensors_bytes, shape_layout
 from pipelines.recipe import Recipe
@@ -42,6 +53,10 @@ class PlanSettings(StrictModel):
     logits_buffers: int = Field(default=2, gt=0, description="float32 [max_num_seqs, vocab] buffers in the sampler")
     min_gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1, allow_inf_nan=False, description="never recommend less than vLLM's default")
     max_gpu_memory_utilization: float = Field(default=0.95, gt=0, le=1, allow_inf_nan=False, description="the share of device memory a plan may use")
+    kv_space_bytes: int | None = Field(
+        default=None, gt=0, le=MAX_OVERHEAD_GIB * GiB, description="KV space vLLM is given (VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes) for the "
+        "predicted vLLM KV capacity; default: what a row leaves of the device at its recommended utilization",
+    )
 
     def available_bytes(self, gpu: GpuSpec) -> int:
         return int(gpu.memory_bytes * self.max_gpu_memory_utilization)
@@ -86,6 +101,11 @@ class PlanRow(StrictModel):
     max_context: int = Field(description="at the given concurrency, capped at the model's max_position_embeddings")
     recommended: RecommendedArgs | None
     decode_tokens_per_s: float | None = Field(description="one stream, bandwidth-bound, at max_model_len")
+    vllm_kv_tokens: int | None = Field(
+        default=None, description="the 'KV cache size: N tokens' vLLM will log with the recommended arguments "
+        "(its hybrid allocator's groups and blocks, docs/planner.md); None when nothing is recommended",
+    )
+    vllm_kv_layout: str | None = Field(default=None, description="how vLLM cuts that KV space: groups, blocks, blocks per request")
 
 
 class Plan(StrictModel):
@@ -97,6 +117,7 @@ class Plan(StrictModel):
     settings: PlanSettings
     rows: list[PlanRow]
     target: str | None = Field(default=None, description="the serve target whose kernels the recipes were checked against")
+    attention: str = Field(default="", description="which layers slide, e.g. '15 sliding (window 512) + 3 full'")
 
     def fit_row(self) -> PlanRow:
         """The row a fit requirement is judged by: the artifact's measured row when the plan has one, else
@@ -155,7 +176,10 @@ def _largest(fits: Callable[[int], bool], limit: int) -> int:
     return good
 
 
-def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSettings, context: int, concurrency: int) -> PlanRow:
+def _row(
+    shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSettings, context: int, concurrency: int,
+    target: ServeTarget | None,
+) -> PlanRow:
     available = settings.available_bytes(gpu)
 
     def fits(ctx: int, seqs: int) -> bool:
@@ -166,6 +190,8 @@ def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSetting
     max_concurrency = _largest(lambda seqs: fits(context, seqs), MAX_CONCURRENCY)
     max_context = _largest(lambda ctx: fits(ctx, concurrency), context_limit)
     applies = scheme.does_not_apply is None
+    recommended = _recommend(shape, scheme, gpu, settings, context, concurrency, max_concurrency, fits) if applies else None
+    vllm_kv = _vllm_kv(shape, scheme, gpu, settings, recommended, target)
     return PlanRow(
         scheme=scheme.label,
         does_not_apply=scheme.does_not_apply,
@@ -181,8 +207,35 @@ def _row(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSetting
         fits=applies and memory.total <= available,
         max_concurrency=max_concurrency,
         max_context=max_context,
-        recommended=_recommend(shape, scheme, gpu, settings, context, concurrency, max_concurrency, fits) if applies else None,
+        recommended=recommended,
         decode_tokens_per_s=_decode_ceiling(shape, scheme, gpu, context),
+        vllm_kv_tokens=vllm_kv.tokens if vllm_kv else None,
+        vllm_kv_layout=vllm_kv.describe() if vllm_kv else None,
+    )
+
+
+def _vllm_kv(
+    shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, settings: PlanSettings, advice: RecommendedArgs | None,
+    target: ServeTarget | None,
+) -> VllmKvCache | None:
+    """The KV cache vLLM will allocate when started with `advice` (None without advice): its KV space (settings.kv_space_bytes, else the
+    device memory at the recommended utilization less weights, activations and the non-KV overhead) cut into the
+    target's blocks (CPU 128 tokens, CUDA 16) and groups as pipelines.planner.kv.vllm_kv_cache does."""
+    if advice is None:
+        return None
+    space = settings.kv_space_bytes
+    if space is None:
+        weights = scheme.weights.total_bytes
+        activations = activation_bytes(shape, settings, advice.max_num_seqs)
+        overhead = settings.fixed_overhead_bytes + math.ceil(settings.overhead_fraction * (weights + activations))
+        space = int(gpu.memory_bytes * advice.gpu_memory_utilization) - weights - activations - overhead
+    if space <= 0:
+        return None
+    cpu = target is not None and target.kind == "cpu"
+    return vllm_kv_cache(
+        shape, scheme.kv_bytes, space, block_size=CPU_BLOCK_SIZE if cpu else CUDA_BLOCK_SIZE,
+        max_model_len=advice.max_model_len,
+        in_flight_tokens=advice.max_num_batched_tokens * (CPU_BATCHES_IN_FLIGHT if cpu else CUDA_BATCHES_IN_FLIGHT),
     )
 
 
@@ -275,12 +328,13 @@ def plan(
         raise InputError("nothing to plan: give a recipe, None for 16-bit, or an artifact", field="recipes")
     target = target or (gpu_target(gpu) if any(recipes) else None)
     rows = [
-        _row(shape, scheme, gpu, settings, max_model_len, concurrency)
+        _row(shape, scheme, gpu, settings, max_model_len, concurrency, target)
         for scheme in _schemes(shape, recipes, artifact_dir, kv_cache_dtype, target or CPU)
     ]
     return Plan(
         model=shape.name, config=source, gpu=gpu, max_model_len=max_model_len,
         concurrency=concurrency, settings=settings, rows=rows, target=str(target) if target else None,
+        attention=attention_summary(shape.windows),
     )
 
 

@@ -2,20 +2,55 @@
 
 load_config reads a config.json (a dict, a file or a model folder); model_shape validates what the planner
 needs and derives the shape, each size checked against pipelines.bounds.
+
+The planner counts bytes by family (FAMILIES: what one decoder layer of the family's checkpoint holds beyond a
+Llama's); a model_type it does not know is refused, in one line naming it, rather than counted as a Llama.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import Field
 
 from pipelines.artifact import CONFIG_NAME, read_config_json
 from pipelines.bounds import bounded_size
+from pipelines.compiler import architecture_name, quantize_refusal
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
+
+
+class Family(NamedTuple):
+    """What one decoder layer of a family's checkpoint holds beyond a Llama's, and the defaults its config
+    class gives fields config.json may leave out (measured against transformers 5.17's classes)."""
+
+    norms: int = 2  # RMS norm weights of hidden size per layer (Gemma 2/3: before and after attention and MLP)
+    qk_norm: bool = False  # q_norm and k_norm, head_dim each (Qwen3, Gemma 3)
+    qkv_bias: bool = False  # q/k/v biases whatever attention_bias says (Qwen2)
+    fused_qkv: bool = False  # one qkv_proj Linear in the checkpoint (Phi-3)
+    fused_gate_up: bool = False  # one gate_up_proj Linear in the checkpoint (Phi-3)
+    tied: bool = False  # tie_word_embeddings when config.json does not say
+    head_dim: int | None = None  # head_dim when config.json does not say (None: hidden / heads)
+
+
+_GEMMA = Family(tied=True, head_dim=256)
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True, head_dim=128),
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA._replace(norms=4),
+    "gemma3_text": _GEMMA._replace(norms=4, qk_norm=True),
+    "gemma3": _GEMMA._replace(norms=4, qk_norm=True),  # a multimodal config's text model (planned at 16 bits only)
+    "phi3": Family(fused_qkv=True, fused_gate_up=True),
+    # Mixture-of-experts: planned at 16 bits; no recipe applies (pipelines.compiler.quantize_refusal).
+    "mixtral": Family(),
+    "qwen2_moe": Family(qkv_bias=True),
+    "qwen3_moe": Family(qk_norm=True),
+}
 
 
 class ModelShape(StrictModel):
@@ -43,6 +78,12 @@ class ModelShape(StrictModel):
     kv_cache_dtype: str | None = Field(default=None, description="from quantization_config.kv_cache_scheme")
     kv_cache_element_bytes: int | None = None
     quantized: bool = False
+    family: str = Field(default="llama", description="the model_type whose checkpoint layout is counted (FAMILIES)")
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    not_quantizable: str | None = Field(default=None, description="why no recipe applies (MoE, multimodal): planned at 16 bits only")
 
     @property
     def active_intermediate(self) -> int:
@@ -70,6 +111,7 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
     cfg = {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else config
     if "kv_lora_rank" in cfg:
         raise InputError("multi-head latent attention (DeepSeek-style) is not supported", file=source, field="kv_lora_rank")
+    family_name, family = _family(config, cfg, source)
 
     def need(key: str, default: Any = None) -> int:
         value = cfg.get(key, default)
@@ -83,7 +125,9 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
     if heads % kv_heads:
         message = f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
         raise InputError(message, file=source, field="num_key_value_heads")
-    if "head_dim" not in cfg and hidden % heads:
+    if cfg.get("head_dim") is None:  # absent or null: the family's config class default
+        cfg = {**cfg, "head_dim": family.head_dim or (hidden // heads if hidden % heads == 0 else None)}
+    if cfg["head_dim"] is None:
         message = f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); give head_dim"
         raise InputError(message, file=source, field="head_dim")
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
@@ -99,14 +143,14 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
     return ModelShape(
         name=str(cfg.get("_name_or_path") or Path(source).parent.name or "model"),
         hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-        head_dim=need("head_dim", hidden // heads),
+        head_dim=need("head_dim"),
         intermediate=need("intermediate_size"),
         vocab=need("vocab_size"),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", family.tied)),
         max_position=max_position,
         windows=_layer_windows(cfg, layers, source),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        qkv_bias=cfg.get("model_type") in ("qwen2", "qwen2_moe"),
+        qkv_bias=family.qkv_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         experts=need("num_local_experts" if "num_local_experts" in cfg else "num_experts") if experts else 0,
         experts_per_token=need("num_experts_per_tok") if experts else 0,
@@ -114,7 +158,32 @@ def model_shape(config: dict, source: str = "config.json") -> ModelShape:
         shared_expert_intermediate=shared if experts else 0,
         **_config_kv_cache(quantization, source),
         quantized=quantization is not None,
+        family=family_name, norms_per_layer=family.norms, qk_norm=family.qk_norm,
+        fused_qkv=family.fused_qkv, fused_gate_up=family.fused_gate_up,
+        not_quantizable=_not_quantizable(config),
     )
+
+
+def _family(config: dict, cfg: dict, source: str) -> tuple[str, Family]:
+    """The family whose checkpoint layout the planner counts (a multimodal config's text model's), or an
+    InputError naming the architecture: one it cannot plan is refused, not counted as a Llama."""
+    model_type = cfg.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return model_type, FAMILIES[model_type]
+    refusal = quantize_refusal(config)
+    if refusal is not None and refusal[0] == "is_encoder_decoder":
+        raise InputError(f"{architecture_name(config)} is {refusal[1]}", file=source, field="is_encoder_decoder")
+    if not isinstance(model_type, str) or not model_type:
+        raise InputError(f"missing: the planner counts bytes by family ({', '.join(FAMILIES)})", file=source, field="model_type")
+    raise InputError(
+        f"{architecture_name(config)} is not a decoder family the planner can count; it counts {', '.join(FAMILIES)}",
+        file=source, field="model_type",
+    )
+
+
+def _not_quantizable(config: dict) -> str | None:
+    refusal = quantize_refusal(config)
+    return f"{architecture_name(config)} is {refusal[1]}" if refusal else None
 
 
 def _layer_windows(cfg: dict, layers: int, source: str) -> list[int | None]:

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from pipelines.artifact import tensor_bytes
 from pipelines.compiler import Kind, LinearInfo, ModelLayout, scheme_for
+from pipelines.errors import InputError
 from pipelines.planner.shape import ModelShape
 from pipelines.recipe import AutoGroupSize, GroupScheme, KeptGroup, Recipe
 from pipelines.schema import StrictModel
@@ -22,7 +23,8 @@ _WEIGHT_SHAPE_BYTES = 16  # pack-quantized layers also store their original shap
 
 
 class Linear(NamedTuple):
-    """One Linear the planner counts, named as Llama-style checkpoints name it."""
+    """One Linear the planner counts, named as the family's checkpoint names it (Llama-style; Phi-3's fused
+    qkv_proj and gate_up_proj)."""
 
     name: str
     kind: Kind
@@ -51,12 +53,21 @@ def decoder_linears(shape: ModelShape, layer: int) -> list[Linear]:
     prefix = f"model.layers.{layer}"
     q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qkv_bias = shape.attention_bias or shape.qkv_bias
-    linears = [
-        Linear(f"{prefix}.self_attn.q_proj", "attention", layer, q_width, shape.hidden, qkv_bias),
-        Linear(f"{prefix}.self_attn.k_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
-        Linear(f"{prefix}.self_attn.v_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
-        Linear(f"{prefix}.self_attn.o_proj", "attention", layer, shape.hidden, q_width, shape.attention_bias),
-    ]
+    if shape.fused_qkv:
+        linears = [Linear(f"{prefix}.self_attn.qkv_proj", "attention", layer, q_width + 2 * kv_width, shape.hidden, qkv_bias)]
+    else:
+        linears = [
+            Linear(f"{prefix}.self_attn.q_proj", "attention", layer, q_width, shape.hidden, qkv_bias),
+            Linear(f"{prefix}.self_attn.k_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
+            Linear(f"{prefix}.self_attn.v_proj", "attention", layer, kv_width, shape.hidden, qkv_bias),
+        ]
+    linears.append(Linear(f"{prefix}.self_attn.o_proj", "attention", layer, shape.hidden, q_width, shape.attention_bias))
+    if shape.fused_gate_up and not shape.experts:
+        return [
+            *linears,
+            Linear(f"{prefix}.mlp.gate_up_proj", "mlp", layer, 2 * shape.intermediate, shape.hidden, shape.mlp_bias),
+            Linear(f"{prefix}.mlp.down_proj", "mlp", layer, shape.hidden, shape.intermediate, shape.mlp_bias),
+        ]
     if not shape.experts:
         return linears + _mlp(f"{prefix}.mlp", layer, shape.hidden, shape.intermediate, shape.mlp_bias)
     linears += _mlp(f"{prefix}.mlp.experts", layer, shape.hidden, shape.expert_intermediate, False, shape.experts, True)
@@ -84,7 +95,10 @@ def linear_schemes(shape: ModelShape, recipe: Recipe | None) -> dict[str, GroupS
 
 def shape_layout(shape: ModelShape) -> ModelLayout:
     """The compiler's view of the model, built from the shape alone (no torch): the Linear layers the
-    planner counts, named as Llama-style checkpoints name them; MoE experts count once per layer."""
+    planner counts, named as the family's checkpoints name them. A model no recipe can quantize (MoE,
+    multimodal: pipelines.compiler.quantize_refusal) is an InputError, as the compiler's own layout is."""
+    if shape.not_quantizable:
+        raise InputError(shape.not_quantizable, field="model_type")
     linears = [
         LinearInfo(name=linear.name, in_features=linear.inp, out_features=linear.out, kind=linear.kind, layer=layer)
         for layer in range(shape.layers)
@@ -134,7 +148,8 @@ def predict_weight_bytes(shape: ModelShape, recipe: Recipe | None) -> WeightBrea
     lm_head = recipe.groups.lm_head if recipe else KeptGroup()
     embedding = _kept_bytes(embeddings, shape.vocab, shape.hidden, pb)
     total = embedding + (0 if shape.tied_embeddings else _kept_bytes(lm_head, shape.vocab, shape.hidden, pb))
-    total += (2 * shape.layers + 1) * shape.hidden * pb  # RMS norms: two per layer and a final one
+    total += (shape.norms_per_layer * shape.layers + 1) * shape.hidden * pb  # RMS norms: per layer (2; Gemma 2/3: 4), a final one
+    total += (2 * shape.layers * shape.head_dim * pb) if shape.qk_norm else 0  # q_norm and k_norm (Qwen3, Gemma 3)
     total += shape.layers * shape.experts * shape.hidden * pb  # MoE routers stay 16-bit
     experts = 0
     for layer in range(shape.layers):

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from pydantic import BaseModel
 
 from pipelines.recipe import GroupScheme
@@ -61,9 +60,12 @@ class Simulator:
         from llmcompressor import oneshot
 
         from pipelines.calibration import calibration_dataset
+        from pipelines.smoothing import checked_smoothing, with_mappings
 
-        recipe = yaml.safe_dump({"smooth_stage": {"smooth_modifiers": {"SmoothQuantModifier": {"smoothing_strength": strength}}}})
         dataset = calibration_dataset(tokenizer, texts, max_seq_length)
+        # The mappings the quantize step uses: traced from this model's forward and checked, never the library's by name.
+        record = checked_smoothing(self.model, dataset, strength=strength, max_seq_length=max_seq_length)
+        recipe = with_mappings({"smooth_stage": {"smooth_modifiers": {"SmoothQuantModifier": {"smoothing_strength": strength}}}}, record.mappings)
         oneshot(model=self.model, recipe=recipe, dataset=dataset, num_calibration_samples=len(dataset),
                 shuffle_calibration_samples=False, max_seq_length=max_seq_length)
         self._capture_originals()

@@ -3,6 +3,7 @@
 vLLM fuses q/k/v (and gate/up) of a layer into one Linear that carries one scheme, and the compiler refuses
 a recipe that gives the shards different schemes. So sensitivity is measured, and overrides are written,
 per unit: `layers.3.self_attn.qkv`, `layers.3.self_attn.o`, `layers.3.mlp.gate_up`, `layers.3.mlp.down`.
+A checkpoint that already fuses them (Phi-3's qkv_proj, gate_up_proj) gives units of one shard, named the same.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pipelines.compiler import FUSED_SHARDS, Kind, LinearInfo, ModelLayout, ModuleScheme, check_recipe
+from pipelines.compiler import CHECKPOINT_FUSED, FUSED_SHARDS, Kind, LinearInfo, ModelLayout, ModuleScheme, check_recipe
 from pipelines.recipe import GroupScheme, Recipe
 from pipelines.targets import ServeTarget
 
@@ -52,7 +53,8 @@ class Unit(BaseModel):
 
 
 def units_of(plan: dict[str, ModuleScheme]) -> list[Unit]:
-    """Units from the compiler's per-module plan (schemes concrete), in layer order, then q/k/v, o, gate/up, down."""
+    """Units from the compiler's per-module plan (schemes concrete), in layer order, then q/k/v, o, gate/up, down
+    (fused ones first, whether vLLM fuses the shards or the checkpoint already did)."""
     grouped: dict[tuple, list[ModuleScheme]] = {}
     for entry in plan.values():
         info = entry.module
@@ -68,7 +70,12 @@ def units_of(plan: dict[str, ModuleScheme]) -> list[Unit]:
         for (layer, kind, parent, _), entries in grouped.items()
     ]
     order = {name: index for index, name in enumerate(plan)}
-    return sorted(units, key=lambda unit: (unit.layer, unit.kind != "attention", order[unit.modules[0].name]))
+    return sorted(units, key=lambda unit: (unit.layer, unit.kind != "attention", not _fused(unit), order[unit.modules[0].name]))
+
+
+def _fused(unit: Unit) -> bool:
+    """q/k/v or gate/up: shards vLLM fuses, or the one module a checkpoint fused them into (Phi-3)."""
+    return unit.shards[0] in FUSED_SHARDS[unit.kind] or unit.shards == (CHECKPOINT_FUSED[unit.kind],)
 
 
 def recipe_units(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget) -> list[Unit]:

@@ -2,6 +2,8 @@
 
 On models/demo-llama: the KV-cache lines vLLM logged while the session's w8a8 run served the 16-bit
 model and its artifact, and the four shipped recipes' artifacts in the session's artifacts root.
+Every family of tests/families.py is checked the same way on the servers of its own gate run
+(tests/integration/test_families_e2e.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import pytest
 
 from pipelines.paths import DEMO_MODEL_DIR, RECIPES_DIR
 from pipelines.planner import GiB, kv_capacity_tokens, load_config, model_shape, predict_weight_bytes, safetensors_bytes
+from pipelines.planner.kv import CPU_BLOCK_SIZE
 from pipelines.recipe import load_recipe
 
 pytestmark = pytest.mark.integration
 
-CPU_BLOCK_SIZE = 128  # vLLM's CPU default (vllm/platforms/cpu.py) when --block-size is not given
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens")
+_GROUPS_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")  # logged only when there is more than one group
 
 
 def test_kv_capacity_matches_the_tokens_vllm_logs(w8a8_run) -> None:

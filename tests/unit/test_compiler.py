@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 from compressed_tensors.utils.match import match_name
+from families import FAMILIES, family_config
 
 from pipelines.cli import main
 from pipelines.compiler import (
-    GROUP_TARGET,
     CompiledRecipe,
     LinearInfo,
     ModelLayout,
@@ -25,6 +25,8 @@ from pipelines.targets import parse_target
 
 W8_DYNAMIC = {"weights": {"bits": 8}, "activations": {"granularity": "token", "dynamic": True}}
 W4_GROUP = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
+# What a Llama's compiled recipe targets (the group regexes narrowed to the shards a Llama has), as before Phi-3.
+LLAMA_ATTENTION, LLAMA_MLP = r"re:.*self_attn\.(q|k|v|o)_proj$", r"re:.*mlp\.(gate|up|down)_proj$"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_shipped_w8a8_compiles_to_smoothquant_then_gptq_with_mixed_activations(l
     gptq = modifiers["GPTQModifier"]
     assert "lm_head" in gptq["ignore"] and gptq["actorder"] is None
     attention, mlp = gptq["config_groups"]["attention"], gptq["config_groups"]["mlp"]
-    assert attention["targets"] == [GROUP_TARGET["attention"]] and mlp["targets"] == [GROUP_TARGET["mlp"]]
+    assert attention["targets"] == [LLAMA_ATTENTION] and mlp["targets"] == [LLAMA_MLP]
     assert attention["input_activations"] | {} == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     assert (mlp["input_activations"]["strategy"], mlp["input_activations"]["dynamic"]) == ("tensor", False)
     assert yaml.safe_load(compiled.yaml) == compiled.llmcompressor
@@ -91,6 +93,33 @@ def test_every_shipped_recipe_claims_each_decoder_linear_once(layout: ModelLayou
     for info in layout.linears:
         assert claimed_by(compiled, info.name) == [info.kind], info.name
     assert claimed_by(compiled, "lm_head") == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_has_each_decoder_linear_claimed_once_by_compressed_tensors(family: str) -> None:
+    """By compressed-tensors' own matching, on every family's module names (Phi-3's qkv_proj and gate_up_proj)."""
+    layout = layout_from_config(family_config(family))
+    for name in ("w8a8", "w4a16"):
+        loaded = load_recipe(name)
+        compiled = compile_recipe(loaded.recipe, layout, loaded.path)
+        for info in layout.linears:
+            assert claimed_by(compiled, info.name) == [info.kind], (name, info.name)
+        assert claimed_by(compiled, "lm_head") == [] and claimed_by(compiled, "model.embed_tokens") == []
+
+
+@pytest.mark.parametrize("config, field, words", [
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}, "num_experts", "is a mixture-of-experts model (8 experts"),
+    ({"model_type": "bart", "d_model": 64, "encoder_layers": 1, "decoder_layers": 1, "vocab_size": 128}, "model_type",
+     "model_type 'bart' is an encoder-decoder model"),  # said by BartConfig, not config.json
+    ({"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128},
+     "model_type", "8 weight matrices of its decoder layers match no group (gpt_neox.layers.0.attention.query_key_value (Linear)"),
+    ({"architectures": ["LlamaForCausalLM"]}, "model_type", "missing"),
+])
+def test_a_layout_the_groups_cannot_cover_is_refused_naming_what_is_missing(config: dict, field: str, words: str) -> None:
+    with pytest.raises(InputError) as caught:
+        layout_from_config(config, "m/config.json")
+    assert (caught.value.file, caught.value.field) == ("m/config.json", field)
+    assert words in caught.value.message
 
 
 def test_compiled_yaml_is_an_llmcompressor_recipe(layout: ModelLayout) -> None:
@@ -291,7 +320,7 @@ def test_shipped_four_bit_recipes_apply_to_a_hidden_576_model(smollm2: ModelLayo
     assert {module.rsplit(".", 1)[1] for module, size in sizes.items() if size == 1536} == {"down_proj"}
     groups = config_groups(compiled)
     assert {name: (group["targets"], group["weights"]["group_size"]) for name, group in groups.items()} == {
-        "attention": ([GROUP_TARGET["attention"]], 64),
+        "attention": ([LLAMA_ATTENTION], 64),
         "mlp": ([r"re:.*mlp\.(gate|up)_proj$"], 64),
         "mlp_1": ([r"re:.*mlp\.down_proj$"], 128),
     }
@@ -401,6 +430,17 @@ def test_a_layer_the_cpu_kernel_cannot_take_serves_on_a_gpu() -> None:
     recipe = parse_recipe(recipe_text({"mlp": W4_AUTO}), "t.yaml")
     assert "multiples of 32" in (cannot_apply(recipe, odd) or "")
     assert cannot_apply(recipe, odd, "t.yaml", parse_target("cuda:8.0")) is None  # Marlin zero-pads the tile
+
+
+@pytest.mark.parametrize("head_dim, refusal", [
+    (48, None),  # k and v are 48 wide each, but vLLM's fused q/k/v is 192 + 48 + 48 = 288 = 9 x 32
+    (40, "model.layers.0.self_attn.q_proj+k_proj+v_proj is 256 -> 240"),  # 160 + 40 + 40
+])
+def test_the_cpu_kernel_judges_fused_shards_as_the_one_layer_vllm_serves(head_dim: int, refusal: str | None) -> None:
+    config = {**SMOLLM2_SHAPE, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "head_dim": head_dim}
+    problem = cannot_apply(load_recipe("w4a16").recipe, layout_from_config(config), "w4a16.yaml")
+    assert problem is None if refusal is None else refusal in (problem or ""), problem
 
 
 def test_cli_validate_for_a_gpu_from_a_cpu_machine(tmp_path: Path, tiny_llama_config: dict, capsys: pytest.CaptureFixture) -> None:

@@ -140,7 +140,7 @@ def test_a_recipe_that_cannot_apply_to_its_model_fails_at_plan_time(workspace, m
     message = raised.value.one_line()
     assert message.startswith(f"{path}: 1 problem(s)")
     assert "candidates.1 (odd-llama x w4a16): recipe cannot apply to this model" in message
-    assert "multiples of 32; model.layers.0.mlp.gate_proj is 256 -> 808" in message and "w4a16.yaml" in message
+    assert "multiples of 32; model.layers.0.mlp.gate_proj+up_proj is 256 -> 1616" in message and "w4a16.yaml" in message
     assert fake.calls == [] and not (workspace / "jobs").exists()
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from pipelines import cli
 from pipelines.errors import InputError
+from pipelines.plan_view import plan_title
 from pipelines.planner import (
     GiB,
     PlanSettings,
@@ -25,6 +26,7 @@ from pipelines.planner import (
     predict_weight_bytes,
     safetensors_bytes,
 )
+from pipelines.planner.kv import attention_summary, vllm_kv_cache
 from pipelines.recipe import GroupScheme, Recipe
 from pipelines.targets import parse_target
 
@@ -222,6 +224,83 @@ def test_kv_capacity_counts_blocks_like_vllm() -> None:
     # A request of 500 tokens still takes 4 whole blocks: vLLM reports 1024 x 500.
     assert kv_capacity_tokens(TINY, GiB, block_size=128, max_model_len=500) == 512_000
     assert kv_capacity_tokens(TINY, GiB - 1, block_size=128) == 524_288 - 128
+
+
+GEMMA3_270M = {  # the real Gemma 3 270M's text config (DESIGN.md): 15 sliding layers of 512 + 3 full, 1 KV head of 256
+    "model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262_144,
+    "max_position_embeddings": 32_768, "sliding_window": 512, "sliding_window_pattern": 6, "dtype": "bfloat16",
+}
+
+
+def test_gemma3_270m_kv_capacity_is_what_vllm_logged() -> None:
+    """Measured: vLLM CPU, 1 GiB, max_model_len 512 logged 48,198 tokens in six KV-cache groups, not the 58,254 that
+    18 KiB per token gives. Six groups of 3 layers (5 sliding + 1 full) share one pool of 3 x 128 KiB blocks (2,730);
+    a 512-token request takes 4 blocks per full group and 5 per sliding group (+1: a window rarely starts on a block)."""
+    shape = shape_of(GEMMA3_270M)
+    assert attention_summary(shape.windows) == "15 sliding (window 512) + 3 full"
+    cache = vllm_kv_cache(shape, 2, GiB, block_size=128, max_model_len=512)
+    assert [len(group.layers) for group in cache.groups] == [3] * 6
+    assert [group.window for group in cache.groups] == [512] * 5 + [None]
+    assert (cache.page_bytes, cache.block_bytes, cache.num_blocks) == (128 * 1024, 3 * 128 * 1024, 2730)
+    assert cache.blocks_per_request == 5 * 5 + 4 and cache.tokens == 48_198
+    assert GiB // kv_cache_bytes_per_token(shape, 2) == 58_254  # the naive figure
+    assert kv_capacity_tokens(GEMMA3_270M, GiB, block_size=128, max_model_len=512) == 48_198
+
+
+# What vLLM 0.32 CPU logged for each tiny family of tests/families.py (1 GiB, 128-token blocks, max_model_len 512):
+# tests/integration/test_planner_vllm.py checks these against a live server.
+FAMILY_KV_TOKENS = {
+    "llama": (524_288, 1), "mistral": (419_430, 1), "qwen2": (524_288, 1), "qwen3": (349_440, 1),
+    "gemma2": (310_670, 2), "gemma3": (294_319, 4), "phi3": (524_288, 1),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_KV_TOKENS)
+def test_kv_capacity_of_every_family_is_what_vllm_logged(family: str) -> None:
+    from families import family_config
+
+    tokens, groups = FAMILY_KV_TOKENS[family]
+    cache = vllm_kv_cache(shape_of(family_config(family)), 2, GiB, block_size=128, max_model_len=512)
+    assert (cache.tokens, len(cache.groups)) == (tokens, groups)
+
+
+@pytest.mark.parametrize("windows, group_layers", [
+    ([None] * 4, [4]),                                   # one type: one group of every layer
+    ([256] * 4, [4]),                                    # all sliding with one window: one group too
+    ([128, None] * 2, [2, 2]),                           # Gemma 2: 2 + 2
+    ([128] * 3 + [None], [1, 1, 1, 1]),                  # smallest bucket (1) sets the group size
+    ([64] * 12 + [None] * 13, [12, 13]),                 # 13 < 1.5 x 12: the largest sets it (blocks of 13 pages)
+    ([64] * 2 + [128] * 2 + [None] * 2, [2, 2, 2]),      # a bucket per window
+])
+def test_layers_are_grouped_as_vllm_groups_them(windows: list, group_layers: list) -> None:
+    shape = shape_of({**TINY, "num_hidden_layers": len(windows), "sliding_window": 64,
+                      "layer_types": ["full_attention"] * len(windows)}).model_copy(update={"windows": windows})
+    cache = vllm_kv_cache(shape, 2, GiB, block_size=128, max_model_len=512)
+    assert sorted(len(group.layers) for group in cache.groups) == sorted(group_layers)
+    assert sorted(i for group in cache.groups for i in group.layers) == list(range(len(windows)))
+    assert cache.block_bytes == max(group_layers) * cache.page_bytes
+
+
+def test_a_sliding_layer_holds_its_window_plus_the_tokens_in_flight() -> None:
+    mistral = shape_of(MISTRAL_7B)  # window 4096, every layer
+    def blocks(**kw) -> int:
+        return vllm_kv_cache(mistral, 2, 80 * GiB, block_size=16, **kw).blocks_per_request
+    assert blocks(max_model_len=2048) == 2048 // 16 + 1  # the window is longer than the request: + 1 block
+    assert blocks(max_model_len=32_768, in_flight_tokens=2048) == (4095 + 2048 + 15) // 16 + 1
+    assert blocks(max_model_len=32_768, in_flight_tokens=2 * 8192) == (4095 + 16_384 + 15) // 16 + 1
+    assert blocks(max_model_len=32_768, hybrid=False) == 32_768 // 16  # --disable-hybrid-kv-cache-manager
+
+
+def test_plan_shows_which_layers_slide_and_the_kv_capacity_vllm_will_log() -> None:
+    on_cpu = plan(GEMMA3_270M, [None], gpu_spec(memory_gib=16), 512, 1, target=parse_target("cpu"),
+                  settings=PlanSettings(kv_space_bytes=GiB))
+    assert on_cpu.attention == "15 sliding (window 512) + 3 full"
+    assert on_cpu.rows[0].vllm_kv_tokens == 48_198
+    assert "layers: 15 sliding (window 512) + 3 full" in plan_title(on_cpu)
+    on_gpu = plan(TINY, [None], gpu_spec("L4"), 2048, 1).rows[0]  # KV space: what the row leaves at its utilization
+    space = on_gpu.recommended.gpu_memory_utilization * gpu_spec("L4").memory_bytes - (on_gpu.total_bytes - on_gpu.kv_cache_bytes)
+    assert on_gpu.vllm_kv_tokens == pytest.approx(space / on_gpu.kv_cache_bytes_per_token, rel=0.01)
 
 
 # --- the plan: fit, search, recommendations, decode ceiling ----------------------------------------------
@@ -594,3 +673,51 @@ def test_cli_plan_target(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert "recipes checked for cuda:8.9" in out and "w8a16: vllm serve ..." in out
     assert cli.main([*argv, "--target", "tpu"]) == 2
     assert "target: unknown serve target 'tpu'" in capsys.readouterr().err
+
+
+# --- families: what each family's checkpoint holds, from config.json alone -----------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_16_bit_bytes_are_two_per_parameter_of_each_family(family: str) -> None:
+    """Qwen2's q/k/v biases, q/k norms (Qwen3, Gemma 3), Gemma's four norms per layer, a head_dim that is not
+    hidden / heads, tied embeddings counted once, Phi-3's fused qkv_proj and gate_up_proj: the meta model's own count."""
+    import torch
+    from families import family_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = family_config(family)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    parameters = sum(p.numel() for p in model.parameters())  # a tied table once
+    assert predict_weight_bytes(shape_of(config), None).total_bytes == 2 * parameters
+
+
+@pytest.mark.parametrize("model_type, head_dim, tied", [
+    ("llama", 64, False), ("qwen3", 128, False), ("gemma", 256, True), ("gemma2", 256, True), ("gemma3_text", 256, True),
+])
+def test_fields_config_json_leaves_out_take_the_family_default(model_type: str, head_dim: int, tied: bool) -> None:
+    config = {k: v for k, v in TINY.items() if k != "head_dim"} | {"model_type": model_type}
+    shape = shape_of(config)
+    assert (shape.head_dim, shape.tied_embeddings) == (head_dim, tied)
+    assert shape_of({**config, "head_dim": None}).head_dim == head_dim  # written as null: the same
+
+
+@pytest.mark.parametrize("config, field, words", [
+    ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}, "model_type", "'gpt2' is not a decoder family the planner can count"),
+    ({**TINY, "model_type": "gpt_neox"}, "model_type", "'gpt_neox' is not a decoder family"),
+    ({"model_type": "t5", "d_model": 64, "is_encoder_decoder": True}, "is_encoder_decoder", "is an encoder-decoder model"),
+    ({k: v for k, v in TINY.items() if k != "model_type"}, "model_type", "missing: the planner counts bytes by family"),
+])
+def test_an_architecture_the_planner_cannot_count_is_refused(config: dict, field: str, words: str) -> None:
+    with pytest.raises(InputError) as caught:
+        plan(config, [None], gpu_spec("T4"), 512, 1)
+    assert caught.value.field == field and words in caught.value.message
+
+
+def test_a_mixture_of_experts_plans_at_16_bits_and_refuses_recipes() -> None:
+    moe = {**TINY, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert plan(moe, [None], gpu_spec("T4"), 512, 1).rows[0].fits
+    with pytest.raises(InputError) as caught:
+        plan(moe, [None, recipe(W4A16)], gpu_spec("T4"), 512, 1)
+    assert caught.value.message.startswith("MixtralForCausalLM (mixtral) is a mixture-of-experts model (8 experts per layer)")

@@ -1,0 +1,73 @@
+"""Every decoder family through the whole job: a tiny random-weight model of each (tests/families.py) quantized
+by the shipped w8a8 recipe (SmoothQuant with mappings derived from the model's own forward and checked to be an
+identity, then GPTQ with static MLP activations), served by vLLM's CPU build beside its 16-bit baseline, scored
+by lm-eval on one demo set and judged by the gate. One `quantize` run per family, two vLLM servers each.
+
+Random weights mean the verdict itself says nothing about quality: the test asks that the job decides (exit 0
+or 1, never 2), that the evidence is complete, and that each server's logged KV capacity is what the planner
+predicts for that family (vLLM's hybrid allocator for sliding-window layers included).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from families import FAMILIES, make_family_model
+from helpers import CommandRun, Workspace
+
+from pipelines.planner import GiB, load_config, model_shape
+from pipelines.planner.kv import CPU_BLOCK_SIZE, kv_element_bytes, vllm_kv_cache
+
+pytestmark = pytest.mark.integration
+
+EVAL_SET = "ticket_routing"  # multiple choice: loglikelihood requests only, the quickest demo set to score
+_KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens")
+_GROUPS_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")  # logged only when there is more than one group
+
+
+@pytest.fixture(scope="module")
+def family_runs(workspace: Workspace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, CommandRun]]:
+    """One w8a8 job per family, in sequence (one server at a time on this 2-core machine)."""
+    root = tmp_path_factory.mktemp("families")
+    runs = {}
+    for family in FAMILIES:
+        model = make_family_model(family, root / family)
+        runs[family] = (model, workspace.quantize(
+            "--recipe", "w8a8", "--model", str(model), "--eval-sets", EVAL_SET, "--no-loadtest", "--no-registry", "--json",
+        ))
+    return runs
+
+
+def _logged_kv(log_path: Path) -> tuple[int, int, int]:
+    log = log_path.read_text(errors="replace")
+    found = _KV_LOG.search(log)
+    assert found, f"no 'KV cache size' line in {log_path}"
+    groups = _GROUPS_LOG.search(log)
+    return int(found.group(1).replace(",", "")), int(found.group(2).replace(",", "")), len(groups.group(1).split(",")) if groups else 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_quantized_served_scored_and_judged(family_runs, family: str) -> None:
+    model, run = family_runs[family]
+    assert run.code in (0, 1), run.describe()
+    outcome = run.json
+    report = json.loads(Path(outcome["gate_json"]).read_text())
+    (verdict,) = report["gate"]["sets"]
+    assert verdict["eval_set"] == EVAL_SET and verdict["n"] > 0
+    manifest = json.loads((Path(outcome["artifact_dir"]) / "manifest.json").read_text())
+    assert manifest["smoothing"]["mappings"], manifest.get("smoothing")  # derived from the forward, never by name
+
+    serve = report["inputs"]["serve"]
+    shape = model_shape(*load_config(model))
+    planned = vllm_kv_cache(shape, kv_element_bytes(shape)[1], serve["cpu_kv_cache_gib"] * GiB,
+                            block_size=CPU_BLOCK_SIZE, max_model_len=serve["max_model_len"])
+    run_dir = Path(outcome["run_dir"])
+    for log_name in ("baseline-server.log", "candidate-server.log"):
+        tokens, max_model_len, groups = _logged_kv(run_dir / log_name)
+        assert max_model_len == serve["max_model_len"]
+        print(f"{family} {log_name}: planner {planned.tokens:,} tokens ({planned.describe()}), vLLM {tokens:,} in {groups} group(s)")
+        assert abs(planned.tokens - tokens) <= 0.01 * tokens, (family, log_name, planned.tokens, tokens)
+        assert len(planned.groups) == groups, (family, log_name, planned.describe(), groups)
