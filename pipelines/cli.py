@@ -49,7 +49,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("pipelines.commands.run", "quantize, serve, score and gate one model with one recipe (the default command)"),
     "gate": Command("pipelines.commands.gate", "gate an existing artifact against its 16-bit baseline"),
     "recipe": Command("pipelines.commands.recipe", "list, show and validate quantization recipes"),
-    "eval-sets": Command("pipelines.commands.eval_sets", "list and validate the business eval sets"),
+    "eval-sets": Command("pipelines.commands.eval_sets", "list, validate and size (power) the business eval sets"),
     "plan": Command("pipelines.commands.plan", "memory plan: weights, KV cache, activations, overhead; does it fit the GPU?"),
     "job": Command("pipelines.commands.job", "run a job file: many models x recipes, continue past failures, one summary"),
     "registry": Command("pipelines.commands.registry", "the model registry: versions, status, aliases, history"),

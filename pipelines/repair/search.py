@@ -17,10 +17,11 @@
 3. Gated for real. A failure raises the bar (the target is divided by `escalate` below what failed) and the
    next proposal is found the same way; a pass is then shrunk by bisection between the last failure and the
    smallest pass, while a gate is left (and, if `min_saving` is set, while the midpoint saves that share of the bytes).
-   A proposal whose simulated KL is over the policy's max_kl counts as a failure without a gate: the simulated
-   KL is the mean over every set's reference paths and the gate rejects when any one set's mean is over max_kl,
-   so such a proposal fails unless the simulation is off (on SmolLM2 w4a16, simulated 0.316: the gate measured
-   0.269 and 0.219 on two sets, max_kl 0.2, rejected).
+   A proposal whose simulated KL is over a max_kl that rejects (`max_kl_action: reject`) counts as a failure
+   without a gate: the simulated KL is the mean over every set's reference paths and the gate rejects when any
+   one set's mean is over such a max_kl, so that proposal fails unless the simulation is off (on SmolLM2 w4a16,
+   simulated 0.316: the gate measured 0.269 and 0.219 on two sets, max_kl 0.2, rejected). A max_kl that only
+   warns (the default) is no limit here: such a proposal is gated.
    The budget: `max_gates` full gates and `max_wall_s` of wall time (a gate is not started when the slowest
    one so far would not finish within it). A gate that cannot decide (a server that fails to start) stops
    the search: with a pass in hand the repair reports it, otherwise it is the repair's error.
