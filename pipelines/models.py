@@ -79,7 +79,7 @@ _EXTRA_TENSORS = {
 TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE with merges; SentencePiece (merges or scores)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_CONTEXT = 1 << 27
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # fullmatch: `$` would accept a trailing newline
 _PROMPT = "The capital of France is"  # the post-conversion check compares logits on it
 
 
@@ -527,7 +527,7 @@ def gguf_type_name(type_id: int) -> str:
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InputError("a model name is lower-case letters, digits, '.', '_' and '-' (at most 64 characters)", field=name)
     return name
 

@@ -690,9 +690,10 @@ class Registry:
 
 
 def _check_alias_name(alias: str) -> None:
-    if not alias or alias.isdigit() or not all(c.isalnum() or c in "-_." for c in alias):
+    # ASCII only: str.isalnum() accepts every script, and a Cyrillic 'о' in 'prоd' would stand beside 'prod'.
+    if not alias or alias.isdigit() or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in alias):
         raise InputError(
-            f"alias must be letters, digits, '-', '_' or '.' and not a bare number (got {alias!r})", field="alias"
+            f"alias must be ASCII letters, digits, '-', '_' or '.' and not a bare number (got {alias!r})", field="alias"
         )
 
 

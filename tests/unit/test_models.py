@@ -613,3 +613,13 @@ def test_what_cannot_be_verified_either_way_is_refused_with_one_line(tmp_path: P
         gguf_tokenizer.verify(folder, fields)
     message = str(caught.value)
     assert "\n" not in message and "fails the check" in message and "so does the one built from the GGUF's vocabulary" in message
+
+
+@pytest.mark.parametrize("name", ["smol\n", "smol\r", "\nsmol", "sm\u043el", "SMOL", "../smol", ".smol", "a" * 65])
+def test_a_model_name_must_match_whole(name: str) -> None:
+    """The name becomes a folder: a trailing newline (which `$` accepts) or a lookalike letter is refused."""
+    from pipelines.models import check_name
+
+    with pytest.raises(InputError, match="lower-case letters"):
+        check_name(name)
+    assert check_name("smol-2.1_a") == "smol-2.1_a"

@@ -163,6 +163,15 @@ def test_only_promoted_versions_carry_an_alias(registry: Registry, tmp_path: Pat
         registry.set_alias("demo-llama", "42", 1)
 
 
+@pytest.mark.parametrize("alias", ["pr\u043ed", "prod\n", "caf\u00e9", "\uff50rod", "pro d", ""])
+def test_an_alias_outside_ascii_letters_digits_and_dashes_is_refused(registry: Registry, tmp_path: Path, alias: str) -> None:
+    """'prоd' with a Cyrillic о would otherwise stand beside 'prod'; a trailing newline is not a name either."""
+    number = promoted(registry, tmp_path, "a")
+    with pytest.raises(InputError, match="ASCII letters"):
+        registry.set_alias("demo-llama", alias, number)
+    registry.set_alias("demo-llama", "prod", number)
+
+
 def test_alias_moves_and_rolls_back_through_its_history(registry: Registry, tmp_path: Path) -> None:
     versions = [promoted(registry, tmp_path, name) for name in ("a", "b", "c")]
     for number in versions:
