@@ -239,6 +239,11 @@ def _writable(path: Path) -> bool:
 class Registry:
     def __init__(self, path: Path | str | None = None):
         self.path = Path(path) if path is not None else default_registry_path()
+        # SQLite follows a link (and creates -wal/-shm beside its target): the registry is a regular file or nothing.
+        if self.path.is_symlink():
+            raise InputError("the registry must be a regular file, not a symbolic link", file=self.path, field="registry")
+        if self.path.exists() and not self.path.is_file():
+            raise InputError("the registry must be a regular file", file=self.path, field="registry")
         # An existing registry the user may not write (read-only disk or permissions) is opened for
         # reading only: list / show / history work, writes say why they cannot.
         self.read_only = self.path.exists() and not _writable(self.path)
@@ -598,11 +603,14 @@ class Registry:
     def _event(self, db: sqlite3.Connection, model: str, version: int | None, kind: EventKind, *,
                alias: str | None = None, from_version: int | None = None, to_version: int | None = None,
                reason: str = "", evidence: dict[str, Any] | None = None) -> None:
+        try:  # the events table is append-only evidence: JSON as its readers parse it, never Infinity or NaN
+            stored = json.dumps(evidence, default=str, allow_nan=False) if evidence is not None else None
+        except ValueError:
+            raise InputError("evidence must hold finite numbers only (no Infinity or NaN)", field="evidence") from None
         db.execute(
             "INSERT INTO events (at, model, version, kind, alias, from_version, to_version, reason, evidence)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (_now(), model, version, kind, alias, from_version, to_version, reason,
-             json.dumps(evidence, default=str) if evidence is not None else None),
+            (_now(), model, version, kind, alias, from_version, to_version, reason, stored),
         )
 
     def _row_by_id(self, db: sqlite3.Connection, version_id: int) -> sqlite3.Row:

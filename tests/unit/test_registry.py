@@ -486,3 +486,33 @@ def test_a_registry_opened_read_only_uses_a_read_only_connection(registry: Regis
     assert opened and all(target.startswith("file:") and "mode=ro" in target for target in opened)
     with pytest.raises(InputError, match="read-only"):
         readonly.promote(1, "x")
+
+
+@pytest.mark.parametrize("target", ["empty-file", "dangling"])
+def test_a_registry_behind_a_symbolic_link_is_refused_and_nothing_is_created(tmp_path: Path, target: str) -> None:
+    elsewhere = tmp_path / "elsewhere" / "file.db"
+    elsewhere.parent.mkdir()
+    if target == "empty-file":
+        elsewhere.write_bytes(b"")
+    link = tmp_path / "root" / "registry.db"
+    link.parent.mkdir()
+    link.symlink_to(elsewhere)
+    with pytest.raises(InputError, match="not a symbolic link"):
+        Registry(link)
+    assert sorted(p.name for p in elsewhere.parent.iterdir()) == (["file.db"] if target == "empty-file" else [])
+    assert elsewhere.read_bytes() == b"" if target == "empty-file" else not elsewhere.exists()
+
+
+def test_a_folder_where_the_registry_should_be_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "registry.db").mkdir()
+    with pytest.raises(InputError, match="regular file"):
+        Registry(tmp_path / "registry.db")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_evidence_with_a_non_finite_number_is_refused_and_not_stored(registry: Registry, tmp_path: Path, value: float) -> None:
+    number = promoted(registry, tmp_path, "a")
+    before = len(registry.history("demo-llama"))
+    with pytest.raises(InputError, match="finite numbers"):
+        registry.record_lineage("demo-llama", number, "probe", {"a": value})
+    assert len(registry.history("demo-llama")) == before
