@@ -291,15 +291,8 @@ def check_attainable(
             raise InputError(message, file=file, field=field)
 
 
-def load_gate_policy(
-    path: Path | None, eval_sets: Iterable[SizedSet] | None = None, recipe: str | RecipeIdentity | None = None,
-) -> tuple[Policy, Path]:
-    """The policy a run is judged by (the default one when `path` is None) and the file it came from.
-
-    With the selected `eval_sets` (and the recipe, when known), a policy those sets cannot meet is refused here
-    (check_attainable)."""
+def load_gate_policy(path: Path | None) -> tuple[Policy, Path]:
+    """The policy a run is judged by (the default one when `path` is None) and the file it came from. Callers
+    check it against the sets they selected with check_attainable, once those are known."""
     policy_path = path or DEFAULT_POLICY
-    policy = load_policy(policy_path)
-    if eval_sets is not None:
-        check_attainable(policy, eval_sets, recipe, file=policy_path)
-    return policy, policy_path
+    return load_policy(policy_path), policy_path

@@ -283,14 +283,14 @@ def test_a_set_too_small_for_its_tolerance_is_refused_at_load_naming_file_field_
     policy = load_policy(path)
     check_attainable(policy, [sized("tickets", 60), sized("tiny", 200)], file=path)  # 5.0 needs 52, 3.0 needs 88
     with pytest.raises(InputError) as raised:
-        load_gate_policy(path, [sized("tickets", 60), sized("tiny", 80)])
+        check_attainable(load_gate_policy(path)[0], [sized("tickets", 60), sized("tiny", 80)], file=path)
     error = raised.value
     assert error.file == str(path) and error.field == "eval_sets.tiny.ni_margin" and error.exit_code == 2
     assert error.message == ("eval set tiny: 80 items cannot show a worsening under ni_margin 3 points at 95% confidence even "
                              "against an identical model (its bound is at least 3.27 points); it needs at least 88 items")
     assert "\n" not in error.one_line()
     with pytest.raises(InputError) as raised:
-        load_gate_policy(path, [sized("tickets", 51)])
+        check_attainable(load_gate_policy(path)[0], [sized("tickets", 51)], file=path)
     assert raised.value.field == "defaults.ni_margin" and "it needs at least 52 items" in raised.value.message
 
 
@@ -306,12 +306,13 @@ def test_the_recipe_override_that_sets_the_tolerance_is_named(tmp_path):
 
 
 def test_the_shipped_policy_accepts_the_demo_and_the_cut_real_sets(tmp_path):
-    from pipelines.policy import load_gate_policy
+    from pipelines.policy import check_attainable, load_gate_policy
 
-    load_gate_policy(None, [sized(name, 250) for name in ("ticket_routing", "payment_reference", "date_normalisation")])
-    load_gate_policy(None, [sized(name, 60, "acc") for name in ("retail_sentiment", "retail_faulty_item")], "sixteen-bit")
+    policy, path = load_gate_policy(None)
+    check_attainable(policy, [sized(name, 250) for name in ("ticket_routing", "payment_reference", "date_normalisation")], file=path)
+    check_attainable(policy, [sized(name, 60, "acc") for name in ("retail_sentiment", "retail_faulty_item")], "sixteen-bit", file=path)
     with pytest.raises(InputError, match="it needs at least 47 items"):
-        load_gate_policy(None, [sized("retail_order_id", 30)])
+        check_attainable(policy, [sized("retail_order_id", 30)], file=path)
 
 
 def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
