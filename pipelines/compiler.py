@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from pipelines.artifact import read_model_config
 from pipelines.bounds import check_config_bounds
 from pipelines.errors import InputError
-from pipelines.recipe import AutoGroupSize, GroupScheme, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
+from pipelines.recipe import Algorithm, AutoGroupSize, GroupScheme, Method, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
 from pipelines.targets import Layer, ServeTarget, installed_target, serve_problem
 
 Kind = Literal["attention", "mlp"]
@@ -319,7 +319,7 @@ def scheme_source(recipe: Recipe, module: Module, num_layers: int) -> tuple[Grou
             scheme, source = None, f"overrides.{index}"
         elif getattr(override, module.kind) is not None:
             scheme, source = getattr(override, module.kind), f"overrides.{index}.{module.kind}"
-    return scheme, source
+    return (scheme.with_method(recipe.algorithm.method) if scheme is not None else None), source
 
 
 def scheme_for(recipe: Recipe, module: Module, num_layers: int) -> GroupScheme | None:
@@ -529,25 +529,21 @@ def _override_rank(entry: ModuleScheme) -> int:
 # ------------------------------------------------------------------------ llm-compressor recipe
 
 
+# The llm-compressor modifier that applies each weight algorithm; a recipe mixing them runs one of each in the same
+# stage, each over its own modules' config groups (GPTQModifier calibrates only the modules its targets match).
+MODIFIER_OF: dict[Method, str] = {"rtn": "QuantizationModifier", "gptq": "GPTQModifier"}
+# GPTQ's settings for groups that ask for it in a recipe whose own algorithm is round-to-nearest (the shipped gptq
+# recipe's: actorder 'weight' changes only the calibration order, so the checkpoint keeps plain contiguous groups).
+GPTQ_DEFAULTS = Algorithm(method="gptq", actorder="weight")
+
+
 def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, Any]:
-    config_groups = _config_groups(recipe, layout, plan)
+    by_method = _config_groups(recipe, layout, plan)
     ignore = [layout.lm_head] if layout.lm_head and not recipe.groups.lm_head.quantize else []
     kept = [entry.module for entry in plan.values() if entry.scheme is None]
     for kind in ("attention", "mlp"):
         ignore += _targets([info for info in kept if info.kind == kind], kind, layout)
-    quantizer: dict[str, Any] = {}
-    if recipe.algorithm.method == "gptq":
-        name = "GPTQModifier"
-        quantizer = {
-            "block_size": recipe.algorithm.block_size,
-            "dampening_frac": recipe.algorithm.dampening_frac,
-            # explicit null: GPTQModifier would otherwise default to 'static' ordering
-            "actorder": "weight" if recipe.algorithm.actorder else None,
-        }
-    else:
-        name = "QuantizationModifier"
-    quantizer.update({"ignore": ignore, "config_groups": config_groups})
-    _verify_targets(config_groups, ignore, plan, layout)
+    _verify_targets(by_method, ignore, plan, layout)
     modifiers: dict[str, Any] = {}
     if recipe.smoothquant is not None:
         # Never llm-compressor's mapping by architecture name: quantize traces the loaded model and checks the
@@ -556,23 +552,51 @@ def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme
             "smoothing_strength": recipe.smoothquant.strength,
             "mappings": "derived at quantize time from the model's forward, checked before calibration (docs/calibration.md)",
         }
-    modifiers[name] = quantizer
+    for method, config_groups in by_method.items():
+        modifiers[MODIFIER_OF[method]] = {**_algorithm_args(recipe, method), "ignore": ignore, "config_groups": config_groups}
     return {"quant_stage": {"quant_modifiers": modifiers}}
 
 
-def _config_groups(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, Any]:
+def gptq_settings(recipe: Recipe) -> Algorithm:
+    """GPTQ's block size, dampening and column order for the groups of `recipe` that GPTQ quantizes."""
+    return recipe.algorithm if recipe.algorithm.method == "gptq" else GPTQ_DEFAULTS
+
+
+def _algorithm_args(recipe: Recipe, method: Method) -> dict[str, Any]:
+    if method != "gptq":
+        return {}
+    algorithm = gptq_settings(recipe)
+    return {
+        "block_size": algorithm.block_size,
+        "dampening_frac": algorithm.dampening_frac,
+        # explicit null: GPTQModifier would otherwise default to 'static' ordering
+        "actorder": "weight" if algorithm.actorder else None,
+    }
+
+
+def methods_of(plan: dict[str, ModuleScheme]) -> dict[str, Method]:
+    """Module name -> the weight algorithm that quantizes it (quantized modules only; schemes concrete)."""
+    return {name: entry.scheme.algorithm or "rtn" for name, entry in plan.items() if entry.scheme is not None}
+
+
+def _config_groups(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[Method, dict[str, Any]]:
+    """Per weight algorithm, its config groups: one per (kind, scheme), named attention, mlp, attention_1, ...
+    A quantized lm_head goes with the recipe's own algorithm."""
     partitions: dict[tuple[Kind, GroupScheme], list[LinearInfo]] = {}
     for entry in plan.values():
         if entry.scheme is not None and entry.module.kind is not None:
             partitions.setdefault((entry.module.kind, entry.scheme), []).append(entry.module)
-    groups: dict[str, Any] = {}
+    by_method: dict[Method, dict[str, Any]] = {}
+    names: list[str] = []
     for (kind, scheme), modules in partitions.items():
-        name = kind if kind not in groups else f"{kind}_{sum(key.startswith(kind) for key in groups)}"
+        name = kind if kind not in names else f"{kind}_{sum(key.startswith(kind) for key in names)}"
+        names.append(name)
+        groups = by_method.setdefault(scheme.algorithm or recipe.algorithm.method, {})
         groups[name] = {"targets": _targets(modules, kind, layout), **_scheme_args(scheme)}
     lm_head = lm_head_weights(recipe, layout, "recipe")
     if lm_head is not None:
-        groups["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(lm_head)}
-    return groups
+        by_method.setdefault(recipe.algorithm.method, {})["lm_head"] = {"targets": [layout.lm_head], "weights": _weight_args(lm_head)}
+    return dict(sorted(by_method.items(), key=lambda item: item[0] != "rtn"))  # round-to-nearest first, as written
 
 
 def _shard_suffix(kind: Kind, shards: set[str]) -> str:
@@ -637,8 +661,10 @@ def _matches(target: str, name: str) -> bool:
     return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
 
 
-def _verify_targets(groups: dict[str, Any], ignore: list[str], plan: dict[str, ModuleScheme], layout: ModelLayout) -> None:
-    """Every module must be claimed by exactly the config group of its scheme (a guard on _targets)."""
+def _verify_targets(by_method: dict[Method, dict[str, Any]], ignore: list[str], plan: dict[str, ModuleScheme], layout: ModelLayout) -> None:
+    """Every module must be claimed by exactly one config group of all the modifiers', the one of its scheme
+    (a guard on _targets)."""
+    groups = {name: group for method_groups in by_method.values() for name, group in method_groups.items()}
     for info in layout.linears:
         entry = plan.get(info.name)
         claimed = [name for name, group in groups.items() if any(_matches(t, info.name) for t in group["targets"])]
@@ -653,9 +679,12 @@ def _verify_targets(groups: dict[str, Any], ignore: list[str], plan: dict[str, M
 
 
 def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
-    """e.g. 'w8 channel sym / a8 token dynamic', 'w4 group128 sym / a16', '16-bit'."""
+    """e.g. 'w8 channel sym / a8 token dynamic', 'w4 group128 sym / a16', 'w4 group64 sym / a16, gptq' (GPTQ weights;
+    round-to-nearest is not named), '16-bit'."""
     if scheme is None:
         return SIXTEEN_BIT
+    if isinstance(scheme, GroupScheme) and scheme.algorithm == "gptq":
+        return f"{scheme_summary(scheme.model_copy(update={'algorithm': None}))}, gptq"
     weights = scheme if isinstance(scheme, WeightScheme) else scheme.weights
     activations = None if isinstance(scheme, WeightScheme) else scheme.activations
     granularity: str

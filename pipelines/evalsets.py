@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import re
 import shutil
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -41,13 +39,16 @@ from pydantic import ValidationError
 
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hashing import sha256_file, sha256_json
+from pipelines.jsonl import display_path, iter_jsonl
 from pipelines.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
 from pipelines.output import progress
 from pipelines.schema import FrozenModel
 from pipelines.settings import current as current_settings
+from pipelines.templates import SANDBOX, RenderBudget, TemplateBudgetError, compile_template, render_template
 from pipelines.yamlio import FunctionRef, dump_yaml, load_yaml_file
 
-__all__ = ["FunctionRef"]  # re-exported: the `!function` value type lives in pipelines.yamlio
+# re-exported: they live in pipelines.yamlio, pipelines.templates and pipelines.jsonl
+__all__ = ["FunctionRef", "display_path", "iter_jsonl", "render_template"]
 
 OUTPUT_TYPES = ("generate_until", "multiple_choice", "loglikelihood", "loglikelihood_rolling")
 ROLLING = "loglikelihood_rolling"
@@ -74,42 +75,6 @@ SYSTEM_INSTRUCTION_KEY = "system_instruction"
 # The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# What one rendered template may grow to: a template is refused before `"x" * 10**10` allocates gigabytes.
-MAX_RENDERED_CHARS = 1_000_000
-MAX_EXPONENT = 1024
-
-
-def _regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
-    """lm-eval's one custom filter (lm_eval/utils.py), so that templates using it validate."""
-    return re.sub(pattern, repl, string, count=count)
-
-
-class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """lm-eval's Jinja settings (StrictUndefined, trailing newline kept, `regex_replace`), sandboxed.
-
-    An eval set's templates are rendered here for every item at validation, before lm-eval (which renders
-    them without a sandbox) ever sees them: attribute access to `_`-names (`__globals__`, `__class__`),
-    calls of unsafe methods and changes to lists and dicts raise SecurityError; `range` is capped by the
-    sandbox, and `*` and `**` are capped here so that a template cannot allocate or compute without bound.
-    """
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def __init__(self) -> None:
-        super().__init__(loader=jinja2.BaseLoader(), undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        self.filters["regex_replace"] = _regex_replace
-
-    def call_binop(self, context, operator: str, left, right):
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
-            raise jinja2.sandbox.SecurityError(f"exponent {right} is larger than {MAX_EXPONENT}")
-        if operator == "*":
-            for sequence, times in ((left, right), (right, left)):
-                if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_RENDERED_CHARS:
-                    raise jinja2.sandbox.SecurityError(f"a sequence repeated {times} times is too long")
-        return super().call_binop(context, operator, left, right)
-
-
-_JINJA = _Sandbox()
 
 
 class EvalSet(FrozenModel):
@@ -160,22 +125,9 @@ class SetFile(FrozenModel):
 # ---------------------------------------------------------------- YAML (pipelines.yamlio: `!function` kept as data)
 
 
-def display_path(path: Path) -> str:
-    """A path as a message shows it: relative to the working directory when under it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError, RuntimeError):
-        return str(path)
-
-
 def _load_yaml(path: Path) -> Any:
     """The product's one YAML loader: bounded size and depth, no aliases, UTF-8, `!function` as FunctionRef."""
     return load_yaml_file(path, what="eval-set YAML", name=display_path(path))
-
-
-def render_template(template: str, doc: dict) -> str:
-    """A doc_to_* template rendered against one item, as lm-eval does, inside the sandbox."""
-    return _JINJA.from_string(template).render(**doc)
 
 
 @lru_cache(maxsize=1)
@@ -187,40 +139,6 @@ def task_config_keys() -> frozenset[str]:
 
 
 # ---------------------------------------------------------------- data files
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a line that is not a JSON object is an InputError.
-
-    Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused, as is
-    nesting too deep for the JSON parser."""
-    if not path.is_file():
-        raise InputError("data file not found", file=display_path(path))
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            where = f"line {number}"
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as error:
-                byte = raw[error.start:error.start + 1].hex()
-                raise InputError(f"not UTF-8 text (byte 0x{byte} at column {error.start + 1})", file=display_path(path), field=where) from None
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line, parse_constant=_no_constant)
-            except json.JSONDecodeError as error:
-                raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=display_path(path), field=where) from None
-            except ValueError as error:
-                raise InputError(f"invalid JSON: {error}", file=display_path(path), field=where) from None
-            except RecursionError:
-                raise InputError("invalid JSON: nested too deep", file=display_path(path), field=where) from None
-            if not isinstance(value, dict):
-                raise InputError(f"expected a JSON object, got {type(value).__name__}", file=display_path(path), field=where)
-            yield number, value
 
 
 def _set_hash(*files: Path) -> str:
@@ -288,7 +206,7 @@ def _template_fields(value: Any, *, bare_is_field: bool, where: str = "", key: s
 
 def _parse_template(template: str, where: str, key: str):
     try:
-        return _JINJA.parse(template)
+        return SANDBOX.parse(template)
     except jinja2.TemplateSyntaxError as error:
         raise InputError(f"Jinja syntax error: {error.message} (line {error.lineno} of the template)", file=where, field=key) from None
     except (RecursionError, MemoryError):
@@ -303,33 +221,39 @@ def _compile_templates(config: dict, where: str) -> dict[str, jinja2.Template]:
         if isinstance(value, str) and not isinstance(value, FunctionRef):
             _parse_template(value, where, key)
             try:
-                compiled[key] = _JINJA.from_string(value)
+                compiled[key] = compile_template(value)
             except jinja2.TemplateError as error:
                 raise InputError(f"Jinja template refused: {error}", file=where, field=key) from None
     return compiled
 
 
-def _render_item(compiled: dict[str, jinja2.Template], config: dict, item: dict, where: str, data: Path, number: int) -> None:
-    """Render every template against one item as lm-eval will (a bare field name is a lookup), in the sandbox."""
+def _render_item(
+    compiled: dict[str, jinja2.Template], config: dict, item: dict, where: str, data: Path, number: int, budget: RenderBudget,
+) -> dict[str, str]:
+    """Render every template against one item as lm-eval will (a bare field name is a lookup), in the sandbox
+    under the set's budget; returns what each rendered."""
+    rendered = {}
     for key, template in compiled.items():
         if config[key] in item:
             continue  # lm-eval reads the field, it renders nothing
         try:
-            text = template.render(**item)
+            text = budget.render(template, item)
+        except TemplateBudgetError as error:
+            problem = f"stopped: {error}"
         except jinja2.sandbox.SecurityError as error:
             problem = f"refused by the template sandbox: {error}"
         except jinja2.UndefinedError as error:
             problem = f"undefined in the template: {error.message}"
-        except Exception as error:  # whatever a template raises is the template's fault
+        except Exception as error:  # whatever a template raises is the template's fault (MemoryError and RecursionError too)
             problem = f"the template fails: {type(error).__name__}: {error}"
         else:
-            if len(text) > MAX_RENDERED_CHARS:
-                problem = f"renders {len(text)} characters (more than {MAX_RENDERED_CHARS})"
-            elif key == "doc_to_choice" and not _is_choice_list(text):
+            if key == "doc_to_choice" and not _is_choice_list(text):
                 problem = f"must render a Python list literal of choices (got {text[:80]!r})"
             else:
+                rendered[key] = text
                 continue
         raise InputError(f"{problem} (rendering {display_path(data)} line {number})", file=where, field=key)
+    return rendered
 
 
 def _is_choice_list(text: str) -> bool:
@@ -522,14 +446,15 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
     target_field = config["doc_to_target"] if config["doc_to_target"] in needs["doc_to_target"] else None
     count = 0
     requests: int | None = 0
+    budget = RenderBudget()
     for number, item in iter_jsonl(data):
         count += 1
-        requests = None if requests is None else _add_requests(requests, config, compiled, item)
         for key, fields in needs.items():
             missing = sorted(fields - set(item))
             if missing:
                 raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=display_path(data), field=f"line {number}")
-        _render_item(compiled, config, item, where, data, number)
+        rendered = _render_item(compiled, config, item, where, data, number, budget)
+        requests = None if requests is None else _add_requests(requests, config, rendered, item)
         label = item.get(target_field) if target_field else None
         if static_choices and isinstance(label, int) and not 0 <= label < len(static_choices):
             raise InputError(
@@ -540,7 +465,7 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
     return count, requests
 
 
-def _add_requests(so_far: int, config: dict, compiled: dict[str, jinja2.Template], item: dict) -> int | None:
+def _add_requests(so_far: int, config: dict, rendered: dict[str, str], item: dict) -> int | None:
     """How many requests lm-eval sends for one item (lm_eval/api/task.py: construct_requests); None when
     that depends on the model (rolling windows) or on code (a `!function` doc_to_choice)."""
     output_type = config["output_type"]
@@ -554,11 +479,8 @@ def _add_requests(so_far: int, config: dict, compiled: dict[str, jinja2.Template
         number = len(choices)
     elif isinstance(choices, str) and choices in item and isinstance(item[choices], list):
         number = len(item[choices])
-    elif "doc_to_choice" in compiled:
-        try:
-            number = len(ast.literal_eval(compiled["doc_to_choice"].render(**item).strip()))
-        except Exception:  # already checked by _render_item; a count is only a progress hint
-            return None
+    elif "doc_to_choice" in rendered:
+        number = len(ast.literal_eval(rendered["doc_to_choice"].strip()))  # a list literal: checked by _render_item
     else:
         return None
     metrics = [entry.get("metric") for entry in config.get("metric_list") or [] if isinstance(entry, dict)]
@@ -640,40 +562,92 @@ def validate_folder(folder: Path) -> EvalSet | CalibrationSet:
 
 
 class DiscoveredSets(list):
-    """The eval sets under a folder that validate, in name order; `broken` maps each other set's name to
-    its error (a broken set blocks only the runs that select it)."""
+    """The eval sets under a folder, in name order, each validated the first time it is needed: iterating
+    (or len, `broken`) validates every one; `select` validates only the sets it names, so a run never
+    reads, renders or waits on a set it does not score (the others are known by their folder names only).
+    `broken` maps each set that did not validate to its error (a broken set blocks only the runs that select it)."""
 
-    def __init__(self, sets: list[EvalSet], broken: dict[str, InputError]) -> None:
-        super().__init__(sets)
-        self.broken = broken
+    def __init__(self, folders: list[Path]) -> None:
+        super().__init__()
+        self._folders = {folder.name: folder for folder in folders}
+        self._found: dict[str, EvalSet] = {}
+        self._broken: dict[str, InputError] = {}
+        self._complete = False
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._folders)
+
+    def _validate(self, name: str) -> EvalSet | None:
+        if name not in self._found and name not in self._broken:
+            try:
+                self._found[name] = validate_eval_set(self._folders[name])
+            except InputError as error:
+                self._broken[name] = error
+        return self._found.get(name)
+
+    def _validate_all(self) -> None:
+        if not self._complete:
+            for name in self._folders:
+                self._validate(name)
+            super().extend(self._found[name] for name in self._folders if name in self._found)
+            self._complete = True
+
+    def select(self, names: list[str]) -> list[EvalSet]:
+        """The named sets, validated (the first broken one raises its own error); an unknown name is an InputError."""
+        unknown = [n for n in names if n not in self._folders]
+        for name in names:
+            if name not in unknown and self._validate(name) is None:
+                raise self._broken[name]
+        if unknown:
+            available = sorted(n for n in self._folders if n not in self._broken)
+            raise InputError(f"unknown eval set(s) {unknown}; available: {available}", field="--eval-sets")
+        return [self._found[n] for n in names]
+
+    @property
+    def broken(self) -> dict[str, InputError]:
+        self._validate_all()
+        return self._broken
+
+
+
+def _validating_first(name: str) -> Any:
+    """A list method of DiscoveredSets that validates every set before it reads the list."""
+    method = getattr(list, name)
+
+    def read(self: DiscoveredSets, *args: Any, **kwargs: Any) -> Any:
+        self._validate_all()
+        return method(self, *args, **kwargs)
+
+    read.__name__ = name
+    return read
+
+
+for _name in ("__iter__", "__len__", "__getitem__", "__contains__", "__eq__", "__ne__", "__reversed__", "__repr__",
+              "__add__", "__mul__", "index", "count", "copy"):
+    setattr(DiscoveredSets, _name, _validating_first(_name))
 
 
 def discover_eval_sets(root: Path | None = None) -> DiscoveredSets:
-    """Every eval set under root, validated; a broken one is left out and its error kept in `.broken`."""
-    sets: list[EvalSet] = []
-    broken: dict[str, InputError] = {}
-    for folder in set_folders(root):
-        if is_calibration_folder(folder):
-            continue
-        try:
-            sets.append(validate_eval_set(folder))
-        except InputError as error:
-            broken[folder.name] = error
-    return DiscoveredSets(sets, broken)
+    """Every eval set under root (calibration sets left out), validated when first needed (DiscoveredSets)."""
+    return DiscoveredSets([folder for folder in set_folders(root) if not is_calibration_folder(folder)])
 
 
 def select_eval_sets(names: list[str] | None, found: list[EvalSet] | None = None) -> list[EvalSet]:
     """The sets a run scores: `names`, or every set. A broken set fails only a run that selects it (its own
-    error, exit 2); otherwise it is skipped with one warning line naming it. `found`: the sets already
-    discovered (a job's candidates select from one discovery: each task YAML is parsed once per job)."""
+    error, exit 2); a run of every set skips it with one warning line naming it; a run of named sets
+    validates only those. `found`: the sets already discovered (a job's candidates select from one
+    discovery: each task YAML is parsed once per job)."""
     found = discover_eval_sets() if found is None else found
+    if names and isinstance(found, DiscoveredSets):
+        return found.select(names)
     broken: dict[str, InputError] = getattr(found, "broken", {})
     available = {s.name: s for s in found}
     for name in (n for n in names or [] if n in broken):
         raise broken[name]
-    for name, error in broken.items():
-        progress(f"eval set {name} skipped: {error.one_line()}")
     if not names:
+        for name, error in broken.items():
+            progress(f"eval set {name} skipped: {error.one_line()}")
         if broken and not available:  # nothing left to score: the first broken set is the error
             raise next(iter(broken.values()))
         return list(available.values())

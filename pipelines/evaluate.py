@@ -27,18 +27,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from pipelines.errors import EvalError, InputError
-from pipelines.evalsets import ROLLING, EvalSet, iter_jsonl, materialize_task
+from pipelines.evalsets import ROLLING, EvalSet, materialize_task
+from pipelines.jsonl import MiB, iter_jsonl
 from pipelines.metrics import POINTS, MetricSpec
 from pipelines.output import progress
 from pipelines.progress import Bar, track
@@ -125,19 +129,27 @@ def lm_eval_command(
     return command
 
 
-def lm_eval_environment(server: RunningServer) -> dict[str, str]:
+LM_EVAL_SCRATCH = "lm-eval-scratch"  # beside lm-eval's log: its datasets cache and temporary files, removed when it ends
+
+
+def lm_eval_environment(server: RunningServer, scratch: Path | None = None) -> dict[str, str]:
     """lm-eval's environment: the server's API key goes here, not on the command line (`ps` shows that).
     local-completions reads OPENAI_API_KEY and sends it as `Authorization: Bearer` (lm_eval/models/
     openai_completions.py: LocalCompletionsAPI.api_key, api_models.py: TemplateAPI.header).
 
     DISABLE_MULTIPROC=1: lm-eval's bootstrap of a non-mean metric's stderr then runs in-process, with the
     same seeds and the same values (lm_eval/api/metrics.py: bootstrap_stderr), instead of in a Pool of
-    forked workers that the parent-death signal would not reach; lm-eval then starts no lasting process."""
+    forked workers that the parent-death signal would not reach; lm-eval then starts no lasting process.
+
+    `scratch` (a folder inside the run folder): the datasets cache lm-eval's `datasets` writes the set's JSON
+    into (HF_DATASETS_CACHE, else ~/.cache/huggingface/datasets) and its temporary files (TMPDIR)."""
     env = dict(os.environ)
     env.pop("OPENAI_API_KEY", None)  # never a user's real OpenAI key towards a local server
     env["DISABLE_MULTIPROC"] = "1"
     if server.api_key:
         env["OPENAI_API_KEY"] = server.api_key
+    if scratch is not None:
+        env.update(HF_DATASETS_CACHE=str(scratch / "datasets"), TMPDIR=str(scratch / "tmp"))
     return env
 
 
@@ -218,11 +230,21 @@ def _lm_eval_chat_template(eval_set: EvalSet, tokenizer_dir: Path):
 ANSWER_RESERVE_TOKENS = 32  # tokens every prompt leaves free for its answer in the served context
 
 
-def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir: Path, max_model_len: int, reserve: int) -> None:
-    """Refuse, before any server starts, an item that cannot fit the served context."""
+def load_tokenizer(folder: Path) -> Any:
+    """The model folder's tokenizer (transformers' AutoTokenizer); one it cannot load is an InputError naming the folder."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as error:  # transformers raises ValueError, OSError, TypeError, ... for a folder it cannot read
+        raise InputError(f"cannot load the model's tokenizer: {type(error).__name__}: {error}", file=folder, field="tokenizer") from None
+
+
+def check_prompt_lengths(eval_set: EvalSet, prompts: list[Prompt], tokenizer_dir: Path, max_model_len: int, reserve: int) -> None:
+    """Refuse, before any server starts, an item that cannot fit the served context."""
+    tokenizer = load_tokenizer(tokenizer_dir)
     for prompt in prompts:
         length = len(tokenizer(prompt.text)["input_ids"])
         if length + reserve > max_model_len:
@@ -346,13 +368,24 @@ class _LogFollower:
         self._bar.update(completed=self._counter.feed(chunk.decode("utf-8", errors="replace")))
 
 
+@contextmanager
+def _removed_after(folder: Path) -> Iterator[None]:
+    """`folder` removed when the block ends, however it ends (it holds caches, not evidence)."""
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _run_watching_server(command: list[str], server: RunningServer, log_path: Path, bar: Bar | None = None) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     follower = _LogFollower(log_path, bar)
-    with log_path.open("w") as log:
+    scratch = log_path.parent / f"{LM_EVAL_SCRATCH}-{log_path.stem}"
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log, _removed_after(scratch):
         # Dies with `quantize` however it ends (SIGKILL included); it starts no lasting process (lm_eval_environment).
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=lm_eval_environment(server),
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=lm_eval_environment(server, scratch),
             preexec_fn=die_with_parent(signal.SIGKILL),
         )
         try:
@@ -396,13 +429,19 @@ def read_set_score(eval_set: EvalSet, run: LmEvalRun, wall_s: float) -> SetScore
     )
 
 
+# lm-eval's per-sample file (written by the product's own lm-eval run): each line holds an item, its prompt
+# (up to 1,000,000 characters, once per choice) and the responses, so it is held to wider bounds than a data file.
+SAMPLE_LINE_BYTES = 256 * MiB
+SAMPLES_FILE_BYTES = 16 * 1024 * MiB
+
+
 def read_items(eval_set: EvalSet, samples_file: Path) -> list[ItemScore]:
     """The first filter's record of every item, in set order."""
     if not samples_file.is_file():
         raise EvalError(f"lm-eval wrote no per-sample file for task {eval_set.task_name}", file=samples_file)
     items = [
         _item(record, eval_set.metric.name, samples_file, number)
-        for number, record in iter_jsonl(samples_file)
+        for number, record in iter_jsonl(samples_file, max_line_bytes=SAMPLE_LINE_BYTES, max_file_bytes=SAMPLES_FILE_BYTES)
         if record.get("filter") == eval_set.filter_name
     ]
     return sorted(items, key=lambda item: item.doc_id)

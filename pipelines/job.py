@@ -16,13 +16,18 @@ under artifacts/jobs/ records the verdict per key after each candidate completes
 was already decided and resumes from the first candidate that was not (an interrupted candidate left
 no ledger entry; its artifact and the baseline scores are reused from their caches). A promoted entry
 is skipped only after its artifact is verified against what the ledger recorded (manifest.json's own
-sha256, and the files' stat fingerprint, re-hashing any file whose stat changed); a failed check makes
+sha256, and the files' stat fingerprint, re-hashing any file whose stat changed) and, when the registry holds
+its version signed, its promotion bundle (pipelines.evidence.verify_promotion); a failed check makes
 the candidate an error naming the file (recorded, so the next run redoes it). A ledger that cannot be
 read is an error naming it.
+
+`executor: ray` (or `quantize job FILE --executor ray`) runs the same plan on a Ray cluster, one worker
+process per candidate (pipelines.scaleout); the ledger, the skips and the verdicts are the same.
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,8 +74,15 @@ class CandidateSpec(CandidateOptions):
     recipes: list[str] = Field(min_length=1)
 
 
+Executor = Literal["local", "ray"]
+
+
 class JobFile(StrictModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    executor: Executor = Field(default="local", description="local: one candidate after another here; ray: a Ray task per "
+                                                              "candidate on a cluster (docs/scale-out.md)")
+    max_retries: int = Field(default=2, ge=0, le=20, description="ray: times a candidate whose worker process died (killed, "
+                                                                  "node lost) is run again; its own errors are never retried")
     registry: Path = Field(default_factory=lambda: current_settings().registry_path)  # $QUANTGATE_REGISTRY as run
     max_model_len: int = Field(default=ServeSettings().max_model_len, gt=0, le=MAX_CONTEXT)
     defaults: CandidateOptions = CandidateOptions()
@@ -101,6 +113,8 @@ class CandidateResult(BaseModel):
     wall_s: float = 0.0
     skipped: bool = False
     key: str
+    node: str | None = None  # the machine that ran it (a Ray node's host name under the ray executor)
+    attempts: int | None = None  # ray: worker processes it took (more than 1: a process died and Ray retried it)
     # The artifact the verdict is about, and manifest.json's own sha256: what a cached skip verifies.
     artifact_dir: str | None = None
     manifest_sha256: str | None = None
@@ -317,37 +331,64 @@ def default_jobs_dir() -> Path:
     return current_settings().jobs_dir
 
 
-def run_job(job_path: Path, *, jobs_dir: Path | None = None) -> JobSummary:
+def run_job(
+    job_path: Path, *, jobs_dir: Path | None = None, executor: Executor | None = None, ray_address: str | None = None,
+) -> JobSummary:
+    """Every candidate of the job file, by `executor` (default: the file's `executor:`)."""
     jobs_dir = default_jobs_dir() if jobs_dir is None else jobs_dir
     job = load_job(job_path)
     candidates = plan_candidates(job, job_path)
     ledger = Ledger(ensure_inside(jobs_dir, jobs_dir / f"{safe_component(job.name, 'name', file=job_path)}.json", "name"))
+    if (executor or job.executor) == "ray":
+        from pipelines.scaleout.driver import run_on_ray  # ray: only for a job that uses it
+
+        return run_on_ray(job, job_path, candidates, ledger, address=ray_address)
+    if ray_address is not None:
+        raise InputError("--ray-address needs the ray executor (--executor ray or `executor: ray`)", field="--ray-address")
     started = time.monotonic()
     results = []
     for number, candidate in enumerate(candidates, start=1):
-        label = f"[{number}/{len(candidates)}] {candidate.model.name} x {candidate.recipe}"
-        previous = ledger.decided(candidate.key)
-        if previous is not None:
-            refused = _verify_cached(previous)
-            if refused is None:
-                progress(f"{label}: already {previous.status} with the same inputs, artifact verified; skipped ({len(candidates) - number} left)")
-                results.append(previous.model_copy(update={"skipped": True}))
-                continue
-            if isinstance(refused, CandidateResult):  # the cached artifact failed its check: an error, not a skip
-                ledger.record(refused)
-                progress(f"{label}: error ({'; '.join(refused.reasons)})")
-                results.append(refused)
-                continue
-            progress(f"{label}: the ledger entry does not say which artifact it promoted ({refused}); running it again")
+        label = candidate_label(number, candidates)
+        cached = cached_result(ledger, candidate, label, left=len(candidates) - number)
+        if cached is not None:
+            results.append(cached)
+            continue
         progress(f"{label}: running ({len(candidates) - number} left after this one)")
-        result = _run_candidate(candidate)
+        result = run_candidate(candidate).model_copy(update={"node": platform.node()})
         ledger.record(result)
-        progress(f"{label}: {result.status}" + (f" ({'; '.join(result.reasons)})" if result.reasons else ""))
+        progress(f"{label}: {decision_line(result)}")
         results.append(result)
     return JobSummary(job=job.name, results=results, wall_s=round(time.monotonic() - started, 1))
 
 
-def _verify_cached(previous: CandidateResult) -> CandidateResult | str | None:
+def candidate_label(number: int, candidates: list[Candidate]) -> str:
+    candidate = candidates[number - 1]
+    return f"[{number}/{len(candidates)}] {candidate.model.name} x {candidate.recipe}"
+
+
+def decision_line(result: CandidateResult) -> str:
+    return result.status + (f" ({'; '.join(result.reasons)})" if result.reasons else "")
+
+
+def cached_result(ledger: Ledger, candidate: Candidate, label: str, *, left: int) -> CandidateResult | None:
+    """The candidate's result without running it, when the ledger has decided it with the same inputs (its
+    artifact verified), or an error when that artifact failed its check (recorded); None: it must run."""
+    previous = ledger.decided(candidate.key)
+    if previous is None:
+        return None
+    refused = _verify_cached(previous, candidate.settings.registry_path)
+    if refused is None:
+        progress(f"{label}: already {previous.status} with the same inputs, artifact verified; skipped ({left} left)")
+        return previous.model_copy(update={"skipped": True})
+    if isinstance(refused, CandidateResult):  # the cached artifact failed its check: an error, not a skip
+        ledger.record(refused)
+        progress(f"{label}: error ({'; '.join(refused.reasons)})")
+        return refused
+    progress(f"{label}: the ledger entry does not say which artifact it promoted ({refused}); running it again")
+    return None
+
+
+def _verify_cached(previous: CandidateResult, registry_path: Path | None = None) -> CandidateResult | str | None:
     """None when the decided entry can be skipped; an error result naming the bad file when a promoted
     entry's artifact is no longer what was judged; a reason (str) when a promoted entry records no
     artifact (an older ledger: run it again). A rejection stands whatever became of its artifact (it
@@ -358,6 +399,10 @@ def _verify_cached(previous: CandidateResult) -> CandidateResult | str | None:
         return "no artifact recorded"
     try:
         verify_artifact(Path(previous.artifact_dir), manifest_sha256=previous.manifest_sha256, fingerprint=previous.fingerprint)
+        if registry_path is not None and previous.registry_version is not None:  # and its signed promotion bundle
+            from pipelines.promotion import verify_recorded
+
+            verify_recorded(registry_path, previous.model, previous.registry_version)
     except QuantGateError as error:
         return previous.model_copy(update={
             "status": "error", "skipped": False, "wall_s": 0.0,
@@ -366,7 +411,9 @@ def _verify_cached(previous: CandidateResult) -> CandidateResult | str | None:
     return None
 
 
-def _run_candidate(candidate: Candidate) -> CandidateResult:
+def run_candidate(candidate: Candidate) -> CandidateResult:
+    """Quantize, gate (and repair) one candidate; registered when its settings name a registry (a Ray worker's
+    do not: the driver registers). Its own errors become an error result, never an exception."""
     started = time.monotonic()
     common = {"model": candidate.model.name, "recipe": candidate.recipe, "key": candidate.key}
     try:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
 from pipelines.gate import GateReport
-from pipelines.registry import Version, verify_version
+from pipelines.registry import Registry, Version, verify_version
 from pipelines.settings import current as current_settings
 
 EXPERIMENT = "quantgate"
@@ -98,8 +98,13 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{(current_settings().artifacts_dir / 'mlflow.db').as_posix()}"
 
 
-def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: str | None = None) -> MlflowExport:
-    """Register a promoted version's artifact as an MLflow model version; returns where it landed."""
+def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: str | None = None, *,
+                     registry: Registry | None = None) -> MlflowExport:
+    """Register a promoted version's artifact as an MLflow model version; returns where it landed.
+
+    With the `registry` the version comes from, a signed version's promotion bundle (artifact + evidence +
+    model.sig) is verified and exported in place of the candidate folder; one promoted before signing
+    existed is exported from its candidate folder, as before."""
     if version.status != "promoted":
         raise InputError(
             f"version {version.version} of {version.model!r} is {version.status}; only promoted versions are exported",
@@ -107,6 +112,8 @@ def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: s
         )
     # The files about to be logged are the ones the registry vouches for (cheap when their stat is unchanged).
     verify_version(version)
+    signed = registry.verify_signature(version) if registry is not None else None
+    folder = str(signed.bundle) if signed is not None else version.artifact_path
     tracking_uri = default_tracking_uri() if tracking_uri is None else tracking_uri
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
@@ -117,10 +124,15 @@ def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: s
         raise InputError("MLflow is not installed; install the extra: pip install 'quantgate[mlflow]'",
                          field="mlflow") from None
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:  # a store MLflow refuses (its file store is in maintenance mode) fails here, naming the URI
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    except MlflowException as error:
+        raise InputError(f"MLflow cannot use this tracking URI: {error.message}", file=tracking_uri, field="--tracking-uri") from None
     tags = version_tags(version)
+    if signed is not None:
+        tags["quantgate.signature_key"] = signed.key_id
     try:
-        model_version, reused = _find_or_create(client, version, tags, tracking_uri, MlflowException)
+        model_version, reused = _find_or_create(client, version, folder, tags, tracking_uri, MlflowException)
         if alias:
             client.set_registered_model_alias(version.model, alias, model_version.version)
     except MlflowException as error:
@@ -131,7 +143,7 @@ def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: s
     )
 
 
-def _find_or_create(client: Any, version: Version, tags: dict[str, str], tracking_uri: str,
+def _find_or_create(client: Any, version: Version, folder: str, tags: dict[str, str], tracking_uri: str,
                     mlflow_exception: type[Exception]) -> tuple[Any, bool]:
     try:
         client.create_registered_model(version.model, description="Quantized artifacts promoted by quantgate")
@@ -148,7 +160,7 @@ def _find_or_create(client: Any, version: Version, tags: dict[str, str], trackin
                      else client.create_experiment(EXPERIMENT, artifact_location=_artifact_location(tracking_uri)))
     run = client.create_run(experiment_id, tags=tags, run_name=f"{version.model}-v{version.version}")
     try:
-        client.log_artifacts(run.info.run_id, version.artifact_path, artifact_path=ARTIFACT_SUBDIR)
+        client.log_artifacts(run.info.run_id, folder, artifact_path=ARTIFACT_SUBDIR)
         if version.gate is not None:
             client.log_dict(run.info.run_id, version.gate.model_dump(mode="json"), "gate.json")
     except BaseException:

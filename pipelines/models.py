@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from pipelines.artifact import CONFIG_NAME, is_model_dir, read_config_json
+from pipelines.artifact import CONFIG_NAME, read_config_json, safetensors_files, safetensors_header
 from pipelines.atomic import atomic_dir
 from pipelines.errors import InputError
 from pipelines.gguf_tokenizer import PRE_TOKENIZERS
@@ -573,13 +573,26 @@ def catalogue_gguf(entry: CatalogueModel, scratch: Path | None = None) -> tuple[
     return path, distribution.version
 
 
+def incomplete(folder: Path) -> InputError | None:
+    """Why a model folder is not one the pipeline can take (None: it is): a config.json that is a JSON object,
+    every safetensors file holding all the bytes its header promises (a half-written copy is refused), a
+    tokenizer, and a readable provenance record when there is one."""
+    try:
+        read_config_json(folder / CONFIG_NAME)
+        for path in safetensors_files(folder):
+            safetensors_header(path)
+    except InputError as error:
+        return error
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return InputError("no tokenizer (tokenizer.json or tokenizer.model)", file=folder, field="model")
+    if (folder / PROVENANCE_FILE).exists() and read_provenance(folder) is None:
+        return InputError("not a readable JSON object", file=folder / PROVENANCE_FILE, field="provenance")
+    return None
+
+
 def is_complete(folder: Path) -> bool:
-    """A model folder the pipeline can take: config, weights and tokenizer."""
-    return (
-        is_model_dir(folder)
-        and any(folder.glob("*.safetensors"))
-        and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file())
-    )
+    """A model folder the pipeline can take: config, weights (complete) and tokenizer."""
+    return incomplete(folder) is None
 
 
 def read_provenance(folder: Path) -> dict | None:
@@ -588,7 +601,7 @@ def read_provenance(folder: Path) -> dict | None:
         return None
     try:
         value = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError):  # ValueError: JSONDecodeError among them
         return None
     return value if isinstance(value, dict) else None
 
@@ -723,8 +736,9 @@ def _add(name: str, final: Path, gguf_path: Path, entry: CatalogueModel | None, 
 
 def _present(final: Path, name: str, gguf_file: Path | None) -> AddResult:
     """An existing folder: kept as it is if complete (and converted from `gguf_file`, when one is given)."""
-    if not final.is_dir() or not is_complete(final):
-        raise InputError("exists but is not a complete model folder; --force replaces it", file=final)
+    problem = incomplete(final) if final.is_dir() else InputError("not a folder", file=final)
+    if problem is not None:
+        raise InputError(f"exists but is not a complete model folder ({problem.one_line()}); --force replaces it", file=final)
     provenance = read_provenance(final) or {}
     recorded = provenance.get("source", {}).get("sha256")
     if gguf_file is not None and recorded != sha256_file(inspect_gguf(Path(gguf_file)).path):

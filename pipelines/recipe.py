@@ -140,11 +140,28 @@ class ActivationScheme(FrozenModel):
         return self
 
 
+Method = Literal["rtn", "gptq"]
+CALIBRATED_METHODS: frozenset[str] = frozenset({"gptq"})  # methods that read calibration data
+
+
 class GroupScheme(FrozenModel):
-    """How one layer group is quantized. `activations: null` means 16-bit activations (weight-only)."""
+    """How one layer group is quantized. `activations: null` means 16-bit activations (weight-only).
+    `algorithm` chooses how these weights are rounded (round-to-nearest or GPTQ) for this group alone;
+    unset, the recipe's `algorithm.method` applies (the compiler resolves it per module)."""
 
     weights: WeightScheme
     activations: ActivationScheme | None = None
+    algorithm: Method | None = Field(default=None, description="'rtn' or 'gptq' for this group; unset: the recipe's algorithm.method")
+
+    @property
+    def needs_calibration(self) -> bool:
+        """GPTQ reads calibration data, and so do static (calibrated) activation scales."""
+        static = self.activations is not None and not self.activations.dynamic
+        return static or self.algorithm in CALIBRATED_METHODS
+
+    def with_method(self, method: Method) -> GroupScheme:
+        """This scheme with its algorithm made concrete (`method` when it names none)."""
+        return self if self.algorithm is not None else self.model_copy(update={"algorithm": method})
 
 
 class KeptGroup(FrozenModel):
@@ -205,7 +222,7 @@ class Override(FrozenModel):
 
 
 class Algorithm(FrozenModel):
-    method: Literal["rtn", "gptq"] = "rtn"
+    method: Method = "rtn"
     block_size: int = Field(default=128, gt=0, le=MAX_BLOCK_SIZE)
     dampening_frac: float = Field(default=0.01, ge=0, lt=1)
     actorder: Literal["weight", "static"] | None = Field(
@@ -306,8 +323,8 @@ class Recipe(FrozenModel):
     @property
     def needs_calibration(self) -> bool:
         schemes = [self.groups.attention, self.groups.mlp] + [s for o in self.overrides for s in (o.attention, o.mlp)]
-        static = any(s and s.activations and not s.activations.dynamic for s in schemes)
-        return self.algorithm.method == "gptq" or self.smoothquant is not None or static
+        calibrated = any(s is not None and s.needs_calibration for s in schemes)
+        return self.algorithm.method in CALIBRATED_METHODS or self.smoothquant is not None or calibrated
 
     @property
     def identity(self) -> RecipeIdentity:

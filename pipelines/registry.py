@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,6 +39,9 @@ from pipelines.errors import InputError
 from pipelines.gate import GateReport, read_report
 from pipelines.hashing import sha256_json
 from pipelines.settings import current as current_settings
+
+if TYPE_CHECKING:
+    from pipelines.evidence import PromotionCheck
 
 BUSY_TIMEOUT_S = 60.0
 # 1: the first schema. 2: versions.manifest_hash (manifest.json's own sha256) and versions.fingerprint
@@ -233,6 +236,27 @@ def _writable(path: Path) -> bool:
     return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)
 
 
+def _creatable(path: Path) -> bool:
+    """Whether the registry file could be made: its nearest existing folder can be written."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+
+
+@contextmanager
+def _empty_registry() -> Iterator[sqlite3.Connection]:
+    """What a reader sees of a registry not created yet: the schema, no rows (in memory: no file is made)."""
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.row_factory = sqlite3.Row
+    try:
+        for statement in _SCHEMA:
+            db.execute(statement)
+        yield db
+    finally:
+        db.close()
+
+
 # --- the registry ------------------------------------------------------------------------------------
 
 
@@ -246,10 +270,16 @@ class Registry:
             raise InputError("the registry must be a regular file", file=self.path, field="registry")
         # An existing registry the user may not write (read-only disk or permissions) is opened for
         # reading only: list / show / history work, writes say why they cannot.
-        self.read_only = self.path.exists() and not _writable(self.path)
-        if self.read_only:
+        exists = self.path.exists()
+        self.read_only = not _writable(self.path) if exists else not _creatable(self.path)
+        if self.read_only and exists:
             self._check_readable()
-            return
+        elif exists:
+            self._create_schema()
+        # A registry that does not exist yet is created by its first write, never by a read: `registry list`
+        # on a root without one answers "none" and leaves nothing behind.
+
+    def _create(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -295,6 +325,8 @@ class Registry:
                 "the registry is read-only here (the file or its folder cannot be written): it can be listed, not changed",
                 file=self.path,
             )
+        if mode == "IMMEDIATE" and not self.path.exists():
+            self._create()  # the first write creates the file (its schema in a transaction of its own)
         db = self._connect(read_only=mode == "DEFERRED")
         try:
             db.execute(f"BEGIN {mode}")
@@ -311,7 +343,7 @@ class Registry:
             db.close()
 
     def _reader(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self._transaction("DEFERRED")
+        return self._transaction("DEFERRED") if self.path.exists() else _empty_registry()
 
     def _check_readable(self) -> None:
         db = self._connect(read_only=True)
@@ -443,6 +475,7 @@ class Registry:
             target = self._promoted_row(db, model, version)
             stored = self._version_by_id(db, target["id"])
         check = verify_version(stored)
+        self.verify_signature(stored)
         with self._transaction() as db:
             target = self._promoted_row(db, model, version)
             self._refresh_fingerprint(db, target["id"], check)
@@ -466,6 +499,7 @@ class Registry:
             current, earlier = self._rollback_step(db, model, alias)
             stored = self._version_by_id(db, earlier["version_id"])
         check = verify_version(stored)
+        self.verify_signature(stored)
         with self._transaction() as db:
             moved = (current["seq"], earlier["version_id"])
             current, earlier = self._rollback_step(db, model, alias)
@@ -527,6 +561,14 @@ class Registry:
         with self._transaction() as db:
             self._version_row(db, model, version)
             self._event(db, model, version, "lineage", reason=reason, evidence=evidence)
+
+    def verify_signature(self, version: Version, *, required: bool = False) -> PromotionCheck | None:
+        """The version's signed promotion bundle: signature, every file, evidence (pipelines.evidence.verify_promotion).
+        A version promoted before signing has none: None, or an InputError when `required`."""
+        from pipelines.evidence import verify_promotion
+
+        promoted = [e for e in self.history(version.model, version=version.version) if e.kind == "promoted" and e.version == version.version]
+        return verify_promotion(promoted[-1].evidence if promoted else None, version, required=required, registry=self.path)
 
     def resolve(self, model: str, alias_or_version: str | int) -> Version:
         """The version an alias or a version number names, with its artifact verified for serving."""
@@ -621,6 +663,15 @@ class Registry:
 
     def _version_by_id(self, db: sqlite3.Connection, version_id: int) -> Version:
         row = self._row_by_id(db, version_id)
+        try:
+            return self._version_from_row(db, row)
+        except (ValueError, TypeError, KeyError, RecursionError) as error:  # ValueError: JSON and pydantic errors among them
+            problem = " ".join(str(error).split())[:300]
+            raise InputError(f"version row {version_id} is malformed ({type(error).__name__}: {problem})", file=self.path,
+                             field="versions") from None
+
+    def _version_from_row(self, db: sqlite3.Connection, row: sqlite3.Row) -> Version:
+        version_id = row["id"]
         columns = row.keys()  # a schema-1 file opened read-only has no manifest_hash / fingerprint
         fingerprint = json.loads(row["fingerprint"]) if "fingerprint" in columns and row["fingerprint"] else None
         return Version(

@@ -34,6 +34,7 @@ from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk,
 from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
 from pipelines.evaluate import ANSWER_RESERVE_TOKENS, SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
+from pipelines.evidence import write_run_evidence
 from pipelines.gate import FitCheck, GateReport, decide, load_report
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
@@ -48,6 +49,7 @@ from pipelines.runfolder import run_folder
 from pipelines.safepath import safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
 from pipelines.settings import current as current_settings
+from pipelines.signing import load_signer
 
 
 def default_runs_dir() -> Path:
@@ -128,6 +130,8 @@ def quantize_and_gate(
     from pipelines.quantize import quantize_model  # heavy (torch, llm-compressor): only when quantizing
 
     require_model_dir(model_dir, "--model")
+    if settings.registry_path is not None:
+        load_signer(settings.registry_path)  # a missing or bad signing key fails now, not after quantizing
     result = quantize_model(recipe, model_dir, force=force, calibration=calibration, eval_sets=settings.eval_sets)
     manifest = result.manifest
     job = GateJob(
@@ -172,6 +176,7 @@ def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
         if Registry(job.settings.registry_path).read_only:
             raise InputError("the registry cannot be written here; fix its permissions or gate with --no-registry",
                              file=job.settings.registry_path, field="--registry")
+        load_signer(job.settings.registry_path)  # a missing or bad signing key fails the run before serving
         return True
     progress(f"{job.artifact_dir} has no manifest.json: it will be gated and reported as UNVERIFIED, and not registered")
     return False
@@ -210,6 +215,11 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
     )
     write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
     write_text_atomic(staging / "report.md", with_unverified_note(render_markdown(report), check is None))
+    write_run_evidence(  # what a promotion bundle carries besides gate.json and report.md (pipelines.evidence)
+        staging, artifact_dir=job.artifact_dir, recipe={"name": job.recipe_name, "sha256": job.inputs.get("recipe_sha256")},
+        policy_path=job.settings.policy_path, policy=job.settings.policy, eval_sets=job.settings.eval_sets,
+        comparisons=comparisons, report=report,
+    )
     return report
 
 
@@ -309,6 +319,38 @@ def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
     }
 
 
+def score_baseline(model_dir: Path, settings: GateSettings) -> list[str]:
+    """Score and cache the 16-bit baseline of `model_dir` on every set of `settings` that is not cached yet
+    (the Ray executor's baseline task, run once before the candidates that need it); the sets it scored.
+    The server's and lm-eval's logs go to a run folder `<id>-baseline` only when something was scored."""
+    job = GateJob(artifact_dir=model_dir, baseline_dir=model_dir, recipe_name="baseline", settings=settings)
+    keys = {s.name: baseline_cache.cache_key(folder_hash(model_dir), s, settings.serve) for s in settings.eval_sets}
+    missing = [name for name, key in keys.items() if baseline_cache.load_cached(key, settings.cache_dir) is None]
+    if missing:
+        with run_folder(settings.runs_dir, "baseline") as folder:
+            include_dir = materialize_tasks(settings.eval_sets, folder.path / "tasks")
+            prompts = load_all_prompts(settings.eval_sets, include_dir, model_dir)
+            _baseline_entries(folder.path, job, include_dir, prompts, {})
+    return missing
+
+
+def register_run(run_dir: Path, baseline_dir: Path, settings: GateSettings, check: ArtifactCheck) -> int:
+    """Register a complete run made in another process (a Ray worker gates with no registry; the driver, the
+    registry's only writer, registers here) exactly as run_gate registers its own: the version's fields come
+    from the run's gate.json and the artifact check the caller just made."""
+    report = load_report(run_dir / "gate.json")
+    job = GateJob(
+        artifact_dir=check.artifact_dir, baseline_dir=baseline_dir, recipe_name=report.inputs["recipe"], settings=settings,
+        inputs=report.inputs,
+    )
+    outcome = RunOutcome(
+        verdict=report.gate.verdict, exit_code=report.gate.exit_code, run_dir=run_dir, gate_json=run_dir / "gate.json",
+        report_md=run_dir / "report.md", artifact_dir=check.artifact_dir, reasons=report.gate.reasons, stages=report.stages,
+        manifest_sha256=check.manifest_sha256, artifact_fingerprint=check.fingerprint, report=report,
+    )
+    return _record_in_registry(job, outcome, check)
+
+
 def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck | None) -> int:
     from pipelines.registry import EvalSetRef, NewVersion, Registry
 
@@ -326,5 +368,8 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck 
         verified=check,
     )
     reason = "; ".join(outcome.reasons) or "gate passed"
-    decided = registry.promote if outcome.verdict == "promoted" else registry.reject
-    return decided(version.id, reason).version
+    if outcome.verdict == "promoted":
+        from pipelines.promotion import promote_signed
+
+        return promote_signed(registry, version, reason, run_dir=outcome.run_dir).version
+    return registry.reject(version.id, reason).version

@@ -24,11 +24,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.artifact import require_model_dir
+from pipelines.bounds import MAX_CONTEXT
 from pipelines.errors import ServeError
 from pipelines.output import progress
 from pipelines.progress import track
@@ -39,6 +41,9 @@ LOOPBACK = "127.0.0.1"
 MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
+MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_CPU_KV_CACHE_GIB = 4096
 # Imported by every Python process of the server (API server, engine core) through PYTHONPATH.
 NO_AMX_SITECUSTOMIZE = (
     "try:\n"
@@ -54,18 +59,20 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    memory_fraction: float = Field(default=0.2, gt=0, le=1, description="--gpu-memory-utilization (on CPU: fraction of host memory)")
-    cpu_kv_cache_gib: int = Field(default=1, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
-    max_model_len: int = Field(default=512, gt=0)
+    # Every field is bounded: these settings are also read back from a run's gate.json (a repair), a file a user can edit.
+    memory_fraction: float = Field(default=0.2, gt=0, le=1, allow_inf_nan=False,
+                                   description="--gpu-memory-utilization (on CPU: fraction of host memory)")
+    cpu_kv_cache_gib: int = Field(default=1, gt=0, le=MAX_CPU_KV_CACHE_GIB, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
+    max_model_len: int = Field(default=512, gt=0, le=MAX_CONTEXT)
     # The model's bf16: vLLM CPU's int8 W8A8 kernel refuses float16 ("scale_C: scalar path not implemented",
     # measured). bf16 would pick AMX kernels that die with SIGILL on these VMs, so the server runs with AMX
     # reported unavailable (NO_AMX_SITECUSTOMIZE) and uses its AVX-512 kernels instead.
-    dtype: str = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "bfloat16"  # vLLM's --dtype choices
     enforce_eager: bool = True
-    seed: int = 0
-    max_num_seqs: int = Field(default=16, gt=0)
-    startup_timeout_s: float = Field(default=300.0, gt=0)
-    request_timeout_s: float = Field(default=120.0, gt=0)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    max_num_seqs: int = Field(default=16, gt=0, le=MAX_NUM_SEQS)
+    startup_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    request_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
 
     def cache_fields(self) -> dict:
         """The settings that can change scores (timeouts cannot)."""
@@ -185,7 +192,15 @@ def new_api_key() -> str:
 
 
 def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
+    """The server's environment. Its temporary files (vLLM's rendezvous file `vllm_dist_*` per start, torch's
+    compile caches and locks) go to shim_dir/tmp, inside the run folder and removed with the shim when the server
+    stops; vLLM's ZeroMQ sockets stay in the system's temporary folder (VLLM_RPC_BASE_PATH), whose short path
+    keeps them under the 107-byte limit of a socket's name."""
+    scratch = shim_dir / "tmp"
+    scratch.mkdir(exist_ok=True)
     env = dict(os.environ)
+    env.setdefault("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
+    env.update(TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
     env.update(
         VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
@@ -321,8 +336,9 @@ def vllm_server(
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()
     api_key = new_api_key()
-    # The owner's pid in the name lets reclaim_stale remove it once this process is gone without clean-up.
-    shim = tempfile.TemporaryDirectory(prefix=shim_prefix())
+    # Beside the server's log, in the run folder (removed with a dead run's staging folder too); the owner's pid
+    # in the name lets reclaim_stale remove it once this process is gone without clean-up.
+    shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
     try:
         env = _environment(settings, _write_shim(Path(shim.name)), api_key)
         process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)

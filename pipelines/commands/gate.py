@@ -27,7 +27,7 @@ def recipe_name_for(artifact: Path, option: str | None) -> str:
 def handle(args: argparse.Namespace) -> int:
     try:
         artifact, baseline = args.artifact.resolve(), args.baseline.resolve()
-    except (OSError, ValueError) as error:
+    except (OSError, RuntimeError, ValueError) as error:  # RuntimeError: a symlink loop
         raise InputError(f"not a usable path ({error})", field="--artifact/--baseline") from None
     recipe_name = recipe_name_for(artifact, args.recipe_name)
     settings = gate_settings(args)

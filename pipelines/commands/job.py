@@ -1,4 +1,5 @@
-"""`quantize job FILE`: run every candidate of a job file through the runner; one summary at the end."""
+"""`quantize job FILE [--executor local|ray] [--ray-address ADDRESS]`: run every candidate of a job file through
+the runner, here or on a Ray cluster (docs/scale-out.md); one summary at the end."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ def reasons_by_set(reasons: list[str]) -> str:
 
 def _render(summary: JobSummary) -> None:
     rows = [
-        [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", reasons_by_set(r.reasons)]
+        [r.model, r.recipe, r.status + (" (cached)" if r.skipped else ""), r.registry_version, f"{r.wall_s:.0f}", r.node,
+         reasons_by_set(r.reasons)]
         for r in summary.results
     ]
-    columns = ["model", "recipe", "verdict", "registry version", "wall s", "reasons"]
+    columns = ["model", "recipe", "verdict", "registry version", "wall s", "node", "reasons"]
     console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", columns, rows))
     if any(r.reasons for r in summary.results):
         console.print("Every reason: gate.json and report.md in each candidate's run folder (--json lists them all).")
@@ -32,7 +34,7 @@ def _render(summary: JobSummary) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     with library_output_on_stderr(verbose=args.verbose):
-        summary = run_job(args.file)
+        summary = run_job(args.file, executor=args.executor, ray_address=args.ray_address)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
     return summary.exit_code
 
@@ -40,6 +42,12 @@ def handle(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser("job")  # its summary: pipelines.cli.COMMANDS
     parser.add_argument("file", type=Path, help="job YAML (see jobs/demo.yaml)")
+    parser.add_argument("--executor", choices=["local", "ray"], default=None,
+                        help="local: one candidate after another on this machine; ray: a Ray task per candidate (default: the "
+                             "job file's `executor:`, else local)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="the Ray cluster: HOST:PORT, ray://HOST:PORT or auto (default: $RAY_ADDRESS, else a local Ray started "
+                             "for the job)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_verbose_option(parser)
     parser.set_defaults(handler=handle)

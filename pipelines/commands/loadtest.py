@@ -13,20 +13,20 @@ import argparse
 from contextlib import ExitStack
 from pathlib import Path
 
-from pipelines.artifact import MANIFEST_NAME, require_model_dir, verify_artifact
+from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, read_model_config, require_model_dir, verify_artifact
 from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.bounds import MAX_CONTEXT
 from pipelines.capture import add_verbose_option
 from pipelines.commands.args import int_arg
 from pipelines.commands.common import library_output_on_stderr
-from pipelines.errors import EXIT_OK, EXIT_REJECTED
+from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError
 from pipelines.evalsets import EvalSet, select_eval_sets
 from pipelines.evaluate import ANSWER_RESERVE_TOKENS, check_prompt_lengths, load_prompts, materialize_tasks
 from pipelines.loadtest.config import MAX_LEVEL, PerformancePolicy
 from pipelines.loadtest.gate_hook import ServerPool
 from pipelines.loadtest.render import console_tables
 from pipelines.loadtest.results import PerformanceReport, Role
-from pipelines.loadtest.stage import StageInputs, plan_for, run_loadtest
+from pipelines.loadtest.stage import StageInputs, check_plan, plan_for, run_loadtest
 from pipelines.output import emit, progress, say, table
 from pipelines.policy import FitRequirement, load_gate_policy
 from pipelines.recipe import RecipeIdentity, identity_from_text
@@ -36,6 +36,8 @@ from pipelines.schema import StrictModel
 from pipelines.serving import ServeSettings
 from pipelines.settings import current as current_settings
 from pipelines.targets import installed_target
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def _identity(artifact: Path | None) -> RecipeIdentity:
@@ -56,12 +58,28 @@ class Options(StrictModel):
     eval_sets: list[EvalSet]
 
 
+def servable_folder(path: Path, field: str) -> Path:
+    """A model folder the load test can serve and tokenize for, resolved: no symlink loop, a config.json that is a
+    JSON object with a model_type inside the folder (not a link out of it), and a tokenizer."""
+    try:
+        folder = path.resolve(strict=True)
+        config = (folder / CONFIG_NAME).resolve()
+    except FileNotFoundError:
+        raise InputError("not found", file=path, field=field) from None
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop
+        raise InputError(f"cannot resolve the path ({error})", file=path, field=field) from None
+    require_model_dir(folder, field)
+    if not config.is_relative_to(folder):
+        raise InputError(f"config.json leads outside the model folder (a link to {config})", file=folder / CONFIG_NAME, field=field)
+    read_model_config(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(f"no tokenizer ({' or '.join(TOKENIZER_FILES)}): the workload's prompts are tokenized with it", file=folder, field=field)
+    return folder
+
+
 def options(args: argparse.Namespace) -> Options:
-    model = args.model.resolve()
-    artifact = args.artifact.resolve() if args.artifact else None
-    require_model_dir(model, "--model")
-    if artifact is not None:
-        require_model_dir(artifact, "--artifact")
+    model = servable_folder(args.model, "--model")
+    artifact = servable_folder(args.artifact, "--artifact") if args.artifact else None
     policy, _ = load_gate_policy(args.policy)
     identity = _identity(artifact)
     performance = policy.performance_for(identity)
@@ -69,7 +87,9 @@ def options(args: argparse.Namespace) -> Options:
     if load:
         performance = performance.model_copy(update={"load": performance.load.model_copy(update=load)})
     fit = policy.fit_for(identity)
-    top = performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs
+    # The sweep's top, never above MAX_LEVEL (a fit's concurrency may be far higher): the servers' max_num_seqs.
+    top = min(performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs, MAX_LEVEL)
+    check_plan(performance.load, top, models=2 if artifact is not None else 1)  # before a folder is made or a file written
     names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
     return Options(
         model=model, artifact=artifact, performance=performance, fit=fit, eval_sets=select_eval_sets(names),

@@ -9,6 +9,7 @@ from typing import Any
 from pipelines.artifact import read_json_object
 from pipelines.commands.args import int_arg
 from pipelines.errors import InputError
+from pipelines.evidence import PromotionCheck
 from pipelines.output import emit, say, table
 from pipelines.registry import AliasTarget, Event, Registry, Version
 from pipelines.yamlio import MAX_JSON_BYTES
@@ -45,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if name == "promote":
             sub.add_argument("--override-gate", action="store_true",
                              help="promote even though this version's gate evidence says rejected (recorded)")
+
+    sub = action("verify", "check a promoted version's signed bundle: files, signature, trusted key, evidence", _verify)
+    sub.add_argument("target", metavar="NAME[@VERSION|ALIAS]", help="a model, optionally @ a version or alias (default: its newest promoted version)")
 
     sub = action("alias", "point an alias (e.g. production) at a promoted version", _alias)
     sub.add_argument("model", metavar="MODEL")
@@ -90,11 +94,33 @@ def _change_status(args: argparse.Namespace) -> int:
     version = registry.show(args.model, args.version)
     evidence = _read_evidence(args.evidence) if args.evidence else None
     if args.registry_command == "promote":
-        changed = registry.promote(version.id, args.reason, evidence, override_gate=args.override_gate)
+        from pipelines.promotion import promote_signed
+
+        run_dir = Path(version.gate_path).parent if version.gate_path else None
+        changed = promote_signed(registry, version, args.reason, evidence, run_dir=run_dir, override_gate=args.override_gate)
     else:
         changed = registry.reject(version.id, args.reason, evidence)
     emit(changed, as_json=args.json, render=_render_version)
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    model, at, wanted = args.target.rpartition("@") if "@" in args.target else (args.target, "", "")
+    if not model:
+        raise InputError(f"not NAME[@VERSION|ALIAS] (got {args.target!r})", field="NAME")
+    number_or_alias = version_or_alias(wanted) if at else None  # checked before the database is opened
+    registry = _open(args)
+    version = registry.show(model, number_or_alias) if number_or_alias is not None else _newest_promoted(registry, model)
+    check = registry.verify_signature(version, required=True)
+    emit(check, as_json=args.json, render=_render_check)
+    return 0
+
+
+def _newest_promoted(registry: Registry, model: str) -> Version:
+    promoted = [v for v in registry.list(model) if v.status == "promoted"]
+    if not promoted:
+        raise InputError(f"model {model!r} has no promoted version", file=registry.path, field="NAME")
+    return promoted[-1]
 
 
 def _alias(args: argparse.Namespace) -> int:
@@ -119,8 +145,9 @@ def _export_mlflow(args: argparse.Namespace) -> int:
     from pipelines.mlflow_export import export_to_mlflow
 
     wanted = version_or_alias(args.version)
-    version = _open(args).resolve(args.model, wanted)
-    result = export_to_mlflow(version, tracking_uri=args.tracking_uri, alias=args.alias)
+    registry = _open(args)
+    version = registry.resolve(args.model, wanted)
+    result = export_to_mlflow(version, tracking_uri=args.tracking_uri, alias=args.alias, registry=registry)
 
     def render(value: Any) -> None:
         state = "already exported as" if value.reused else "exported as"
@@ -198,6 +225,16 @@ def _performance(version: Version) -> str:
 
     performance = version.gate.performance if version.gate is not None else None
     return headline(performance) if performance is not None else "-"
+
+
+def _render_check(check: PromotionCheck | None) -> None:
+    assert check is not None  # verify_signature(required=True) raises instead
+    rows = [
+        ["bundle", str(check.bundle)], ["signed by", f"{check.method} {check.key_id[:16]}..."],
+        ["files", f"{check.files} ({check.bytes / 2**20:.1f} MiB with the signature)"],
+        ["evidence", check.evidence], ["verified in", f"{check.verify_s:.2f} s"],
+    ]
+    say(table(f"{check.model} v{check.version}: signature verified", ["field", "value"], rows))
 
 
 def _render_alias(target: AliasTarget) -> None:

@@ -81,8 +81,9 @@ def repair_after(outcome: RunOutcome, settings: GateSettings, args: argparse.Nam
     from pipelines.repair.parent import load_parent
     from pipelines.repair.session import repair
 
+    # The run this process has just made: nothing read back from it can have been edited by anyone else yet.
     parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,
-                         calibration=args.calibration, loadtest=settings.loadtest)
+                         calibration=args.calibration, loadtest=settings.loadtest, allow_unverified=True)
     if not args.json:
         print_outcome(outcome, as_json=False)
     with library_output_on_stderr(verbose=args.verbose):
@@ -99,7 +100,12 @@ def handle(args: argparse.Namespace) -> int:
     options = repair_options(args)
     check_ladder(args)
     registry = None if args.no_registry else args.registry
-    parent = load_parent(args.run_id, current().runs_dir, registry_path=registry, loadtest=not args.no_loadtest)
+    parent = load_parent(args.run_id, current().runs_dir, registry_path=registry, calibration=args.calibration, loadtest=not args.no_loadtest,
+                         allow_unverified=args.allow_unverified, recorded_in=args.registry)
+    if args.calibration is not None:
+        from pipelines.calibration import check_calibration_source
+
+        check_calibration_source(args.calibration, parent.settings.eval_sets)  # a bad --calibration fails before any work
     with library_output_on_stderr(verbose=args.verbose):
         result = repair(parent, options)
     return emit_result(result, args.json)
@@ -113,6 +119,13 @@ def register(subparsers) -> None:
                         help="registry database (default: %(default)s; env QUANTGATE_REGISTRY)")
     parser.add_argument("--no-registry", action="store_true", help="gate and report, but do not write the registry")
     parser.add_argument("--no-loadtest", action="store_true", help="skip the load test after a passing quality gate")
+    parser.add_argument("--calibration", metavar="SOURCE",
+                        help="calibration data for proposals that calibrate (GPTQ rungs, static scales) when the rejected recipe "
+                             "recorded none: as `quantize --calibration` (default: the recipe's, else the calibration set)")
+    parser.add_argument(
+        "--allow-unverified", action="store_true",
+        help="repair a run the registry does not know (its gate.json and manifest.json cannot be checked against recorded hashes)",
+    )
     parser.add_argument("--json", action="store_true", help="print repair.json's content on stdout")
     add_verbose_option(parser)
     parser.set_defaults(handler=handle)

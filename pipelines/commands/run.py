@@ -7,12 +7,17 @@ from pathlib import Path
 
 from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
 from pipelines.commands.repair import add_repair_options
+from pipelines.errors import InputError
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import FROM_EVAL_SETS
 from pipelines.runner import quantize_and_gate
 
 
 def handle(args: argparse.Namespace) -> int:
+    try:
+        model = args.model.resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop
+        raise InputError(f"not a usable path ({error})", file=args.model, field="--model") from None
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
     extra = {}
     if args.calibration is not None:  # without it, the recipe's own calibration data (the call as it always was)
@@ -25,7 +30,7 @@ def handle(args: argparse.Namespace) -> int:
 
         check_ladder(args)
     with library_output_on_stderr():
-        outcome = quantize_and_gate(args.recipe, args.model.resolve(), settings, force=args.force, **extra)
+        outcome = quantize_and_gate(args.recipe, model, settings, force=args.force, **extra)
     if args.repair and outcome.verdict == "rejected":
         return repair_after(outcome, settings, args)
     return print_outcome(outcome, args.json)

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.errors import LoadTestError
+from pipelines.loadtest.config import sweep_levels  # noqa: F401 - re-exported: the levels are part of the plan (config)
 from pipelines.loadtest.vllm_bench_driver import DONE_PREFIX  # stdlib only at import: it never imports vllm here
 from pipelines.progress import Bar
 from pipelines.reclaim import die_with_parent
@@ -98,15 +99,6 @@ class PlannedRun(FrozenModel):
     @property
     def result_file(self) -> str:
         return f"{self.name}.json"
-
-
-def sweep_levels(top: int) -> list[int]:
-    """1, 2, 4, ... below `top`, then `top` itself."""
-    levels, level = [], 1
-    while level < top:
-        levels.append(level)
-        level *= 2
-    return [*levels, top]
 
 
 def plan_runs(levels: list[int], roles: list[Role], repeats: int, requests_at) -> list[PlannedRun]:

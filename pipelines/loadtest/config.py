@@ -25,6 +25,9 @@ MAX_RATIO = 1e6
 MAX_MS = 1e9
 MAX_LEVEL = 4096  # concurrency of a sweep: far above any one server's max_num_seqs
 MAX_REQUESTS = 100_000
+# Every request of one sweep together (both models, warm-ups included): what its workload files hold at most,
+# about 30 MB of JSONL, and hours of serving on a GPU. A plan past it is refused before anything is written.
+MAX_PLANNED_REQUESTS = 200_000
 
 Ratio = Annotated[float, Field(gt=0, le=MAX_RATIO, allow_inf_nan=False)]
 Milliseconds = Annotated[float, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
@@ -77,6 +80,34 @@ class LoadSettings(FrozenModel):
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
+
+    def planned_requests(self, top: int, models: int = 2) -> int:
+        """The requests a sweep up to `top` sends: per model a warm-up and every level `repeats` times (bench.plan_runs)."""
+        return models * (self.requests_at(1) + self.repeats * sum(self.requests_at(level) for level in sweep_levels(top)))
+
+    def plan_problem(self, top: int, models: int = 2) -> str | None:
+        """Why a sweep up to `top` is refused (None: it is not): more than MAX_PLANNED_REQUESTS requests."""
+        planned = self.planned_requests(top, models)
+        if planned <= MAX_PLANNED_REQUESTS:
+            return None
+        return (f"a sweep up to concurrency {top} with {self.repeats} repeats, min_requests {self.min_requests} and requests_per_slot "
+                f"{self.requests_per_slot} sends {planned} requests over {models} model(s); at most {MAX_PLANNED_REQUESTS}")
+
+    @model_validator(mode="after")
+    def _bounded_plan(self) -> LoadSettings:
+        problem = self.plan_problem(self.max_concurrency) if self.max_concurrency is not None else None
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def sweep_levels(top: int) -> list[int]:
+    """1, 2, 4, ... below `top`, then `top` itself."""
+    levels, level = [], 1
+    while level < top:
+        levels.append(level)
+        level *= 2
+    return [*levels, top]
 
 
 class PerformancePolicy(FrozenModel):

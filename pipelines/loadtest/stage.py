@@ -15,10 +15,11 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
+from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
 from pipelines.evaluate import Prompt
 from pipelines.loadtest import bench, figures, memory, plots, tuning, verdict
-from pipelines.loadtest.config import PerformancePolicy
+from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
 from pipelines.loadtest.workload import build_workload, write_dataset
 from pipelines.output import progress
@@ -28,6 +29,7 @@ from pipelines.serving import RunningServer, ServeSettings, serve_versions
 
 ServerSource = Callable[[Role], tuple[RunningServer, str]]
 LOADTEST_DIR = "loadtest"
+WORKLOAD_PREFIX = "workload-"  # workload-<requests>.jsonl: the prompts of the runs of that many requests
 
 
 class StageInputs(StrictModel):
@@ -79,12 +81,32 @@ def plan_for(fit, model_dir: Path) -> dict | None:
 def run_loadtest(inputs: StageInputs, servers: ServerSource, driver: bench.BenchDriver | None = None) -> PerformanceReport:
     """The stage; `driver`: the tool's process when it was started earlier (ServerPool starts it with the pool)."""
     started = time.monotonic()
-    policy, load = inputs.policy, inputs.policy.load
+    load = inputs.policy.load
+    top, limited_by = sweep_top(inputs)
+    check_plan(load, top, len(inputs.roles))
+    levels = sweep_levels(top)
+    runs = bench.plan_runs(levels, inputs.roles, load.repeats, load.requests_at)
     work = inputs.run_dir / LOADTEST_DIR
     work.mkdir(parents=True, exist_ok=True)
-    top, limited_by = sweep_top(inputs)
-    levels = bench.sweep_levels(top)
-    runs = bench.plan_runs(levels, inputs.roles, load.repeats, load.requests_at)
+    try:
+        return _sweep(inputs, levels, runs, top, limited_by, work, servers, driver, started)
+    except BaseException:  # an error, Ctrl-C or SIGTERM: the bulky generated inputs go; logs and results stay
+        for dataset in work.glob(f"{WORKLOAD_PREFIX}*.jsonl"):
+            dataset.unlink(missing_ok=True)
+        raise
+
+
+def check_plan(load: LoadSettings, top: int, models: int) -> None:
+    """A sweep bounded by its plan (requests x models), refused before a server starts or a file is written."""
+    problem = load.plan_problem(top, models)
+    if problem:
+        raise InputError(f"{problem}: lower performance.load (min_requests, requests_per_slot, repeats) or its max_concurrency",
+                         field="performance.load")
+
+
+def _sweep(inputs: StageInputs, levels: list[int], runs: list[bench.PlannedRun], top: int, limited_by: str, work: Path,
+           servers: ServerSource, driver: bench.BenchDriver | None, started: float) -> PerformanceReport:
+    policy, load = inputs.policy, inputs.policy.load
     needed = max(run.requests for run in runs)
     progress(f"load test: {len(runs)} runs of vLLM bench serve ({', '.join(inputs.roles)}; concurrency {', '.join(map(str, levels))}; "
              f"{load.repeats} repeats; up to {needed} prompts of {', '.join(s.name for s in inputs.eval_sets)})")
@@ -95,7 +117,7 @@ def run_loadtest(inputs: StageInputs, servers: ServerSource, driver: bench.Bench
             inputs.eval_sets, inputs.prompts, needed, load.output_tokens, inputs.baseline_dir, inputs.serve.max_model_len,
             server["baseline"],
         )
-        datasets = {n: write_dataset(workload.first(n), work / f"workload-{n}.jsonl") for n in sorted({run.requests for run in runs})}
+        datasets = {n: write_dataset(workload.first(n), work / f"{WORKLOAD_PREFIX}{n}.jsonl") for n in sorted({run.requests for run in runs})}
         planned = [
             (run, bench.bench_argv(run, server[run.role], inputs.model_dir(run.role), datasets[run.requests], work, policy.slo.goodput_arguments))
             for run in runs

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from pipelines.errors import LoadTestError
 from pipelines.evalsets import ROLLING, EvalSet
-from pipelines.evaluate import Prompt
+from pipelines.evaluate import Prompt, load_tokenizer
 from pipelines.schema import FrozenModel, StrictModel
 from pipelines.serving import RunningServer
 
@@ -108,14 +108,12 @@ def build_workload(
     tokenizer_dir: Path, max_model_len: int, baseline: RunningServer | None,
 ) -> Workload:
     """`count` items with their output lengths; `baseline` (a running server) is asked when output_tokens is `baseline`."""
-    from transformers import AutoTokenizer
-
     usable = {s.name: prompts[s.name] for s in eval_sets if s.output_type != ROLLING and prompts.get(s.name)}
     left_out = sorted(s.name for s in eval_sets if s.name not in usable)
     chosen = select_prompts(usable, count)
     if not chosen:
         raise LoadTestError("no eval set has prompts to answer (rolling sets are left out of the load test)", field="eval_sets")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = load_tokenizer(tokenizer_dir)
     lengths = [len(tokenizer(prompt.text)["input_ids"]) for _, prompt in chosen]
     by_name = {s.name: s for s in eval_sets}
     limits = [_fit(answer_limit(by_name[name], tokenizer), length, max_model_len) for (name, _), length in zip(chosen, lengths, strict=True)]

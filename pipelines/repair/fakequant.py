@@ -2,8 +2,10 @@
 
 Weights: the observer llm-compressor attaches to weights (memoryless min-max), compressed-tensors'
 calculate_qparams and fake_quantize: round-to-nearest, the scales in the weight's own dtype, as the
-checkpoint stores them. GPTQ's error compensation is not simulated: a GPTQ recipe is measured as its RTN
-twin (a conservative ranking; the gates decide). Activations: dynamic per-token scales as vLLM computes
+checkpoint stores them. GPTQ: llm-compressor's own `quantize_weight` (the solver GPTQModifier runs) on the
+module's weight with the Hessian of its inputs on the calibration texts, from the same observer's scales. The
+one difference from a quantize run: the inputs are the 16-bit model's, where llm-compressor's sequential pipeline
+feeds each layer the outputs of the layers it already quantized. Activations: dynamic per-token scales as vLLM computes
 them at run time (compute_dynamic_scales_and_zp), static per-tensor scales from llm-compressor's default
 activation observer (min-max, moving average) over the calibration samples fed one at a time.
 """
@@ -15,16 +17,16 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
-from pipelines.recipe import ActivationScheme, WeightScheme
+from pipelines.recipe import ActivationScheme, Algorithm, WeightScheme
 
 WEIGHT_OBSERVER = "memoryless_minmax"  # llmcompressor.modifiers.quantization.calibration.initialize_observer
 INPUT_OBSERVER = "minmax"
 
 
-def weight_args(weights: WeightScheme) -> QuantizationArgs:
+def weight_args(weights: WeightScheme, actorder: str | None = None) -> QuantizationArgs:
     return QuantizationArgs(
         num_bits=weights.bits, type=weights.type, symmetric=weights.symmetric, strategy=weights.granularity,
-        group_size=weights.group_size if weights.granularity == "group" else None,
+        group_size=weights.group_size if weights.granularity == "group" else None, actorder=actorder,
     )
 
 
@@ -49,6 +51,22 @@ def fake_quantize_weight(weight: torch.Tensor, weights: WeightScheme) -> torch.T
     observer(weight)
     qparams = observer.get_qparams()
     return fake_quantize(weight, qparams["scale"], qparams["zero_point"], args)
+
+
+@torch.no_grad()
+def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, weights: WeightScheme, algorithm: Algorithm) -> torch.Tensor:
+    """The weight as GPTQ leaves it, dequantized (same dtype and shape as `weight`). `hessian`: the normalized
+    Hessian of the module's inputs (2 X^T X / n, llm-compressor's accumulate_hessian)."""
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+
+    args = weight_args(weights, "weight" if algorithm.actorder else None)
+    observer = _observer(WEIGHT_OBSERVER, "weight", args)
+    observer(weight)
+    qparams = observer.get_qparams()
+    # quantize_weight works in place on the stacked weight it is given: a copy, never the module's own tensor.
+    solved = quantize_weight(weight[None].to(torch.float32, copy=True), hessian[None].clone(), qparams["scale"][None], qparams["zero_point"][None],
+                             None, args, blocksize=algorithm.block_size, percdamp=algorithm.dampening_frac)
+    return solved[0][0].to(weight.dtype)  # (weights, losses, RTN-fallback flags), each stacked over a batch of one
 
 
 class StaticInputScale:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipelines.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
 from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
-from pipelines.recipe import GroupScheme, Recipe
+from pipelines.recipe import GroupScheme
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import Unit
 from pipelines.schema import FrozenModel
@@ -48,6 +48,7 @@ class Family(FrozenModel):
     @field_validator("rungs")
     @classmethod
     def _ordered(cls, value: list[GroupScheme | None]) -> list[GroupScheme | None]:
+        value = [rung.with_method("rtn") if rung is not None else None for rung in value]  # a rung names its algorithm; unset: RTN
         if None in value[:-1]:
             raise ValueError(f"{SIXTEEN_BIT!r} can only be the last rung (nothing is more precise)")
         seen = [rung for index, rung in enumerate(value) if rung in value[:index]]
@@ -85,13 +86,18 @@ def default_ladder_path(target: ServeTarget) -> Path:
     return LADDERS_DIR / f"{target.kind}.yaml"
 
 
-def load_ladder(path: Path | str | None, target: ServeTarget) -> LoadedLadder:
+def load_ladder(path: Path | str | None, target: ServeTarget, *, calibrated: bool = True) -> LoadedLadder:
     """Parse, validate and check a ladder file against `target`'s kernels (None: the target's shipped ladder);
-    an InputError naming the file and the field otherwise."""
+    an InputError naming the file and the field otherwise. `calibrated`: whether calibration data is available
+    to the repair; a given ladder whose rung needs it (GPTQ, static activation scales) is refused when it is not,
+    while the shipped ladder's such rungs are skipped per module with that reason (unit_ladder)."""
+    shipped = path is None
     path = Path(path) if path is not None else default_ladder_path(target)
     text = read_user_text(path, what="ladder", field="--ladder")
     ladder = parse_yaml_model(text, path, Ladder, "ladder")
     check_kernels(ladder, path, target)
+    if not calibrated and not shipped:
+        check_calibration(ladder, path)
     return LoadedLadder(ladder=ladder, path=path, text=text, target=str(target))
 
 
@@ -104,6 +110,20 @@ def check_kernels(ladder: Ladder, path: Path | str, target: ServeTarget) -> None
             if problem:
                 field = f"families.{name}.rungs.{index}" + (f".{problem.field}" if problem.field else "")
                 raise InputError(f"no vLLM kernel serves this rung on {target}: {problem.why}", file=path, field=field)
+
+
+def check_calibration(ladder: Ladder, path: Path | str) -> None:
+    """With no calibration data for the repair, a rung that needs it cannot be quantized: refused, naming the rung."""
+    for name in Families.model_fields:
+        family = getattr(ladder.families, name)
+        for index, rung in enumerate(family.rungs if family else []):
+            if rung is not None and rung.needs_calibration:
+                field = f"families.{name}.rungs.{index}." + ("algorithm" if rung.algorithm != "rtn" else "activations.dynamic")
+                raise InputError(f"{scheme_summary(rung)} needs calibration data and this repair has none "
+                                 f"({NO_CALIBRATION})", file=path, field=field)
+
+
+NO_CALIBRATION = "the recipe calibrates nothing, no --calibration was given and no calibration set is installed"
 
 
 # --------------------------------------------------------------------------------- one unit
@@ -135,12 +155,12 @@ def concrete_rung(rung: GroupScheme | None, unit: Unit) -> GroupScheme | None:
     return rung.model_copy(update={"weights": rung.weights.for_layer(unit.in_features)})
 
 
-def rung_problem(rung: GroupScheme | None, unit: Unit, recipe: Recipe, target: ServeTarget) -> str | None:
+def rung_problem(rung: GroupScheme | None, unit: Unit, target: ServeTarget, calibrated: bool = True) -> str | None:
     """Why this rung cannot apply to this unit (the compiler's own checks on its shards), or None."""
     if rung is None:
         return None
-    if rung.activations is not None and not rung.activations.dynamic and recipe.calibration is None:
-        return f"static activation scales need calibration data and recipe {recipe.name} has none"
+    if rung.needs_calibration and not calibrated:
+        return f"needs calibration data and there is none ({NO_CALIBRATION})"
     plan = {info.name: ModuleScheme(module=info, scheme=rung, source="rung") for info in unit.modules}
     try:
         check_plan(concrete_schemes(plan, "ladder"), "ladder", target)
@@ -149,7 +169,7 @@ def rung_problem(rung: GroupScheme | None, unit: Unit, recipe: Recipe, target: S
     return None
 
 
-def unit_ladder(unit: Unit, ladder: Ladder, recipe: Recipe, target: ServeTarget) -> UnitLadder:
+def unit_ladder(unit: Unit, ladder: Ladder, target: ServeTarget, calibrated: bool = True) -> UnitLadder:
     """The rungs `unit` may move to: above its current scheme on its family's ladder, and applicable to its shapes.
 
     A scheme that is not one of the ladder's rungs is placed by bytes: the rungs that store more qualify."""
@@ -167,7 +187,7 @@ def unit_ladder(unit: Unit, ladder: Ladder, recipe: Recipe, target: ServeTarget)
         above = [(index, rung) for index, rung in enumerate(rungs) if rung is None or unit_bytes(unit, rung) > current]
     options, skipped = [], []
     for position, rung in above:
-        problem = rung_problem(rung, unit, recipe, target)
+        problem = rung_problem(rung, unit, target, calibrated)
         if problem:
             skipped.append(f"{scheme_summary(rung)}: {problem}")
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.planner import ModelShape, gpu_spec, linear_bytes, load_config, model_shape, plan, predict_weight_bytes
 from pipelines.policy import FitRequirement
@@ -52,3 +52,30 @@ def price(model_dir: Path, shape: ModelShape, recipe: Recipe, fit: FitRequiremen
     row = plan(model_dir / "config.json", [recipe], gpu, fit.max_model_len, fit.concurrency).rows[0]
     return Price(weight_bytes=row.weights_bytes, kv_cache_bytes=row.kv_cache_bytes, total_bytes=row.total_bytes,
                  available_bytes=row.available_bytes, fits=row.fits)
+
+
+class QuantizeCost(BaseModel):
+    """The wall time of the quantize a proposal implies, estimated from what was measured: the rejected recipe's own
+    quantize, the sensitivity pass's calibration forward and its GPTQ solves. Bytes decide between proposals first;
+    this decides between proposals of equal bytes, and is reported beside each attempt's measured quantize time."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seconds: float
+    parts: dict[str, float] = Field(description="parent quantize, calibration pipeline (added), GPTQ solves added / removed")
+
+
+# llm-compressor's sequential pipeline runs every calibration sample through each layer twice: calibrating, then
+# propagating the layer's (quantized) output to the next.
+PIPELINE_PASSES = 2
+
+
+def quantize_cost(parent_s: float, parent_calibrates: bool, proposal_calibrates: bool, calibration_pass_s: float,
+                  gptq_added_s: float, gptq_removed_s: float) -> QuantizeCost:
+    parts = {
+        "parent quantize": round(max(0.0, parent_s), 2),
+        "calibration pipeline": round(PIPELINE_PASSES * calibration_pass_s if proposal_calibrates and not parent_calibrates else 0.0, 2),
+        "GPTQ solves added": round(gptq_added_s, 2),
+        "GPTQ solves removed": round(-gptq_removed_s, 2),
+    }
+    return QuantizeCost(seconds=round(max(0.0, sum(parts.values())), 2), parts=parts)

@@ -1,10 +1,12 @@
 """A proposal as a recipe: the rejected recipe as written, plus overrides that move some units up their ladders.
 
 The overrides are appended after the recipe's own (later overrides win), one per (shards, scheme): `layers`
-lists the decoder layers, `match` the shards (`self_attn\\.(q|k|v)_proj$`), and the scheme is the rung's, or
-`keep: true` for 16-bit. The proposal is named `<parent>-repair-<6 hex of its overrides>` (the same moves
-give the same name, hence the same artifact folder, reused), says `base:` so that the gate policy judges it
-by the parent's rules, and keeps the parent's tags. The file is a recipe like any other: `--recipe FILE`.
+lists the decoder layers, `match` the shards (`self_attn\\.(q|k|v)_proj$`), and the scheme is the rung's (with its
+algorithm: `algorithm: gptq` quantizes those modules with GPTQ, the others keep theirs), or `keep: true` for 16-bit.
+A parent that calibrates nothing gets the default `calibration:` when a rung needs data. The proposal is named
+`<parent>-repair-<6 hex of its overrides>` (the same moves give the same name, hence the same artifact folder,
+reused), says `base:` so that the gate policy judges it by the parent's rules, and keeps the parent's tags.
+The file is a recipe like any other: `--recipe FILE`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import yaml
 from pipelines.atomic import write_text_atomic
 from pipelines.hashing import sha256_json
 from pipelines.policy import Policy
-from pipelines.recipe import GroupScheme, LoadedRecipe, Recipe, parse_recipe
+from pipelines.recipe import Calibration, GroupScheme, LoadedRecipe, Recipe, parse_recipe
 from pipelines.repair.units import Unit
 
 MAX_NAME = 64
@@ -63,10 +65,27 @@ def proposal_text(parent: LoadedRecipe, overrides: list[dict[str, Any]], policy:
                    f"their fallback ladder (docs/repair.md). {parent.recipe.description}").strip()
     head = {"name": name, "description": description, "base": policy_base(parent.recipe, policy)}
     rest = {key: value for key, value in data.items() if key not in ("name", "description", "base", "overrides")}
+    if "calibration" not in rest and _need_calibration(overrides):
+        rest = _with_calibration(rest)
     data = {**head, **rest, "overrides": [*(data.get("overrides") or []), *overrides]}
     text = _dump(data)
-    parse_recipe(text, name)  # overrides only add schemes: the parent's calibration stays what it was
+    parse_recipe(text, name)  # overrides only add schemes: a parent's own calibration stays what it was
     return text
+
+
+def _need_calibration(overrides: list[dict[str, Any]]) -> bool:
+    """Whether a scheme the overrides give reads calibration data (a GPTQ rung, static activation scales)."""
+    return any(GroupScheme.model_validate(override[kind]).needs_calibration
+               for override in overrides for kind in ("attention", "mlp") if override.get(kind) is not None)
+
+
+def _with_calibration(fields: dict[str, Any]) -> dict[str, Any]:
+    """A parent that calibrates nothing gets the recipe default `calibration:` (before `groups:`) when a rung needs
+    data; a run's --calibration replaces its dataset as for any recipe (docs/calibration.md)."""
+    default = Calibration().model_dump(mode="json")
+    items = list(fields.items())
+    at = next((index for index, (key, _) in enumerate(items) if key == "groups"), len(items))
+    return dict([*items[:at], ("calibration", default), *items[at:]])
 
 
 def _dump(data: dict[str, Any]) -> str:

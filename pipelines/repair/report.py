@@ -62,6 +62,8 @@ def bytes_rows(result: RepairResult) -> list[list[str]]:
 
 def time_rows(result: RepairResult) -> list[list[str]]:
     rows = [[name, f"{seconds:.1f}"] for name, seconds in result.wall_s.items()]
+    if result.sensitivity is not None:
+        rows += [[f"sensitivity: {stage}", f"{seconds:.1f}"] for stage, seconds in result.sensitivity.wall_s.items() if stage != "total"]
     if result.sensitivity is not None and result.sensitivity.cached:
         rows.append(["sensitivity pass when it was measured (cached since)", f"{result.sensitivity.wall_s.get('total', 0):.1f}"])
     quantize = result.parent.get("quantize_s")
@@ -73,12 +75,51 @@ def path_rows(result: RepairResult) -> list[list[str]]:
     for a in result.attempts:
         verdict = "PASS" if a.verdict == "promoted" else ("fail" if a.verdict else f"not decided: {a.error}" if a.error else "not gated")
         rows.append([
-            str(a.number), a.recipe_name, str(a.moves), str(len(a.modules_moved)),
-            _mib(a.measured_weight_bytes or a.weight_bytes), f"{a.predicted_kl:.3g}",
+            str(a.number), a.recipe_name, str(a.moves), moved_by_rung(a.modules_moved),
+            _mib(a.measured_weight_bytes or a.weight_bytes), _seconds(a.estimated_quantize_s, a.quantize_s), f"{a.predicted_kl:.3g}",
             ", ".join(f"{k}: {v:.3g}" for k, v in a.kl_by_set.items() if v is not None) or "-",
             verdict, "; ".join(a.failed_rules) or "-", a.run_dir or "-",
         ])
     return rows
+
+
+def moved_by_rung(modules_moved: dict[str, str]) -> str:
+    """`120: 118 to w4 group64 sym / a16, gptq; 2 to 16-bit` (the rung names the algorithm: `, gptq`, else RTN)."""
+    counts: dict[str, int] = {}
+    for label in modules_moved.values():
+        counts[label] = counts.get(label, 0) + 1
+    detail = "; ".join(f"{n} to {label}" for label, n in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{len(modules_moved)}: {detail}" if detail else "0"
+
+
+def _seconds(estimated: float | None, measured: float | None) -> str:
+    return f"{'-' if estimated is None else f'{estimated:.0f}'} / {'-' if measured is None else f'{measured:.0f}'}"
+
+
+def shipped_rows(result: RepairResult) -> list[list[str]]:
+    rows = []
+    if result.found:
+        rows.append([f"**this repair's** ({result.found.recipe_name})", "-", _mib(result.found.weight_bytes), "promoted"])
+    for row in result.shipped:
+        if row.cannot_apply:
+            rows.append([row.recipe, "does not apply", "-", row.cannot_apply])
+            continue
+        verdict = f"{row.verdict} (registry version {row.registry_version})" if row.verdict else "not gated on this model with these sets"
+        rows.append([row.recipe, _mib(row.predicted_bytes), _mib(row.measured_bytes), verdict])
+    return rows
+
+
+def shipped_verdict(result: RepairResult) -> str:
+    """One sentence: did the repair beat simply choosing a shipped recipe that passes?"""
+    passed = [row for row in result.shipped if row.verdict == "promoted"]
+    smaller = [row for row in passed if result.found and (row.measured_bytes or row.predicted_bytes or 0) <= result.found.weight_bytes]
+    untested = [row.recipe for row in result.shipped if row.verdict is None and not row.cannot_apply]
+    if not result.found:
+        return "No proposal passed." + (f" Shipped recipes that passed here: {', '.join(r.recipe for r in passed)}." if passed else "")
+    if smaller:
+        return (f"A shipped recipe that passed here is no larger: {', '.join(r.recipe for r in smaller)} — choosing it beats this repair.")
+    note = f" Not gated here, so not compared by verdict: {', '.join(untested)}." if untested else ""
+    return f"No shipped recipe that passed here is smaller than the repair's artifact.{note}"
 
 
 def sensitivity_rows(sensitivity: Sensitivity) -> list[list[str]]:
@@ -91,8 +132,11 @@ def sensitivity_rows(sensitivity: Sensitivity) -> list[list[str]]:
 def render(result: RepairResult) -> str:
     parts = [f"# Repair: {result.status.upper()}", md_table(["", ""], header_rows(result))]
     parts += ["## Weight bytes", md_table(["", "weight bytes"], bytes_rows(result)),
-              "Predicted by the planner (pipelines.planner.predict_weight_bytes) unless measured; the 16-bit model, "
-              "w8a8 and w4a16 as they would apply to this model."]
+              "Predicted by the planner (pipelines.planner.predict_weight_bytes) unless measured."]
+    if result.shipped:
+        parts += ["## Against every shipped recipe on this model", md_table(
+            ["recipe", "weight bytes (predicted)", "weight bytes (measured)", "verdict here"], shipped_rows(result)),
+            shipped_verdict(result)]
     parts += ["## Wall time (s)", md_table(["stage", "seconds"], time_rows(result))]
     if result.orders:
         parts += ["## Promotion order", md_table(
@@ -100,7 +144,8 @@ def render(result: RepairResult) -> str:
             [[c.order, str(c.moves), str(c.first_k), f"{c.simulated_kl:.3g}", _mib(c.weight_bytes), "yes" if c.order == result.order else ""]
              for c in result.orders])]
     parts += ["## Search path", md_table(
-        ["#", "proposal", "moves", "modules moved", "weight bytes", "simulated KL", "gate KL by set", "verdict", "failed rules", "run"],
+        ["#", "proposal", "moves", "modules moved, by rung", "weight bytes", "quantize s (estimated / measured)", "simulated KL",
+         "gate KL by set", "verdict", "failed rules", "run"],
         path_rows(result))]
     if result.found:
         found = result.attempts[result.found.attempt - 1]

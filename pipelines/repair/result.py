@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pipelines.errors import EXIT_ERROR
+from pipelines.repair.compare import ShippedRecipe
 from pipelines.repair.pricing import Price
 from pipelines.repair.search import Budget, SearchResult
 from pipelines.repair.sensitivity import Sensitivity
@@ -38,6 +39,8 @@ class Attempt(BaseModel):
     artifact_dir: str | None = None
     measured_weight_bytes: int | None = None
     registry_version: int | None = None
+    estimated_quantize_s: float | None = Field(default=None, description="the quantize wall time this proposal implies (pricing.quantize_cost)")
+    quantize_s: float | None = Field(default=None, description="the quantize wall time measured (0 when an artifact was reused)")
     wall_s: float = 0.0
     error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
 
@@ -48,6 +51,7 @@ class OrderChoice(BaseModel):
     first_k: int = Field(description="the first proposal: the fewest moves simulated under the target")
     simulated_kl: float
     weight_bytes: int
+    estimated_quantize_s: float | None = None
 
 
 class Found(BaseModel):
@@ -88,6 +92,7 @@ class RepairResult(BaseModel):
     closest: dict[str, Any] | None = Field(default=None, description="when nothing passed: the attempt that came closest, and why it failed")
     bytes: dict[str, int | None] = Field(default={}, description="weight bytes of the 16-bit model, the shipped recipes and the parent "
                                                                  "(predicted by the planner) and of the parent artifact (measured)")
+    shipped: list[ShippedRecipe] = Field(default=[], description="every shipped recipe on this model: applies, bytes, verdict here")
     wall_s: dict[str, float] = {}
     report_md: str | None = None
     plot: str | None = None

@@ -17,6 +17,12 @@
 3. Gated for real. A failure raises the bar (the target is divided by `escalate` below what failed) and the
    next proposal is found the same way; a pass is then shrunk by bisection between the last failure and the
    smallest pass, while a gate is left (and, if `min_saving` is set, while the midpoint saves that share of the bytes).
+   The shrink does not halve the moves: it aims at the geometric mean of the simulated KL of the largest failure (at
+   first the rejected recipe itself) and of the smallest pass, whose fewest moves it gates. Along the sequence the
+   KL falls fast over the first moves (the free ones, static -> dynamic scales and RTN -> GPTQ, then the steepest)
+   and slowly over the many last (16-bit moves of small gain), so halving the moves spends gates on proposals far
+   larger than the answer. Where that point lies within a quarter of either end (or nowhere strictly between), it
+   halves the moves instead: every gate then cuts the interval by at least a quarter, so the shrink stays logarithmic.
    A proposal whose simulated KL is over a max_kl that rejects (`max_kl_action: reject`) counts as a failure
    without a gate: the simulated KL is the mean over every set's reference paths and the gate rejects when any
    one set's mean is over such a max_kl, so that proposal fails unless the simulation is off (on SmolLM2 w4a16,
@@ -30,6 +36,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable
 from typing import Literal, cast
@@ -40,6 +47,7 @@ from pipelines.compiler import scheme_summary
 from pipelines.recipe import GroupScheme
 from pipelines.repair.units import Assignment
 
+KL_FLOOR = 1e-9  # nats/token: a simulated KL of 0 (every unit 16-bit) still has a logarithm
 StopReason = Literal["shrunk", "savings too small", "gate budget", "time budget", "ladder exhausted", "does not fit", "gate error"]
 
 
@@ -195,10 +203,10 @@ class Search:
     def __init__(self, moves: int, *, predict: Callable[[int], float], price: Callable[[int], int], fits: Callable[[int], bool | None],
                  gate: Callable[[int, str], GateResult], budget: Budget, settings: SearchSettings, target_kl: float,
                  expected_gate_s: float, kl_limit: float | None = None, started: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, extra_s: Callable[[int], float] = lambda k: 0.0):
         self.moves, self.predict, self.price, self.fits, self.gate = moves, predict, price, fits, gate
         self.budget, self.settings, self.target, self.kl_limit = budget, settings, target_kl, kl_limit
-        self.expected_gate_s, self.clock = expected_gate_s, clock
+        self.expected_gate_s, self.clock, self.extra_s = expected_gate_s, clock, extra_s
         self.started = clock() if started is None else started
         self.steps: list[Step] = []
         self.lo, self.hi = 0, cast(int | None, None)  # k = 0 is the rejected recipe itself
@@ -219,7 +227,7 @@ class Search:
                 self.steps.append(Step(k=k, predicted_kl=self.predict(k), weight_bytes=self.price(k), fits=False, why=why, gated=False))
                 stop = "does not fit"
                 break
-            if self.clock() - self.started + self.expected_gate_s > self.budget.max_wall_s:
+            if self.clock() - self.started + self.expected_gate_s + self.extra_s(k) > self.budget.max_wall_s:
                 stop = "time budget"
                 break
             self._gate(k, why)
@@ -237,9 +245,7 @@ class Search:
 
     def _next(self) -> tuple[int | None, str]:
         if self.hi is not None:
-            floor = self._shrink_floor()
-            below = "failed" if floor == self.lo else f"simulated KL over max_kl {self.kl_limit:g}, not gated"
-            return (floor + self.hi) // 2, f"shrink: bisect between {floor} ({below}) and {self.hi} (passed) moves"
+            return self._shrink()
         if self.lo >= self.moves:
             return None, ""
         k = first_below(self.predict, self.lo, self.moves, self.target)
@@ -247,6 +253,22 @@ class Search:
         if predicted <= self.target:
             return k, f"fewest moves whose simulated KL {predicted:.3g} <= target {self.target:.3g}"
         return k, f"every move: no proposal simulated below the target {self.target:.3g}"
+
+    def _shrink(self) -> tuple[int, str]:
+        """Between the largest failure (the parent itself at first) and the smallest pass: the fewest moves simulated under
+        the geometric mean of their simulated KLs (the gate's verdict follows the KL across decades, bytes do not), or
+        the midpoint in moves when the curve gives nothing strictly between them."""
+        assert self.hi is not None
+        floor = self._shrink_floor()
+        below = "failed" if floor == self.lo else f"simulated KL over max_kl {self.kl_limit:g}, not gated"
+        low_kl, high_kl = max(self.predict(floor), KL_FLOOR), max(self.predict(self.hi), KL_FLOOR)
+        target = math.sqrt(low_kl * high_kl)
+        k = first_below(self.predict, floor, self.hi, target)
+        quarter = (self.hi - floor) // 4
+        if floor + quarter <= k <= self.hi - quarter and floor < k < self.hi:
+            return k, (f"shrink: the fewest moves simulated under {target:.3g}, the geometric mean of the KL at {floor} ({below}, "
+                       f"{low_kl:.3g}) and at {self.hi} (passed, {high_kl:.3g}) moves")
+        return (floor + self.hi) // 2, f"shrink: bisect between {floor} ({below}) and {self.hi} (passed) moves"
 
     def _shrink_floor(self) -> int:
         """The largest k below the smallest pass that is known to fail: gated, or simulated over max_kl."""

@@ -37,12 +37,13 @@ from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
 from pipelines.hashing import folder_hash, sha256_json, sha256_text
 from pipelines.output import progress
+from pipelines.progress import track
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
 from pipelines.repair.units import Assignment, RefPath, Unit
 from pipelines.serving import ServeSettings
 
-SENSITIVITY_VERSION = 1
+SENSITIVITY_VERSION = 2  # 2: GPTQ rungs measured with GPTQ applied
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 
 
@@ -67,6 +68,7 @@ class UnitSensitivity(BaseModel):
     parameters: int
     proxy: dict[str, float] = Field(description="relative output error at the current scheme (first) and each rung above it")
     kl: float | None = Field(default=None, description="mean per-token KL with only this unit quantized; None: not measured")
+    gptq_s: float | None = Field(default=None, description="seconds of GPTQ solves for this unit's GPTQ schemes (None: it has none)")
     kl_halves: list[float] | None = Field(default=None, description="the same on even and on odd prompts")
 
 
@@ -83,7 +85,8 @@ class Sensitivity(BaseModel):
     spearman_p: float | None = None
     split_half: float | None = Field(default=None, description="rank correlation of the KL on even vs odd prompts")
     kl_parent: float = Field(description="KL of the rejected recipe as a whole, simulated")
-    wall_s: dict[str, float]
+    calibration_samples: int = Field(default=0, description="samples of the calibration pass (static scales, GPTQ Hessians)")
+    wall_s: dict[str, float] = Field(description="inputs, load (the model, smoothing, the calibration pass), gptq, proxy, kl, total")
     cached: bool = False
 
     def by_unit(self) -> dict[str, UnitSensitivity]:
@@ -154,11 +157,12 @@ def _prompt_ids(model_dir: Path, eval_sets: list[EvalSet]) -> dict[str, dict[int
 
 
 def proxy_texts(recipe: Recipe, calibration: str | None, eval_sets: list[EvalSet], model_dir: Path, settings: SensitivitySettings,
-                ) -> tuple[list[str], str]:
-    """The texts the quantize step calibrates on; for a recipe that calibrates nothing, the eval sets' held-out
-    prompts (`from-eval-sets`), else none (the proxy then runs on the reference prompts)."""
-    if recipe.needs_calibration:
-        texts, record = calibration_inputs(recipe.calibration, source=calibration, eval_sets=eval_sets, model_dir=model_dir)
+                calibrated_rungs: bool = False) -> tuple[list[str], str]:
+    """The texts the quantize step calibrates on: the recipe's, or, for a recipe that calibrates nothing but whose
+    rungs do (GPTQ, static scales), those of the default `calibration:` its proposals get (pipelines.repair.proposal);
+    else the eval sets' held-out prompts (`from-eval-sets`), else none (the proxy then runs on the reference prompts)."""
+    if recipe.needs_calibration or calibrated_rungs:
+        texts, record = calibration_inputs(recipe.calibration or Calibration(), source=calibration, eval_sets=eval_sets, model_dir=model_dir)
         return texts, record.dataset if record else "none"
     try:
         texts, record = calibration_inputs(Calibration(dataset=FROM_EVAL_SETS, num_samples=settings.proxy_texts, seed=settings.seed),
@@ -208,7 +212,8 @@ class SensitivityModel:
         self.settings, self.calibration = settings or SensitivitySettings(), calibration
         started = time.monotonic()
         self.paths, self.source = reference_paths(model_dir, eval_sets, serve, baseline_cache_dir(cache_dir), self.settings)
-        self.texts, self.text_source = proxy_texts(recipe, calibration, eval_sets, model_dir, self.settings)
+        self.calibrated_rungs = any(o.scheme is not None and o.scheme.needs_calibration for x in ladders.values() for o in x.options)
+        self.texts, self.text_source = proxy_texts(recipe, calibration, eval_sets, model_dir, self.settings, self.calibrated_rungs)
         self.key = cache_key(model_dir, recipe_text, ladder_text, self.paths, self.texts, self.settings)
         self.folder = cache_dir
         self.inputs_s = round(time.monotonic() - started, 2)
@@ -239,10 +244,11 @@ class SensitivityModel:
     def _load_simulator(self):
         from transformers import AutoTokenizer
 
+        from pipelines.compiler import gptq_settings
         from pipelines.repair.simulate import Simulator
 
         progress(f"repair: loading {self.model_dir.name} in float32 for fake quantization")
-        simulator = Simulator(self.model_dir, self.units)
+        simulator = Simulator(self.model_dir, self.units, gptq_settings(self.recipe))
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         simulator.set_reference(self.paths)  # the 16-bit model, before any smoothing, is the reference
         if self.recipe.smoothquant is not None:
@@ -251,7 +257,9 @@ class SensitivityModel:
         return simulator
 
     def _max_length(self) -> int:
-        return self.recipe.calibration.max_seq_length if self.recipe.calibration else self.settings.max_seq_length
+        if self.recipe.calibration is not None or self.calibrated_rungs:
+            return (self.recipe.calibration or Calibration()).max_seq_length
+        return self.settings.max_seq_length
 
     def _encoded(self, tokenizer) -> list[list[int]]:
         if not self.texts:
@@ -265,18 +273,19 @@ class SensitivityModel:
         simulator = self.simulator()
         loaded = time.monotonic()
         schemes = self._schemes()
+        self._solve_gptq(simulator, schemes)
+        solved = time.monotonic()
         progress(f"repair: proxy error of {len(self.units)} modules x {sum(map(len, schemes.values()))} schemes on "
                  f"{len(self.texts) or len(self.paths)} texts")
         proxy = simulator.proxy(self._encoded(AutoTokenizer.from_pretrained(self.model_dir)), schemes)
         proxied = time.monotonic()
-        entries = [self._entry(unit, proxy[unit.name]) for unit in self.units]
+        entries = [self._entry(unit, proxy[unit.name], simulator.gptq_s.get(unit.name)) for unit in self.units]
         top = sorted(entries, key=lambda e: e.proxy[e.scheme], reverse=True)[: self.settings.kl_top]
-        progress(f"repair: KL of the top {len(top)} modules, one at a time, on {len(self.paths)} reference paths")
-        for number, entry in enumerate(top, start=1):
-            kl = simulator.kl({entry.unit: self._unit(entry.unit).scheme})
-            entry.kl, entry.kl_halves = kl.mean, [_mean(kl.items[0::2]), _mean(kl.items[1::2])]
-            if number % 8 == 0 or number == len(top):
-                progress(f"repair: KL measured for {number}/{len(top)} modules")
+        with track(f"repair: KL of the top modules, one at a time, on {len(self.paths)} reference paths", total=len(top), unit="module") as bar:
+            for entry in top:
+                kl = simulator.kl({entry.unit: self._unit(entry.unit).scheme})
+                entry.kl, entry.kl_halves = kl.mean, [_mean(kl.items[0::2]), _mean(kl.items[1::2])]
+                bar.advance()
         parent = simulator.kl({u.name: u.scheme for u in self.units}).mean
         measured = time.monotonic()
         ranked = sorted(entries, key=lambda e: (e.kl is None, -(e.kl if e.kl is not None else e.proxy[e.scheme])))
@@ -285,18 +294,32 @@ class SensitivityModel:
             key=self.key, reference_source=self.source, prompts=len(self.paths),
             positions=sum(len(p.generated_ids) for p in self.paths), proxy_source=self.text_source,
             proxy_texts=len(self.texts) or len(self.paths), smoothquant=self.recipe.smoothquant is not None, units=ranked,
-            spearman=rho, spearman_p=p_value, split_half=halves, kl_parent=parent,
-            wall_s={"inputs": self.inputs_s, "load": round(loaded - started, 2), "proxy": round(proxied - loaded, 2),
-                    "kl": round(measured - proxied, 2), "total": round(self.inputs_s + measured - started, 2)},
+            spearman=rho, spearman_p=p_value, split_half=halves, kl_parent=parent, calibration_samples=len(self.texts),
+            wall_s={"inputs": self.inputs_s, "load": round(loaded - started, 2), "calibration": round(simulator.calibration_s, 2),
+                    "gptq": round(solved - loaded, 2),
+                    "proxy": round(proxied - solved, 2), "kl": round(measured - proxied, 2),
+                    "total": round(self.inputs_s + measured - started, 2)},
         )
+
+    def _solve_gptq(self, simulator, schemes: dict[str, list[GroupScheme]]) -> None:
+        """Every unit's GPTQ schemes solved once up front (llm-compressor's solver, cached in the simulator), with progress:
+        the proxy and the KL then read them."""
+        work = [(unit, scheme) for unit in self.units for scheme in schemes[unit.name] if scheme.algorithm == "gptq"]
+        if not work:
+            return
+        with track("repair: GPTQ on each module's GPTQ rungs", total=len(work), unit="solve") as bar:
+            for unit, scheme in work:
+                simulator.prepare({unit.name: scheme})
+                bar.advance()
 
     def _unit(self, name: str) -> Unit:
         return next(unit for unit in self.units if unit.name == name)
 
-    def _entry(self, unit: Unit, errors: dict[GroupScheme, float]) -> UnitSensitivity:
+    def _entry(self, unit: Unit, errors: dict[GroupScheme, float], gptq_s: float | None) -> UnitSensitivity:
         return UnitSensitivity(
             unit=unit.name, layer=unit.layer, kind=unit.kind, scheme=scheme_summary(unit.scheme), parameters=unit.parameters,
             proxy={scheme_summary(scheme): round(error, 10) for scheme, error in errors.items()},
+            gptq_s=round(gptq_s, 3) if gptq_s is not None else None,
         )
 
     # --------------------------------------------------------------------------------- predictions

@@ -19,16 +19,20 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.atomic import write_json_atomic, write_text_atomic
+from pipelines.calibration import resolve_calibration_data
 from pipelines.compiler import layout_from_model_dir, scheme_summary
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.gate import GateReport
 from pipelines.hashing import sha256_text
 from pipelines.output import progress
-from pipelines.recipe import GroupScheme, load_recipe
+from pipelines.progress import duration
+from pipelines.recipe import Calibration, GroupScheme
+from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun
-from pipelines.repair.pricing import Price, price, recipe_bytes, shape_of, unit_bytes
+from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
+from pipelines.repair.report import moved_by_rung
 from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, Status
 from pipelines.repair.search import (
     Budget,
@@ -71,7 +75,8 @@ class Repair:
         self.parent, self.options, self.gate_fn, self.now = parent, options, gate_fn, now
         self.started = now()
         self.target = target or installed_target()
-        self.ladder: LoadedLadder = load_ladder(options.ladder, self.target)
+        self.calibrated = calibration_available(parent)
+        self.ladder: LoadedLadder = load_ladder(options.ladder, self.target, calibrated=self.calibrated)
         self._prices: dict[int, Price] = {}
         self.outcomes: dict[int, RunOutcome] = {}  # attempt number -> its run's outcome
 
@@ -108,8 +113,8 @@ class Repair:
         layout = layout_from_model_dir(parent.model_dir)
         self.units = quantized_units(recipe_units(parent.recipe.recipe, layout, parent.recipe.path, self.target))
         self.by_name: dict[str, Unit] = {unit.name: unit for unit in self.units}
-        recipe = parent.recipe.recipe
-        self.ladders: dict[str, UnitLadder] = {u.name: unit_ladder(u, self.ladder.ladder, recipe, self.target) for u in self.units}
+        self.layout = layout
+        self.ladders: dict[str, UnitLadder] = {u.name: unit_ladder(u, self.ladder.ladder, self.target, self.calibrated) for u in self.units}
         self.shape = shape_of(parent.model_dir)
         self.current = {unit.name: unit.scheme for unit in self.units if unit.scheme is not None}
         self.result.units = len(self.units)
@@ -126,6 +131,7 @@ class Repair:
         started = self.now()
         self.sensitivity = self.sensitivity_model.measure()
         self.result.sensitivity = self.sensitivity
+        self._solve_s = {e.unit: e.gptq_s / max(1, self._gptq_rungs(e.unit)) for e in self.sensitivity.units if e.gptq_s}
         self.result.wall_s["sensitivity"] = round(self.now() - started, 2)
         self.sequence = self._choose_order()
         self.result.sequence = [_move_record(move) for move in self.sequence]
@@ -150,8 +156,8 @@ class Repair:
             self.sequence, self._prices = sequence, {}
             k = first_below(self._predict, 0, len(sequence), target) if sequence else 0
             choices.append(OrderChoice(order=name, moves=len(sequence), first_k=k, simulated_kl=self._predict(k),
-                                       weight_bytes=self._price(k).weight_bytes))
-        best = min(choices, key=lambda c: (c.simulated_kl > target, c.weight_bytes))
+                                       weight_bytes=self._price(k).weight_bytes, estimated_quantize_s=self._cost(k).seconds))
+        best = min(choices, key=lambda c: (c.simulated_kl > target, c.weight_bytes, c.estimated_quantize_s))
         self.result.orders, self.result.order, self._prices = choices, best.order, {}
         return orders[best.order]
 
@@ -160,6 +166,7 @@ class Repair:
             len(self.sequence), predict=self._predict, price=lambda k: self._price(k).weight_bytes, fits=lambda k: self._price(k).fits,
             gate=self._gate, budget=self.options.budget, settings=self.options.search, target_kl=self._target_kl(),
             expected_gate_s=self.parent.candidate_wall_s, kl_limit=self._kl_limit(), started=self.started, clock=self.now,
+            extra_s=self._extra_quantize_s,
         )
         self.result.search = search.run()
 
@@ -183,6 +190,25 @@ class Repair:
             self._prices[k] = price(self.parent.model_dir, self.shape, recipe, fit)
         return self._prices[k]
 
+    def _gptq_rungs(self, unit: str) -> int:
+        return sum(_gptq(scheme) for scheme in (self.current[unit], *(o.scheme for o in self.ladders[unit].options)))
+
+    def _cost(self, k: int) -> QuantizeCost:
+        """The quantize wall time proposal k implies (pipelines.repair.pricing.quantize_cost), from measured parts."""
+        moved, current = self._moved(k), self.current
+        added = sum(self._solve_s.get(u, 0.0) for u, s in moved.items() if _gptq(s) and not _gptq(current[u]))
+        removed = sum(self._solve_s.get(u, 0.0) for u, s in moved.items() if _gptq(current[u]) and not _gptq(s))
+        calibrates = self.parent.recipe.recipe.needs_calibration or any(s is not None and s.needs_calibration for s in moved.values())
+        assert self.sensitivity is not None
+        return quantize_cost(self.parent.manifest.wall_time_s, self.parent.recipe.recipe.needs_calibration, calibrates,
+                             self.sensitivity.wall_s.get("calibration", 0.0), added, removed)
+
+    def _extra_quantize_s(self, k: int) -> float:
+        """What proposal k's quantize should take beyond the slowest quantize measured so far (the parent's, or an
+        attempt's): the search adds it to a gate's expected time before it starts one (--repair-time)."""
+        measured = max([self.parent.manifest.wall_time_s, *(a.quantize_s or 0.0 for a in self.result.attempts)])
+        return max(0.0, self._cost(k).seconds - measured)
+
     def _gate(self, k: int, why: str) -> GateResult:
         number = len(self.result.attempts) + 1
         moved = self._moved(k)
@@ -192,10 +218,15 @@ class Repair:
             number=number, moves=k, why=why, recipe_name=proposal.name, recipe_file=str(proposal.path),
             modules_moved={unit: scheme_summary(scheme) for unit, scheme in moved.items()}, overrides_added=overrides,
             predicted_kl=self._predict(k), weight_bytes=self._price(k).weight_bytes, price=self._price(k),
+            estimated_quantize_s=self._cost(k).seconds,
         )
         budget = self.options.budget.max_gates
-        progress(f"repair: attempt {number}/{budget}: {len(moved)} module(s) moved ({k} moves), "
-                 f"{attempt.weight_bytes / 2**20:.2f} MiB predicted, simulated KL {attempt.predicted_kl:.3g}; gating {proposal.name}")
+        left = self.options.budget.max_wall_s - (self.now() - self.started)
+        by_rung = moved_by_rung({unit: scheme_summary(scheme) for unit, scheme in moved.items()})
+        progress(f"repair: attempt {number}/{budget}: {len(moved)} module(s) moved ({k} moves; {by_rung}), "
+                 f"{attempt.weight_bytes / 2**20:.2f} MiB predicted, simulated KL {attempt.predicted_kl:.3g}, "
+                 f"quantize ~{duration(attempt.estimated_quantize_s or 0)}; "
+                 f"gating {proposal.name} ({duration(left)} of the repair's time left)")
         started = self.now()
         try:
             outcome = self.gate_fn(proposal, self.parent.model_dir, self.parent.settings, calibration=self.parent.calibration)
@@ -220,7 +251,8 @@ class Repair:
         attempt.failed_rules = failed_rules(report)
         attempt.kl_by_set = {s.eval_set: s.kl_mean for s in report.gate.sets}
         attempt.run_dir, attempt.artifact_dir = str(outcome.run_dir), str(outcome.artifact_dir)
-        attempt.measured_weight_bytes = _measured_bytes(outcome.artifact_dir)
+        attempt.measured_weight_bytes = measured_bytes(outcome.artifact_dir)
+        attempt.quantize_s = report.stages.get("quantize_s")
         attempt.registry_version = outcome.registry_version
         self.result.attempts.append(attempt)
         self.outcomes[attempt.number] = outcome
@@ -249,8 +281,8 @@ class Repair:
     def _finish(self) -> None:
         search = self.result.search
         passing = [a for a in self.result.attempts if a.verdict == "promoted"]
-        if passing:
-            best = min(passing, key=lambda a: (a.measured_weight_bytes or a.weight_bytes, a.number))
+        if passing:  # bytes first, then the quantize's wall time
+            best = min(passing, key=lambda a: (a.measured_weight_bytes or a.weight_bytes, a.quantize_s or a.estimated_quantize_s or 0.0, a.number))
             self.result.found = self._found(best)
             self.result.status, self.result.exit_code = "repaired", EXIT_OK
         else:
@@ -259,6 +291,7 @@ class Repair:
             self.result.status = stops.get(search.stop, "budget exhausted")
             self.result.exit_code = EXIT_REJECTED
             self.result.closest = closest(self.result.attempts)
+        self.result.shipped = self._shipped()
         self.result.wall_s["gates"] = round(sum(a.wall_s for a in self.result.attempts), 2)
         self.result.wall_s["total"] = round(self.now() - self.started, 2)
         from pipelines.repair.report import write_report
@@ -288,15 +321,16 @@ class Repair:
         return settings.kl_safety * limit if limit is not None else settings.kl_target_without_rule
 
     def _reference_bytes(self) -> dict[str, int | None]:
-        found: dict[str, int | None] = {"16-bit": recipe_bytes(self.shape, None)}
-        for name in ("w8a8", "w4a16"):
-            try:
-                found[name] = recipe_bytes(self.shape, load_recipe(name).recipe)
-            except QuantGateError:
-                found[name] = None
-        found["parent (predicted)"] = recipe_bytes(self.shape, self.parent.recipe.recipe)
-        found["parent (measured)"] = self.parent.manifest.weight_bytes.after
-        return found
+        """The 16-bit model and the parent (every shipped recipe is in `shipped`, with its verdict here)."""
+        return {"16-bit": recipe_bytes(self.shape, None), "parent (predicted)": recipe_bytes(self.shape, self.parent.recipe.recipe),
+                "parent (measured)": self.parent.manifest.weight_bytes.after}
+
+    def _shipped(self) -> list[ShippedRecipe]:
+        parent = self.parent
+        registered = registered_versions(parent.settings.registry_path, parent.model_dir.name)
+        source = next((v.source_hash for v in registered if v.version == parent.registry_version), None)
+        sets = [(s.name, s.sha256) for s in parent.settings.eval_sets]
+        return shipped_comparison(self.shape, self.layout, self.target, registered, source, sets)
 
     def _save(self) -> None:
         write_json_atomic(self.folder / REPAIR_JSON, self.result.model_dump(mode="json"))
@@ -317,11 +351,20 @@ def _move_record(move: Move) -> dict[str, Any]:
     return {"unit": move.unit, "to": move.label, "delta_bytes": move.delta_bytes, "estimated_kl_removed": round(move.delta_kl, 8)}
 
 
-def _measured_bytes(artifact_dir: Path) -> int | None:
-    from pipelines.artifact import read_manifest
+def _gptq(scheme: GroupScheme | None) -> bool:
+    return scheme is not None and scheme.algorithm == "gptq"
 
-    manifest = read_manifest(artifact_dir)
-    return manifest.weight_bytes.after if manifest is not None else None
+
+def calibration_available(parent: ParentRun) -> bool:
+    """Whether a proposal can calibrate (GPTQ rungs, static scales): the run named --calibration, the recipe calibrates,
+    or the default calibration set (the recipe default `calibration.dataset`) is installed."""
+    if parent.calibration is not None or parent.recipe.recipe.calibration is not None:
+        return True
+    try:
+        resolve_calibration_data(Calibration().dataset)
+    except QuantGateError:
+        return False
+    return True
 
 
 def failed_rules(report: GateReport) -> list[str]:

@@ -6,6 +6,8 @@ What it measures, per assignment of schemes to units (pipelines.repair.fakequant
   with the 16-bit model's at every generated position: full-vocabulary KL(16-bit || quantized) in nats,
   averaged over an item's positions, then over items (the gate's averaging; the gate's own value is a top-20
   lower bound of this one). Runs in float32, so that the only difference between the two is quantization.
+- GPTQ schemes: the unit's weights GPTQ-quantized with the Hessian of its inputs on the calibration texts
+  (`calibrate` accumulates it; pipelines.repair.fakequant.gptq_quantize_weight), not their RTN twin.
 - `proxy`: per unit and scheme, the relative output error ||x W_q^T - x W^T||^2 / ||x W^T||^2 of its shards on
   the calibration texts, all schemes of all units in one forward pass of the 16-bit model (hooks).
 
@@ -15,6 +17,7 @@ single unit's KL replays the decoder from layer L only (about half the work on a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,8 +26,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from pipelines.recipe import GroupScheme
-from pipelines.repair.fakequant import StaticInputScale, fake_quantize_input, fake_quantize_weight
+from pipelines.recipe import Algorithm, GroupScheme
+from pipelines.repair.fakequant import StaticInputScale, fake_quantize_input, fake_quantize_weight, gptq_quantize_weight
 from pipelines.repair.units import Assignment, RefPath, Unit
 
 # Fake-quantized weights are kept for reuse (every proposal quantizes most units as the last one did) up to this size.
@@ -35,13 +38,18 @@ class KL(BaseModel):
 
 
 class Simulator:
-    def __init__(self, model_dir: Path, units: list[Unit]):
+    def __init__(self, model_dir: Path, units: list[Unit], gptq: Algorithm | None = None):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.units = {unit.name: unit for unit in units}
         self.linears = {info.name: self.model.get_submodule(info.name) for unit in units for info in unit.modules}
+        self.unit_of = {info.name: unit.name for unit in units for info in unit.modules}
         self.static: dict[tuple[str, GroupScheme], StaticInputScale] = {}
+        self.gptq = gptq or Algorithm(method="gptq")
+        self.hessians: dict[str, torch.Tensor] = {}  # unit -> normalized Hessian of the input its shards share
+        self.gptq_s: dict[str, float] = {}  # unit -> seconds of GPTQ solves, summed over its shards and schemes
+        self.calibration_s = 0.0  # the calibration forward passes (static scales, Hessians)
         self._capture_originals()
         self._reference: dict[str, Any] = {}
 
@@ -51,8 +59,9 @@ class Simulator:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.originals = {name: module.weight.detach().clone() for name, module in self.linears.items()}
         self.stored_dtype = dtype
-        self._quantized: dict[tuple[str, object], torch.Tensor] = {}  # (module, weight scheme) -> fake-quantized weight
+        self._quantized: dict[tuple[str, object, object], torch.Tensor] = {}  # (module, weights, algorithm) -> its weight, dequantized
         self._quantized_bytes = 0
+        self.hessians.clear()  # smoothing changed the inputs they were taken from
 
     def smooth(self, strength: float, texts: list[str], tokenizer, max_seq_length: int) -> None:
         """SmoothQuant first, as the quantize step does (llm-compressor's SmoothQuantModifier on the same data):
@@ -76,14 +85,30 @@ class Simulator:
         original = self.originals[name]
         if scheme is None:
             return original
-        key = (name, scheme.weights)
+        key = (name, scheme.weights, scheme.algorithm)
         cached = self._quantized.get(key)
         if cached is None:
-            cached = fake_quantize_weight(original.to(self.stored_dtype), scheme.weights)
+            cached = self._quantize(name, original.to(self.stored_dtype), scheme)
             if self._quantized_bytes + cached.nbytes <= WEIGHT_CACHE_BYTES:  # kept in the checkpoint's dtype
                 self._quantized[key] = cached
                 self._quantized_bytes += cached.nbytes
         return cached.to(original.dtype)
+
+    def _quantize(self, name: str, weight: torch.Tensor, scheme: GroupScheme) -> torch.Tensor:
+        if scheme.algorithm != "gptq":
+            return fake_quantize_weight(weight, scheme.weights)
+        unit = self.unit_of[name]
+        assert unit in self.hessians, f"GPTQ on {unit} needs its Hessian: calibrate first"
+        started = time.perf_counter()
+        quantized = gptq_quantize_weight(weight, self.hessians[unit], scheme.weights, self.gptq)
+        self.gptq_s[unit] = self.gptq_s.get(unit, 0.0) + time.perf_counter() - started
+        return quantized
+
+    def prepare(self, assignment: Assignment) -> None:
+        """Quantize each named unit's shards at its scheme now (kept in the weight cache for what follows)."""
+        for unit_name, scheme in assignment.items():
+            for info in self.units[unit_name].modules:
+                self._weight(info.name, scheme)
 
     @contextmanager
     def applied(self, assignment: Assignment) -> Iterator[None]:
@@ -117,16 +142,21 @@ class Simulator:
 
     @torch.no_grad()
     def calibrate(self, encoded: list[list[int]], schemes: dict[str, list[GroupScheme]]) -> None:
-        """Static input scales for every (module, static scheme) of the units named, one calibration sample at a time."""
+        """One pass over the calibration samples, one at a time (as llm-compressor feeds them): static input scales for
+        every (module, static scheme) of the units named, and the input Hessian of every unit with a GPTQ scheme."""
         wanted = {(info.name, s): StaticInputScale(s.activations) for unit, options in schemes.items() for s in options
                   for info in self.units[unit].modules
                   if s.activations is not None and not s.activations.dynamic and (info.name, s) not in self.static}
-        if not wanted:
+        gptq_units = [unit for unit, options in schemes.items() if unit not in self.hessians and any(s.algorithm == "gptq" for s in options)]
+        if not wanted and not gptq_units:
             return
         by_module: dict[str, list[StaticInputScale]] = {}
         for (name, _), scale in wanted.items():
             by_module.setdefault(name, []).append(scale)
+        started = time.perf_counter()
         hooks = [self.linears[name].register_forward_pre_hook(_observer_hook(scales)) for name, scales in by_module.items()]
+        sums = {unit: _HessianSum(self.linears[self.units[unit].modules[0].name]) for unit in gptq_units}
+        hooks += [sum_.module.register_forward_pre_hook(sum_.hook) for sum_ in sums.values()]
         try:
             for ids in encoded:
                 self.model(input_ids=torch.tensor([ids]))
@@ -134,6 +164,8 @@ class Simulator:
             for hook in hooks:
                 hook.remove()
         self.static.update(wanted)
+        self.hessians.update({unit: sum_.normalized() for unit, sum_ in sums.items()})
+        self.calibration_s += time.perf_counter() - started
 
     # ----------------------------------------------------------------------------------- the proxy
 
@@ -227,6 +259,25 @@ class Simulator:
             out = module(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return self.model.model.norm(hidden)
+
+
+class _HessianSum:
+    """GPTQModifier's Hessian accumulation (llm-compressor's own accumulate_hessian) on one module's inputs."""
+
+    def __init__(self, module: torch.nn.Module):
+        from llmcompressor.modifiers.gptq.helpers import make_empty_hessian
+
+        self.module = module
+        self.hessian = make_empty_hessian(module)
+        self.samples = torch.zeros(())
+
+    def hook(self, module, args) -> None:
+        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+
+        self.hessian, self.samples = accumulate_hessian(args[0], module, self.hessian, self.samples)
+
+    def normalized(self) -> torch.Tensor:
+        return self.hessian / self.samples.clamp(min=1)
 
 
 def _observer_hook(scales: list[StaticInputScale]):

@@ -135,9 +135,15 @@ def _lm_eval_by_hand(server: RunningServer, artifact: Path, set_folder: Path, ta
     )
 
 
-def test_reported_scores_equal_lm_eval_own_command_line(w8a8_run, smallest_set: str, tmp_path: Path):
+def test_reported_scores_equal_lm_eval_own_command_line(workspace, w8a8_run, smallest_set: str, tmp_path: Path):
+    """Served from the signed promotion bundle (the artifact + evidence/ + model.sig, docs/registry.md): vLLM serves
+    it unchanged, gives the gate's scores, and the signature still verifies after serving."""
     assert w8a8_run.code == 0, w8a8_run.describe()
-    artifact, run_dir = Path(w8a8_run.json["artifact_dir"]), Path(w8a8_run.json["run_dir"])
+    registry = workspace.registry()
+    version = registry.show(DEMO_MODEL_DIR.name, w8a8_run.json["registry_version"])
+    signed = registry.verify_signature(version, required=True)
+    assert signed is not None and (signed.bundle / "evidence" / "gate.json").is_file()
+    artifact, run_dir = signed.bundle, Path(w8a8_run.json["run_dir"])
     (eval_set,) = [s for s in discover_eval_sets() if s.name == smallest_set]
     task = eval_set.task_name
     (reported,) = [s for s in gate_report(w8a8_run)["gate"]["sets"] if s["eval_set"] == smallest_set]
@@ -158,3 +164,4 @@ def test_reported_scores_equal_lm_eval_own_command_line(w8a8_run, smallest_set: 
         return {r["doc_hash"]: r[reported["metric"]] for r in map(json.loads, path.read_text().splitlines())}
 
     assert per_item(hand_samples) == per_item(pipeline_samples)
+    assert registry.verify_signature(version, required=True) is not None  # serving changed nothing in the bundle

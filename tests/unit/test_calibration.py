@@ -302,3 +302,24 @@ def test_cli_from_eval_sets_uses_the_selected_sets_only(cli_world, tmp_path: Pat
     assert cli.main(["--recipe", "gptq", "--calibration", FROM_EVAL_SETS, "--eval-sets", "routing", "--no-registry", "--json"]) == 0
     assert cli.main(["--recipe", "gptq", "--calibration", FROM_EVAL_SETS, "--no-registry"]) == 2  # dates has no held-out file
     assert "eval set dates: add calibration.jsonl" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- bounded reading (issue 27)
+
+
+def test_calibration_data_is_read_with_the_data_file_bounds(tmp_path: Path) -> None:
+    """A 2 GiB file with no newline is refused by its size before a byte is read; a line past 1 MiB at that line."""
+    from pipelines.calibration import check_calibration_source, load_calibration_texts
+
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("wb") as handle:
+        handle.truncate(2 * 1024**3)
+    for read in (lambda: check_calibration_source(str(huge), None), lambda: load_calibration_texts(str(huge), 1, 0)):
+        with pytest.raises(InputError, match="limited to 67108864 bytes") as caught:
+            read()
+        assert caught.value.file.endswith("huge.jsonl")
+    long_line = tmp_path / "long.jsonl"
+    long_line.write_bytes(b'{"text": "a"}\n{"text": "' + b"x" * (2 * 1024 * 1024) + b'"}\n')
+    with pytest.raises(InputError, match="line longer than 1048576 bytes") as caught:
+        load_calibration_texts(str(long_line), 1, 0)
+    assert caught.value.field == "line 2"

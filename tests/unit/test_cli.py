@@ -230,7 +230,7 @@ def test_gate_without_a_manifest_uses_the_folder_name_or_the_option(capsys, reco
 @pytest.mark.parametrize(("statuses", "expected"), [(["promoted", "rejected"], 0), (["promoted", "error"], 2)])
 def test_job_prints_a_json_summary_and_exits_by_its_results(capsys, monkeypatch, tmp_path, statuses, expected):
     results = [CandidateResult(model="demo-llama", recipe=f"r{i}", status=s, key=f"k{i}") for i, s in enumerate(statuses)]
-    monkeypatch.setattr(job_command, "run_job", lambda path: JobSummary(job="nightly", results=results, wall_s=1.0))
+    monkeypatch.setattr(job_command, "run_job", lambda path, **options: JobSummary(job="nightly", results=results, wall_s=1.0))
     code, out, _ = run_cli(capsys, "job", str(tmp_path / "job.yaml"), "--json")
     summary = json.loads(out)
     assert code == expected and summary["exit_code"] == expected
@@ -239,7 +239,7 @@ def test_job_prints_a_json_summary_and_exits_by_its_results(capsys, monkeypatch,
 
 def test_job_without_json_prints_a_table(capsys, monkeypatch, tmp_path):
     results = [CandidateResult(model="demo-llama", recipe="w8a8", status="promoted", key="k", skipped=True)]
-    monkeypatch.setattr(job_command, "run_job", lambda path: JobSummary(job="nightly", results=results, wall_s=1.0))
+    monkeypatch.setattr(job_command, "run_job", lambda path, **options: JobSummary(job="nightly", results=results, wall_s=1.0))
     code, out, _ = run_cli(capsys, "job", str(tmp_path / "job.yaml"))
     assert code == 0 and "promoted (cached)" in out and "job nightly" in out
 

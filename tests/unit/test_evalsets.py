@@ -634,9 +634,25 @@ def test_a_run_skips_a_broken_set_it_does_not_select_with_one_warning(tmp_path: 
     write_set(tmp_path, "broken", lines=['{"question": "q", "answer": "a"}', "not json"])
     monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path))
     assert [s.name for s in evalsets.select_eval_sets(None)] == ["refunds", "warranty"]
-    assert [s.name for s in evalsets.select_eval_sets(["warranty"])] == ["warranty"]
+    assert [s.name for s in evalsets.select_eval_sets(["warranty"])] == ["warranty"]  # never reads the broken set: no warning
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all(line.startswith("> eval set broken skipped: ") and "line 2: invalid JSON" in line for line in lines)
+    assert len(lines) == 1 and lines[0].startswith("> eval set broken skipped: ") and "line 2: invalid JSON" in lines[0]
+
+
+def test_a_run_of_named_sets_validates_only_those(tmp_path: Path, monkeypatch) -> None:
+    write_set(tmp_path, "refunds")
+    write_set(tmp_path, "hanging", config={"doc_to_text": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"})
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(tmp_path))
+    validated: list[str] = []
+    real = evalsets.validate_eval_set
+    monkeypatch.setattr(evalsets, "validate_eval_set", lambda folder: validated.append(Path(folder).name) or real(folder))
+    assert [s.name for s in evalsets.select_eval_sets(["refunds"])] == ["refunds"]
+    with pytest.raises(InputError, match=r"unknown eval set\(s\) \['nope'\]; available: \['hanging', 'refunds'\]"):
+        evalsets.select_eval_sets(["nope"])
+    assert validated == ["refunds"]
+    found = evalsets.discover_eval_sets(tmp_path)
+    assert found.names == ["hanging", "refunds"] and [s.name for s in found] == ["refunds"]  # iterating validates every set
+    assert "rendering one item took more than 2 s" in found.broken["hanging"].message
 
 
 def test_a_run_that_selects_a_broken_set_fails_naming_it(tmp_path: Path, monkeypatch) -> None:
@@ -721,3 +737,110 @@ def test_a_job_discovers_the_eval_sets_once_for_all_its_candidates(tmp_path: Pat
     candidates = job.plan_candidates(job.load_job(path), path)
     assert len(candidates) == 3 and all(len(c.settings.eval_sets) == 2 for c in candidates)
     assert counts == {"product": 2}
+
+
+# ---------------------------------------------------------------- templates under a time and an output budget
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+BUDGETED_TEMPLATES = {
+    "nested-range-loops": (NESTED_LOOPS, "rendering one item took more than 2 s"),
+    "nested-loops-over-a-string": ("{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "took more than 2 s"),
+    "exponential-macro": ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% else %}x{% endif %}{% endmacro %}{{ f(60) }}", "more than"),
+    "center-2e9": ("{{ question|center(2000000000) }}", "center: the argument 2000000000 is larger than 1000000"),
+    "ljust-2e9": ("{{ question.ljust(2000000000) }}", "ljust: the argument 2000000000"),
+    "percent-width": ("{{ '%2000000000s' % question }}", "a format width or precision of 2000000000"),
+    "format-filter-width": ("{{ '%2000000000s'|format(question) }}", "a format width or precision of 2000000000"),
+    "str-format-nested-width": ("{{ '{:{w}}'.format(question, w=2000000000) }}", "format: the argument 2000000000"),
+    "join-of-copies": ("{{ (['x' * 10000] * 500)|join }}", "join would produce about 5001002 characters"),
+    "replace-growth": ("{{ ('x' * 100000)|replace('x', 'x' * 1000) }}", "replace would produce about 100000000 characters"),
+    "concat-doubling": ("{% set s = 'x' * 1000000 %}{% set s = s ~ s %}{{ s }}", "~ produced 2000000 characters"),
+    "shared-sublists": ("{% set a = [1] * 100000 %}{% set b = [a,a,a,a,a,a,a,a,a,a] %}{% set c = [b,b,b,b,b,b,b,b,b,b] %}{{ c }}",
+                        "a value would become more than 10000000 characters"),
+    "tojson-indent": ("{{ range(1000)|list|tojson(indent=1000000) }}", "tojson: an indent of 1000000"),
+    "lipsum": ("{{ lipsum(1000000) }}", "lipsum would produce about"),
+    "output-stream": ("{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+                      "renders more than 1000000 characters"),
+    "regex-backtracking": ("{{ ('a' * 5000 ~ '!')|regex_replace('(a|aa)+$', '') }}", "regex_replace took more than 2 s"),
+}
+
+
+@pytest.mark.parametrize(("template", "words"), BUDGETED_TEMPLATES.values(), ids=BUDGETED_TEMPLATES.keys())
+def test_a_template_is_stopped_while_rendering_naming_set_field_and_item(tmp_path: Path, template: str, words: str) -> None:
+    import resource
+    import time
+
+    folder = write_set(tmp_path, config={"doc_to_text": template})
+    started = time.monotonic()
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert time.monotonic() - started < 15
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 1024 * 1024  # KiB: no gigabyte ever allocated
+    error = caught.value
+    assert error.file == "refunds/refunds.yaml" or error.file.endswith("refunds/refunds.yaml")
+    assert error.field == "doc_to_text" and words in error.message
+    assert "refunds/data.jsonl line 1" in error.message
+
+
+def test_the_set_budget_spans_its_items() -> None:
+    from pipelines.templates import RenderBudget, TemplateBudgetError, compile_template
+
+    budget = RenderBudget(seconds=0.3)
+    with pytest.raises(TemplateBudgetError, match=r"the set's templates took more than 0.3 s to render in all"):
+        budget.render(compile_template(NESTED_LOOPS), {})
+    written = RenderBudget(chars=10)
+    assert written.render(compile_template("{{ question }}"), {"question": "abcdef"}) == "abcdef"
+    with pytest.raises(TemplateBudgetError, match="render more than 10 characters in all"):
+        written.render(compile_template("{{ question }}"), {"question": "abcdef"})
+
+
+def test_ordinary_templates_render_as_lm_eval_renders_them() -> None:
+    template = ("Q: {{ question|upper }} {% for c in choices %}{{ loop.index }}.{{ c }} {% endfor %}{{ '%5s'|format(question) }}"
+                "{{ ','.join(choices) }} {{ choices|join('/') }} {{ question ~ '!' }} {{ {'a': 1} }} {{ 12345678|default(0) }}"
+                "{{ question|regex_replace('o', '0') }}")
+    rendered = evalsets.render_template(template, {"question": "foo", "choices": ["a", "b"]})
+    assert rendered == "Q: FOO 1.a 2.b   fooa,b a/b foo! {'a': 1} 12345678f00"
+
+
+# ---------------------------------------------------------------- data files read line by line, bounded
+
+
+def test_a_data_file_is_refused_before_it_is_read_when_too_large(tmp_path: Path) -> None:
+    from pipelines import jsonl
+
+    huge = tmp_path / "data.jsonl"
+    with huge.open("wb") as handle:
+        handle.truncate(2 * 1024**3)  # 2 GiB with no newline, sparse: nothing is written
+    with pytest.raises(InputError, match=r"2147483648 bytes: data files are limited to 67108864 bytes"):
+        next(jsonl.iter_jsonl(huge))
+    long_line = tmp_path / "long.jsonl"
+    long_line.write_bytes(b'{"question": "q", "answer": "a"}\n' + b"x" * (3 * jsonl.MiB))
+    with pytest.raises(InputError, match=r"line longer than 1048576 bytes") as caught:
+        list(jsonl.iter_jsonl(long_line))
+    assert caught.value.field == "line 2"
+    exact = tmp_path / "exact.jsonl"
+    exact.write_bytes(b'{"a": "' + b"x" * (jsonl.MiB - 10) + b'"}\n')  # a line of exactly the limit, newline included
+    assert len(list(jsonl.iter_jsonl(exact))) == 1
+
+
+def test_a_data_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    from pipelines import jsonl
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        next(jsonl.iter_jsonl(fifo))
+    with pytest.raises(InputError, match="not a regular file"):
+        next(jsonl.iter_jsonl(tmp_path))
+    with pytest.raises(InputError, match="data file not found"):
+        next(jsonl.iter_jsonl(tmp_path / "missing.jsonl"))
+
+
+def test_an_eval_set_with_a_2_gib_data_file_is_refused_naming_it(tmp_path: Path) -> None:
+    folder = write_set(tmp_path)
+    with (folder / "data.jsonl").open("wb") as handle:
+        handle.truncate(2 * 1024**3)
+    with pytest.raises(InputError) as caught:
+        evalsets.validate_eval_set(folder)
+    assert caught.value.file.endswith("refunds/data.jsonl") and "limited to 67108864 bytes" in caught.value.message

@@ -18,6 +18,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ import yaml
 from fakes import TASK_CONFIG, write_eval_set
 
 from pipelines import cli
+from pipelines.evalsets import discover_eval_sets as DISCOVER_EVAL_SETS  # the real one: the `quantize` fixture replaces it
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "demo-llama"
@@ -226,6 +228,16 @@ TEMPLATE_PAYLOADS: dict[str, bytes] = {
     "jinja-huge-range": task_with(doc_to_text="{% for i in range(10**9) %}x{% endfor %}"),
     "jinja-huge-repeat": task_with(doc_to_text="{{ 'x' * 10**10 }}"),
     "jinja-huge-power": task_with(doc_to_text="{{ 9 ** 99999999 }}"),
+    # Stopped while rendering by the template budgets (pipelines.templates), each within seconds and megabytes.
+    "jinja-nested-range-loops": task_with(doc_to_text="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
+    "jinja-center-2e9": task_with(doc_to_text="{{ question|center(2000000000) }}"),
+    "jinja-ljust-2e9": task_with(doc_to_text="{{ question.ljust(2000000000) }}"),
+    "jinja-percent-width-2e9": task_with(doc_to_text="{{ '%2000000000s' % question }}"),
+    "jinja-format-width-2e9": task_with(doc_to_text="{{ '{:2000000000}'.format(question) }}"),
+    "jinja-join-of-copies": task_with(doc_to_text="{{ (['x' * 10000] * 500)|join }}"),
+    "jinja-shared-sublists": task_with(doc_to_text="{% set a = [1] * 100000 %}{% set b = [a,a,a,a,a,a,a,a,a,a] %}{{ [b,b,b,b,b,b,b,b,b,b] }}"),
+    "jinja-exponential-macro": task_with(doc_to_text="{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}"),
+    "jinja-regex-backtracking": task_with(doc_to_text="{{ ('a' * 5000 ~ '!')|regex_replace('(a|aa)+$', '') }}"),
     "jinja-choice-not-a-list": task_with(output_type="multiple_choice", doc_to_choice="{{ question }}", doc_to_target="0",
                                          metric_list=[{"metric": "acc"}]),
 }
@@ -251,6 +263,7 @@ DATA_PAYLOADS: dict[str, bytes] = {
     "data-invalid-json": b'{"question": "q", \n',
     "data-empty": b"",
     "data-template-field-self": b'{"question": "q", "answer": "a", "self": 1}\n',
+    "data-line-over-1mib-no-newline": b'{"question": "' + b"x" * (2 * MiB),
 }
 
 JOB = {"name": "fuzz", "registry": "REGISTRY", "candidates": [{"model": str(DEMO_MODEL), "recipes": ["w8a8"]}]}
@@ -327,7 +340,7 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
         raise HeavyWorkStarted("a fuzz case reached heavy work")
 
     for module, name in ((pipelines.quantize, "run_oneshot"), (pipelines.runner, "vllm_server"), (pipelines.runner, "score_eval_sets"),
-                         (pipelines.job, "_run_candidate"), (gate_command, "run_gate")):
+                         (pipelines.job, "run_candidate"), (gate_command, "run_gate")):
         monkeypatch.setattr(module, name, tripwire)
     monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
     # A job compiles each recipe against its model's layout, built by importing torch and transformers
@@ -344,11 +357,12 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     return run
 
 
-def assert_refused(result: tuple[int, str, str], *named: str, table_on_stdout: bool = False) -> str:
+def assert_refused(result: tuple[int, str, str], *named: str, table_on_stdout: bool = False, progress_first: bool = False) -> str:
     """Exit 2, exactly one `quantize: error:` line on stderr, nothing on stdout (`eval-sets validate`
-    prints its table of every set first), and every `named` string in the line."""
+    prints its table of every set first), and every `named` string in the line. `progress_first`: progress
+    lines (`> ...`, a warning) may come before it."""
     code, out, err = result
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if not (progress_first and line.startswith("> "))]
     assert code == 2, (code, err[-2000:])
     assert len(lines) == 1, err[-2000:]
     assert lines[0].startswith("quantize: error: "), lines[0]
@@ -663,3 +677,323 @@ def test_the_entry_point_exits_2_with_one_line_for_non_utf8_and_deep_yaml(tmp_pa
         if name == "policy":
             assert json.loads(out)["field"] == "line 1" and "nested deeper than 64" in json.loads(out)["error"]
     assert not (tmp_path / "artifacts").exists()
+
+
+# --------------------------------------------------------------------------------- time and memory: bounded before reading
+
+GiB = 1024 * MiB
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def sparse_file(path: Path, size: int = 2 * GiB) -> Path:
+    """`size` bytes of NUL with no newline, written as a hole: the disk and this test pay nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def test_a_2_gib_data_file_without_a_newline_is_refused_before_reading(world, quantize) -> None:
+    root = world.inputs / "eval-roots" / "huge-data"
+    folder = write_eval_set(root, "s", task_with(), b"")
+    sparse_file(folder / "data.jsonl")
+    assert_refused(quantize("eval-sets", "validate", "--root", str(root)), "s/data.jsonl", "limited to 67108864 bytes", table_on_stdout=True)
+    calibration = sparse_file(world.inputs / "huge-calibration.jsonl")
+    line = assert_refused(quantize("--recipe", "w8a8", "--model", str(DEMO_MODEL), "--calibration", str(calibration)))
+    assert "huge-calibration.jsonl" in line and "limited to 67108864 bytes" in line
+
+
+def test_a_run_never_touches_a_hanging_sibling_set(world, quantize, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`quantize gate ... --eval-sets good` beside a set whose template loops: only `good` is read."""
+    import pipelines.evalsets
+    from pipelines.commands import gate as gate_command
+    from pipelines.errors import InputError
+
+    root = world.inputs / "sibling-roots"
+    write_eval_set(root, "good", task_with(task="good"), [{"question": f"q{i}", "answer": f"a{i}"} for i in range(60)])  # enough for the policy
+    write_eval_set(root, "hanging", task_with(task="hanging", doc_to_text=NESTED_LOOPS), ITEMS)
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(root))
+    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
+    validated: list[str] = []
+    real = pipelines.evalsets.validate_eval_set
+    monkeypatch.setattr(pipelines.evalsets, "validate_eval_set", lambda folder: validated.append(Path(folder).name) or real(folder))
+
+    def reached(job):
+        raise InputError(f"reached the gate with {[s.name for s in job.settings.eval_sets]}")
+
+    monkeypatch.setattr(gate_command, "run_gate", reached)
+    argv = ("gate", "--artifact", str(world.base / "artifact"), "--baseline", str(DEMO_MODEL), "--eval-sets", "good", "--no-loadtest")
+    assert_refused(quantize(*argv), "reached the gate with ['good']")
+    assert validated == ["good"]
+
+
+PEAK_RSS_LIMIT_MB = 500
+WALL_LIMIT_S = 30
+
+
+def run_measured(argv: list[str], env: dict[str, str]) -> tuple[int, float, float, str]:
+    """`python -m pipelines.cli ARGV` in its own process: exit code, wall seconds, peak RSS in MB, stderr."""
+    import time
+
+    started = time.monotonic()
+    process = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env=env, cwd=ROOT)
+    watchdog = threading.Timer(WALL_LIMIT_S + 30, process.kill)
+    watchdog.start()
+    try:
+        err = process.stderr.read() if process.stderr else b""
+        _, status, usage = os.wait4(process.pid, 0)  # reaped here, so that its own rusage (peak RSS) is read
+    finally:
+        watchdog.cancel()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, time.monotonic() - started, usage.ru_maxrss / 1024, err.decode(errors="replace")
+
+
+def test_hostile_templates_and_data_end_within_30_s_and_500_mb_in_a_real_process(tmp_path: Path) -> None:
+    """The issue's time and memory cases, each as its own `quantize` process: exit 2 with one error line
+    naming set, field and item, within 30 s and 500 MB of peak RSS (measured from the process's rusage)."""
+    def eval_root(case: str, task: bytes = task_with(), data: bytes = ITEMS) -> Path:
+        root = tmp_path / case
+        write_eval_set(root, "s", task, data)
+        return root
+
+    huge_data = eval_root("huge-data", data=b"")
+    sparse_file(huge_data / "s" / "data.jsonl")
+    calibration = sparse_file(tmp_path / "huge-calibration.jsonl")
+    cases = {
+        "nested-range-loops": (["eval-sets", "validate", "--root", str(eval_root("loops", task_with(doc_to_text=NESTED_LOOPS)))],
+                               "doc_to_text"),
+        "center-2e9": (["eval-sets", "validate", "--root", str(eval_root("center", task_with(doc_to_text="{{ question|center(2000000000) }}")))],
+                       "doc_to_text"),
+        "data-2gib-no-newline": (["eval-sets", "validate", "--root", str(huge_data)], "s/data.jsonl"),
+        "calibration-2gib-no-newline": (["--recipe", "w8a8", "--model", str(DEMO_MODEL), "--calibration", str(calibration)],
+                                        "huge-calibration.jsonl"),
+    }
+    env = {**os.environ, "QUANTGATE_ARTIFACTS": str(tmp_path / "artifacts"), "QUANTGATE_REGISTRY": str(tmp_path / "r.db")}
+    measured = {}
+    for name, (argv, named) in cases.items():
+        code, wall, peak, err = run_measured(argv, env)
+        errors = [line for line in err.splitlines() if line.startswith("quantize: error: ")]
+        measured[name] = f"exit {code}, {wall:.1f} s, {peak:.0f} MB"
+        assert code == 2 and len(errors) == 1 and named in errors[0], (name, err[-2000:])
+        assert "internal error" not in err and "Traceback" not in err, (name, err[-2000:])
+        assert wall < WALL_LIMIT_S and peak < PEAK_RSS_LIMIT_MB, (name, measured[name])
+    print("time and memory cases:", measured)
+    assert not (tmp_path / "artifacts").exists()
+
+
+# --------------------------------------------------------------------------------- repair verifies what it reads
+
+
+def rejected_run(world, name: str, *, register: bool = True, verdict_registered: str = "rejected", serve: dict | None = None,
+                 stages: dict | None = None) -> types.SimpleNamespace:
+    """A rejected run folder under the private artifacts root as the runner leaves it: gate.json (its inputs
+    naming artifact, baseline, eval set, policy and serve settings), an artifact with a full manifest, and,
+    when `register`, its registry version (whose evidence is the gate.json as written with `verdict_registered`)."""
+    from fakes import make_artifact, make_eval_set
+
+    from pipelines.artifact import Manifest, PeakMemory, WeightBytes
+    from pipelines.gate import GateReport, decide
+    from pipelines.hashing import file_hashes, sha256_file
+    from pipelines.metrics import make_spec
+    from pipelines.pairing import PairedItem, SetComparison
+    from pipelines.policy import load_policy
+    from pipelines.recipe import load_recipe
+    from pipelines.registry import NewVersion, Registry
+
+    eval_root = world.inputs / "repair-eval-sets"
+    eval_set = make_eval_set(eval_root, "tickets")
+    loaded = load_recipe("aggressive")
+    artifact = make_artifact(world.base / f"repair-artifact-{name}")
+    (artifact / "manifest.json").unlink()
+    manifest = Manifest(
+        recipe="aggressive", model_name=DEMO_MODEL.name, source_model=str(DEMO_MODEL), input_key="k", recipe_file=str(loaded.path),
+        recipe_text=loaded.text, compiled_recipe="", calibration=None, versions={}, source_files={}, artifact_files=file_hashes(artifact),
+        layers={}, weight_bytes=WeightBytes(before=2, after=1, ratio=0.5), wall_time_s=3.0, peak_memory=PeakMemory(bytes=1), stages={},
+    )
+    (artifact / "manifest.json").write_text(manifest.model_dump_json())
+
+    def report(verdict: str) -> GateReport:
+        lost = 0 if verdict == "promoted" else 40
+        items = [PairedItem(item_id=f"t{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=0.001) for i in range(200)]
+        comparison = SetComparison(eval_set="tickets", metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs")
+        inputs = {
+            "artifact": {"path": str(artifact), "manifest_sha256": sha256_file(artifact / "manifest.json")},
+            "baseline": {"path": str(DEMO_MODEL)}, "eval_sets": {"tickets": eval_set.sha256},
+            "policy": {"path": str(DEFAULT_POLICY), "sha256": sha256_file(DEFAULT_POLICY)}, "serve": serve or {"max_model_len": 256},
+        }
+        return GateReport(inputs=inputs, gate=decide([comparison], load_policy(DEFAULT_POLICY), "aggressive"), stages=stages or {})
+
+    run_dir = world.artifacts / "runs" / f"20261201T000000Z-aggressive-{name}"
+    run_dir.mkdir(parents=True)
+    gate_json = run_dir / "gate.json"
+    gate_json.write_text(report(verdict_registered).model_dump_json())
+    if register:
+        registry = Registry(world.registry)
+        version = registry.register(NewVersion(source_model=DEMO_MODEL.name, source_hash="s", artifact_path=artifact, recipe_name="aggressive",
+                                               recipe_hash=loaded.sha256, gate_path=gate_json))
+        registry.reject(version.id, "rejected") if verdict_registered == "rejected" else None
+    gate_json.write_text(report("rejected").model_dump_json())  # as edited (the same bytes when registered rejected)
+    return types.SimpleNamespace(run_id=run_dir.name, run_dir=run_dir, gate_json=gate_json, artifact=artifact, eval_root=eval_root)
+
+
+@pytest.fixture
+def repair_world(world, quantize, monkeypatch: pytest.MonkeyPatch):
+    """Eval sets discovered for real (the repair reads the run's recorded set) from the runs' own eval-set folder."""
+    import pipelines.evalsets
+
+    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
+    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(world.inputs / "repair-eval-sets"))
+    return world
+
+
+def edit_json(path: Path, change: Callable[[dict], None], raw: Callable[[str], str] = lambda text: text) -> None:
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(raw(json.dumps(document)))
+
+
+def test_repair_refuses_a_gate_json_edited_from_promoted_to_rejected(repair_world, quantize) -> None:
+    run = rejected_run(repair_world, "verdict-edited", verdict_registered="promoted")
+    assert_refused(quantize("repair", run.run_id), "gate.json", "differs from the gate evidence the registry recorded")
+
+
+def test_repair_refuses_an_edited_manifest_recipe(repair_world, quantize) -> None:
+    run = rejected_run(repair_world, "manifest-edited")
+    edit_json(run.artifact / "manifest.json", lambda m: m.update(recipe_text=m["recipe_text"].replace("bits: 4", "bits: 8")))
+    assert_refused(quantize("repair", run.run_id), "manifest.json", "differs from the manifest the registry recorded")
+
+
+@pytest.mark.parametrize(("key", "raw", "field"), [
+    ("startup_timeout_s", "1e999", "inputs.serve.startup_timeout_s"),
+    ("max_num_seqs", "1000000000", "inputs.serve.max_num_seqs"),
+    ("request_timeout_s", "-1e300", "inputs.serve.request_timeout_s"),
+])
+def test_repair_bounds_the_serve_settings_it_reads(repair_world, quantize, key: str, raw: str, field: str) -> None:
+    registered = rejected_run(repair_world, f"serve-{key}")
+    edit_json(registered.gate_json, lambda g: g["inputs"]["serve"].update({key: "VALUE"}), lambda text: text.replace('"VALUE"', raw))
+    assert_refused(quantize("repair", registered.run_id), "gate.json", "differs from the gate evidence")  # the registry sees the edit
+    unregistered = rejected_run(repair_world, f"serve-{key}-unregistered", register=False, serve={"max_model_len": 256})
+    edit_json(unregistered.gate_json, lambda g: g["inputs"]["serve"].update({key: "VALUE"}), lambda text: text.replace('"VALUE"', raw))
+    assert_refused(quantize("repair", unregistered.run_id, "--allow-unverified"), "gate.json", field, progress_first=True)  # the bounds do
+
+
+def test_repair_refuses_an_unregistered_run_unless_allowed(repair_world, quantize) -> None:
+    run = rejected_run(repair_world, "unregistered", register=False)
+    assert_refused(quantize("repair", run.run_id), "gate.json", "RUN_ID", "--allow-unverified")
+
+
+def test_recorded_stage_times_cannot_defeat_the_repair_time(repair_world, quantize) -> None:
+    """Stage times of -1e300 (before: an expected gate time below zero, so `--repair-time 1` started a real gate)."""
+    from pipelines.repair.parent import MIN_GATE_S, load_parent
+    from pipelines.repair.search import Budget, GateResult, Search, SearchSettings
+
+    run = rejected_run(repair_world, "stage-times", register=False,
+                       stages={"quantize_s": -1e300, "candidate_start_s": -1e300, "candidate_scoring_s": 5.0})
+    parent = load_parent(run.run_id, repair_world.artifacts / "runs", registry_path=repair_world.registry, allow_unverified=True)
+    assert parent.candidate_wall_s == MIN_GATE_S
+    gated: list[int] = []
+
+    def gate(k: int, why: str) -> GateResult:
+        gated.append(k)
+        return GateResult(passed=True, wall_s=1.0)
+
+    search = Search(10, predict=lambda k: 1.0 / (1 + k), price=lambda k: 1000 - k, fits=lambda k: True, gate=gate,
+                    budget=Budget(max_gates=4, max_wall_s=1.0), settings=SearchSettings(min_saving=0.0), target_kl=0.1,
+                    expected_gate_s=parent.candidate_wall_s, started=0.0, clock=lambda: 0.0)
+    assert search.run().stop == "time budget" and gated == []
+
+
+def test_repair_refuses_a_gate_json_with_no_eval_sets(repair_world, quantize) -> None:
+    run = rejected_run(repair_world, "no-eval-sets", register=False)
+    edit_json(run.gate_json, lambda g: g["inputs"].update(eval_sets={}))
+    assert_refused(quantize("repair", run.run_id, "--allow-unverified"), "gate.json", "inputs.eval_sets", progress_first=True)
+
+
+# --------------------------------------------------------------------------------- every error names its file or field
+
+
+def test_a_symlink_loop_as_a_model_path_is_named(world, quantize) -> None:
+    loop = world.inputs / "loop"
+    loop.symlink_to(loop.name)
+    assert_refused(quantize("--recipe", "w8a8", "--model", str(loop)), str(loop), "--model", "Symlink loop")
+    assert_refused(quantize("gate", "--artifact", str(loop), "--baseline", str(DEMO_MODEL)), "--artifact/--baseline", "Symlink loop")
+    assert_refused(quantize("loadtest", "--model", str(loop)), str(loop), "--model", "Symlink loop")
+
+
+def loadtest_model(world, name: str, config: bytes | None = None, *, tokenizer: bool = True) -> Path:
+    folder = world.inputs / "loadtest-models" / name
+    folder.mkdir(parents=True)
+    if config is not None:
+        (folder / "config.json").write_bytes(config)
+    if tokenizer:
+        (folder / "tokenizer.json").write_bytes((DEMO_MODEL / "tokenizer.json").read_bytes())
+    return folder
+
+
+def test_loadtest_names_a_model_folder_it_cannot_serve(world, quantize) -> None:
+    as_list = loadtest_model(world, "config-list", b"[]")
+    assert_refused(quantize("loadtest", "--model", str(as_list)), "config-list/config.json", "must be a JSON object")
+    passwd = loadtest_model(world, "config-passwd")
+    (passwd / "config.json").symlink_to("/etc/passwd")
+    assert_refused(quantize("loadtest", "--model", str(passwd)), "config-passwd/config.json", "leads outside the model folder")
+    untokenized = loadtest_model(world, "no-tokenizer", (DEMO_MODEL / "config.json").read_bytes(), tokenizer=False)
+    assert_refused(quantize("loadtest", "--model", str(untokenized)), "no-tokenizer", "--model", "no tokenizer")
+
+
+def test_loadtest_refuses_an_absurd_schema_valid_load_before_writing_anything(world, quantize) -> None:
+    """min_requests 100000, requests_per_slot 1000, max_concurrency 2048: 4,068,000 workload lines (572 MB) before."""
+    policy = write(world, "absurd-load.yaml", yaml_bytes(edited(POLICY, "performance.load",
+                                                                {"min_requests": 100000, "requests_per_slot": 1000, "max_concurrency": 2048})))
+    line = assert_refused(quantize("loadtest", "--model", str(DEMO_MODEL), "--policy", str(policy)), str(policy), "performance.load")
+    assert "at most 200000" in line
+    # the same load from the command line (a policy's own bounds passed): refused by the plan, before a run folder exists
+    line = assert_refused(quantize("loadtest", "--model", str(DEMO_MODEL), "--artifact", str(DEMO_MODEL), "--concurrency", "4096",
+                                   "--repeats", "50"))
+    assert "performance.load" in line and "at most 200000" in line
+
+
+def test_registry_list_creates_no_registry(world, quantize, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default registry of a root that has none: an empty answer and no file (before: registry.db, -wal, -shm)."""
+    monkeypatch.setenv("QUANTGATE_REGISTRY", str(tmp_path / "root" / "registry.db"))
+    code, out, err = quantize("registry", "list", "--json")
+    assert code == 0 and json.loads(out) == [] and err == ""
+    assert not (tmp_path / "root").exists()
+    code, out, err = quantize("registry", "show", "demo-llama", "1")
+    assert code == 2 and "unknown model" in err and not (tmp_path / "root").exists()
+    assert_refused(quantize("registry", "list", "--registry", str(tmp_path / "root" / "registry.db")), "no registry database at this path")
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_malformed_registry_row_is_named(world, quantize, tmp_path: Path) -> None:
+    import shutil
+    import sqlite3
+
+    copy = tmp_path / "registry.db"
+    shutil.copy(world.registry, copy)
+    with sqlite3.connect(copy) as db:
+        db.execute("DROP TRIGGER IF EXISTS events_no_update")
+        db.execute("UPDATE versions SET eval_sets = '{not json'")
+    line = assert_refused(quantize("registry", "list", "--registry", str(copy)), str(copy), "versions", "version row 1 is malformed")
+    assert "internal error" not in line
+
+
+def test_a_half_written_model_folder_is_not_taken_as_complete(tmp_path: Path) -> None:
+    from pipelines.errors import InputError
+    from pipelines.models import add_model, is_complete
+
+    folder = tmp_path / "smollm2-135m"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((DEMO_MODEL / name).read_bytes())
+    weights = (DEMO_MODEL / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # the copy stopped half-way
+    assert not is_complete(folder)
+    with pytest.raises(InputError, match=r"exists but is not a complete model folder \(.*model.safetensors: safetensors: truncated"):
+        add_model("smollm2-135m", models_dir=tmp_path)
+
+
+def test_an_mlflow_file_store_address_is_named(world, quantize, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    uri = f"file://{tmp_path}/mlruns"
+    assert_refused(quantize("registry", "export-mlflow", "demo-llama", "1", "--tracking-uri", uri), uri, "--tracking-uri")

@@ -249,7 +249,7 @@ def test_registry_path_comes_from_the_environment(monkeypatch, tmp_path: Path) -
     monkeypatch.setenv("QUANTGATE_REGISTRY", str(tmp_path / "elsewhere.db"))
     assert default_registry_path() == tmp_path / "elsewhere.db"
     assert Registry().path == tmp_path / "elsewhere.db"
-    assert (tmp_path / "elsewhere.db").is_file()
+    assert not (tmp_path / "elsewhere.db").exists()  # created by the first write, never by opening or reading
 
 
 def test_a_file_that_is_not_a_registry_is_an_input_error(tmp_path: Path) -> None:

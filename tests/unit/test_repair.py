@@ -93,7 +93,7 @@ def test_every_option_of_every_unit_compiles_on_the_target():
         layout = layout_from_config(config)
         by_name = {unit.name: unit for unit in units}
         for unit in units:
-            for option in unit_ladder(unit, ladder, loaded.recipe, CPU).options:
+            for option in unit_ladder(unit, ladder, CPU).options:
                 text = proposal_text(loaded, overrides_for({unit.name: option.scheme}, by_name), load_policy())
                 check_recipe(parse_recipe(text, "proposal"), layout, "proposal", CPU)
 
@@ -102,18 +102,20 @@ def test_rungs_a_layer_cannot_take_are_skipped_with_the_compilers_reason():
     """576 inputs: group 128 does not divide them (w4a16 already gives those layers group 64, so only 32 is above);
     a layer whose sizes are not multiples of 32 cannot take any 4-bit rung on the CPU."""
     ladder = load_ladder(None, CPU).ladder
-    loaded, units = units_for(SMOLLM2, "w4a16")
-    options = {u.name: [o.label for o in unit_ladder(u, ladder, loaded.recipe, CPU).options] for u in units}
-    assert options["layers.0.self_attn.qkv"] == ["w4 group32 sym / a16", "w8 channel sym / a8 token dynamic", "16-bit"]
-    assert options["layers.0.mlp.down"][0] == "w4 group64 sym / a16"  # 1536 inputs: group 128 under w4a16
+    _loaded, units = units_for(SMOLLM2, "w4a16")
+    options = {u.name: [o.label for o in unit_ladder(u, ladder, CPU).options] for u in units}
+    assert options["layers.0.self_attn.qkv"] == ["w4 group64 sym / a16, gptq", "w4 group32 sym / a16", "w4 group32 sym / a16, gptq",
+                                                 "w8 channel sym / a8 token dynamic", "w8 channel sym / a8 token dynamic, gptq", "16-bit"]
+    assert options["layers.0.mlp.down"][:2] == ["w4 group128 sym / a16, gptq", "w4 group64 sym / a16"]  # 1536 inputs: group 128 under w4a16
     odd = {**SMOLLM2, "intermediate_size": 1544}  # 1544 = 8 x 193: gate/up outputs are not multiples of 32
     aggressive = load_recipe("aggressive").recipe
     gate_up = next(u for u in quantized_units(recipe_units(load_recipe("w8a8").recipe, layout_from_config(odd), "w8a8", CPU))
                    if u.name == "layers.0.mlp.gate_up").model_copy(update={"scheme": aggressive.groups.mlp})
-    found = unit_ladder(gate_up, ladder, aggressive, CPU)
-    assert [reason.split(":")[0] for reason in found.skipped] == ["w4 group128 sym / a16", "w4 group64 sym / a16", "w4 group32 sym / a16"]
-    assert "does not divide the input size 576" in found.skipped[0] and "multiples of 32" in found.skipped[1]
-    assert [o.label for o in found.options] == ["w8 channel sym / a8 token dynamic", "16-bit"]
+    found = unit_ladder(gate_up, ladder, CPU)
+    assert [reason.split(":")[0] for reason in found.skipped] == [f"w4 group{size} sym / a16{algorithm}" for size in (128, 64, 32)
+                                                                  for algorithm in ("", ", gptq")]
+    assert "does not divide the input size 576" in found.skipped[0] and "multiples of 32" in found.skipped[2]
+    assert [o.label for o in found.options] == ["w8 channel sym / a8 token dynamic", "w8 channel sym / a8 token dynamic, gptq", "16-bit"]
 
 
 # ------------------------------------------------------------------------------------------- pricing
@@ -124,7 +126,7 @@ def test_pricing_is_the_planners_and_moves_add_up():
     shape = model_shape(SMOLLM2)
     by_name = {unit.name: unit for unit in units}
     ladder = load_ladder(None, CPU).ladder
-    options = {u.name: [o.scheme for o in unit_ladder(u, ladder, loaded.recipe, CPU).options] for u in units}
+    options = {u.name: [o.scheme for o in unit_ladder(u, ladder, CPU).options] for u in units}
     current = {u.name: u.scheme for u in units}
     def kl(unit, scheme):  # any KL that falls as bytes grow
         return 0.0 if scheme is None else 1.0 / (1 + unit_bytes(by_name[unit], scheme))
@@ -140,10 +142,10 @@ def test_pricing_is_the_planners_and_moves_add_up():
 
 def test_free_moves_come_first_the_most_useful_of_them_first():
     """Static -> dynamic activations saves 2 bytes: a free move; among free moves the larger KL gain goes first."""
-    loaded, units = units_for(SMOLLM2, "w8a8")
+    _loaded, units = units_for(SMOLLM2, "w8a8")
     by_name = {unit.name: unit for unit in units}
     ladder = load_ladder(None, CPU).ladder
-    options = {u.name: [o.scheme for o in unit_ladder(u, ladder, loaded.recipe, CPU).options] for u in units}
+    options = {u.name: [o.scheme for o in unit_ladder(u, ladder, CPU).options] for u in units}
     gain = {u.name: float(i + 1) for i, u in enumerate(units)}
 
     def kl(unit, scheme):
@@ -157,10 +159,10 @@ def test_free_moves_come_first_the_most_useful_of_them_first():
 
 
 def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
-    loaded, units = units_for(SMOLLM2, "w4a16")
+    _loaded, units = units_for(SMOLLM2, "w4a16")
     by_name = {unit.name: unit for unit in units}
     ladder = load_ladder(None, CPU).ladder
-    options = {u.name: [(o.position, o.scheme) for o in unit_ladder(u, ladder, loaded.recipe, CPU).options] for u in units}
+    options = {u.name: [(o.position, o.scheme) for o in unit_ladder(u, ladder, CPU).options] for u in units}
     ranking = [u.name for u in reversed(units)]
     sequence = level_sequence({u.name: u.scheme for u in units}, options, lambda u, s: unit_bytes(by_name[u], s), lambda u, s: 0.0, ranking)
     labels = [m.label for m in sequence]
@@ -341,7 +343,7 @@ def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: Pa
     assert load_result(folder) == result
     report = (folder / "report.md").read_text()
     assert "![sensitivity ranking](sensitivity.png)" in report and (folder / "sensitivity.png").stat().st_size > 1000
-    assert "| # | proposal | moves | modules moved | weight bytes |" in report
+    assert "| # | proposal | moves | modules moved, by rung | weight bytes |" in report
     assert result.sensitivity.units[0].kl is not None and len(result.sensitivity.units) == 16
 
 
@@ -371,15 +373,18 @@ def test_a_gate_that_cannot_decide_is_an_error_unless_a_pass_is_in_hand(parent: 
 
 def test_the_sensitivity_pass_is_cached(parent: ParentRun, tmp_path: Path):
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(1))
-    first = repair(parent, RepairOptions(budget=Budget(max_gates=1), sensitivity=FAST), gate_fn=fake, target=CPU)
-    second = repair(parent, RepairOptions(budget=Budget(max_gates=1), sensitivity=FAST), gate_fn=fake, target=CPU)
+    # round-to-nearest rungs only: nothing reads calibration data
+    rtn = ladder_file(tmp_path, "      - weights: {bits: 4, granularity: group, group_size: 32}\n      - 16-bit\n")
+    options = RepairOptions(budget=Budget(max_gates=1), sensitivity=FAST, ladder=rtn)
+    first = repair(parent, options, gate_fn=fake, target=CPU)
+    second = repair(parent, options, gate_fn=fake, target=CPU)
     assert not first.sensitivity.cached and second.sensitivity.cached
     assert second.sensitivity.units == first.sensitivity.units
     assert fake.calls[0].text == fake.calls[1].text  # the same moves: the same proposal, hence the same artifact
-    # aggressive calibrates nothing: naming --calibration (quantize --repair) or not (quantize repair RUN_ID) measures the same
+    # aggressive and these rungs calibrate nothing: naming --calibration (quantize --repair) or not (quantize repair RUN_ID) measures the same
     assert not parent.recipe.recipe.needs_calibration
     named = parent.model_copy(update={"calibration": "from-eval-sets" if parent.calibration is None else None})
-    third = repair(named, RepairOptions(budget=Budget(max_gates=1), sensitivity=FAST), gate_fn=fake, target=CPU)
+    third = repair(named, options, gate_fn=fake, target=CPU)
     assert third.sensitivity.cached and third.sensitivity.key == first.sensitivity.key
 
 
@@ -392,16 +397,20 @@ def test_w8a8_sensitivity_smooths_first_and_calibrates_static_scales(parent: Par
     loaded = LoadedRecipe(recipe=parse_recipe(text, "w8a8"), path=shipped.path, text=text)
     units = quantized_units(recipe_units(loaded.recipe, layout_from_model_dir(parent.model_dir), loaded.path, CPU))
     ladder = load_ladder(None, CPU)
-    ladders = {u.name: unit_ladder(u, ladder.ladder, loaded.recipe, CPU) for u in units}
+    ladders = {u.name: unit_ladder(u, ladder.ladder, CPU) for u in units}
     model = SensitivityModel(parent.model_dir, loaded.recipe, loaded.text, units, ladders, parent.settings.eval_sets, parent.settings.serve,
                              tmp_path / "sensitivity", ladder.text, FAST)
     result = model.measure()
     assert result.smoothquant and model.text_source == "calibration" and len(model.texts) == 8
     static = {name for (name, scheme) in model.simulator().static}
     assert static == {info.name for u in units if u.kind == "mlp" for info in u.modules}  # the MLP's static activations
-    gate_up = result.by_unit()["layers.0.mlp.gate_up"]
-    assert set(gate_up.proxy) == {"w8 channel sym / a8 tensor static", "w8 channel sym / a8 token dynamic"}
+    gate_up = result.by_unit()["layers.0.mlp.gate_up"]  # w8a8 is GPTQ'd: its current rung, then those above it
+    assert set(gate_up.proxy) == {"w8 channel sym / a8 tensor static, gptq", "w8 channel sym / a8 token dynamic",
+                                  "w8 channel sym / a8 token dynamic, gptq"}
     assert all(value >= 0 for value in gate_up.proxy.values()) and result.kl_parent > 0
+    # GPTQ measured with GPTQ (each unit's input Hessian from the calibration texts), not as its RTN twin
+    assert set(model.simulator().hessians) == {u.name for u in units} and gate_up.gptq_s is not None
+    assert gate_up.proxy["w8 channel sym / a8 token dynamic, gptq"] != gate_up.proxy["w8 channel sym / a8 token dynamic"]
 
 
 # ------------------------------------------------------------------------------------------- the command line
@@ -459,12 +468,12 @@ def test_parent_runs_are_read_back_with_their_gate(tmp_path, monkeypatch, tiny_l
     run_dir = tmp_path / "runs" / "run-1"
     run_dir.mkdir(parents=True)
     (run_dir / "gate.json").write_text(report.model_dump_json())
-    parent = load_parent("run-1", tmp_path / "runs", registry_path=None)
+    parent = load_parent("run-1", tmp_path / "runs", registry_path=None, allow_unverified=True)  # no registry recorded this run
     assert parent.recipe.name == "aggressive" and parent.calibration == "from-eval-sets" and parent.settings.serve.max_model_len == 256
     changed = report.model_copy(update={"inputs": {**report.inputs, "eval_sets": {"tickets": "0" * 64}}})
     (run_dir / "gate.json").write_text(changed.model_dump_json())
     with pytest.raises(InputError, match="eval set tickets changed since this run"):
-        load_parent("run-1", tmp_path / "runs", registry_path=None)
+        load_parent("run-1", tmp_path / "runs", registry_path=None, allow_unverified=True)
 
 
 # ------------------------------------------------------------------------------------------- jobs
