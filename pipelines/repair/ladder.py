@@ -16,10 +16,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipelines.calibration import resolve_calibration_data
 from pipelines.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
 from pipelines.errors import InputError
 from pipelines.paths import RECIPES_DIR
-from pipelines.recipe import GroupScheme
+from pipelines.recipe import Calibration, GroupScheme, Recipe
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import Unit
 from pipelines.schema import FrozenModel
@@ -124,6 +125,18 @@ def check_calibration(ladder: Ladder, path: Path | str) -> None:
 
 
 NO_CALIBRATION = "the recipe calibrates nothing, no --calibration was given and no calibration set is installed"
+
+
+def calibration_available(recipe: Recipe, source: str | None) -> bool:
+    """Whether a proposal of `recipe` can calibrate (GPTQ rungs, static scales): the run names data (--calibration),
+    the recipe calibrates, or the recipe default's calibration set (`calibration.dataset`) is installed."""
+    if source is not None or recipe.calibration is not None:
+        return True
+    try:
+        resolve_calibration_data(Calibration().dataset)
+    except InputError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------- one unit

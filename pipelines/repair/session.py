@@ -19,16 +19,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.atomic import write_json_atomic, write_text_atomic
-from pipelines.calibration import resolve_calibration_data
 from pipelines.compiler import layout_from_model_dir, scheme_summary
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.gate import GateReport
 from pipelines.hashing import sha256_text
 from pipelines.output import progress
 from pipelines.progress import duration
-from pipelines.recipe import Calibration, GroupScheme
+from pipelines.recipe import GroupScheme
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
-from pipelines.repair.ladder import LoadedLadder, UnitLadder, load_ladder, unit_ladder
+from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun
 from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
@@ -75,7 +74,7 @@ class Repair:
         self.parent, self.options, self.gate_fn, self.now = parent, options, gate_fn, now
         self.started = now()
         self.target = target or installed_target()
-        self.calibrated = calibration_available(parent)
+        self.calibrated = calibration_available(parent.recipe.recipe, parent.calibration)
         self.ladder: LoadedLadder = load_ladder(options.ladder, self.target, calibrated=self.calibrated)
         self._prices: dict[int, Price] = {}
         self.outcomes: dict[int, RunOutcome] = {}  # attempt number -> its run's outcome
@@ -355,18 +354,6 @@ def _gptq(scheme: GroupScheme | None) -> bool:
     return scheme is not None and scheme.algorithm == "gptq"
 
 
-def calibration_available(parent: ParentRun) -> bool:
-    """Whether a proposal can calibrate (GPTQ rungs, static scales): the run named --calibration, the recipe calibrates,
-    or the default calibration set (the recipe default `calibration.dataset`) is installed."""
-    if parent.calibration is not None or parent.recipe.recipe.calibration is not None:
-        return True
-    try:
-        resolve_calibration_data(Calibration().dataset)
-    except QuantGateError:
-        return False
-    return True
-
-
 def failed_rules(report: GateReport) -> list[str]:
     """`set: rule` for every rule a set failed, and `fit` (read from the reasons the gate wrote)."""
     failed = []
@@ -429,8 +416,9 @@ def repair_outcome(outcome: RunOutcome, settings: GateSettings, calibration: str
     Returns the found attempt's outcome (promoted), or `outcome` itself with the repair's verdict added to its reasons."""
     from pipelines.repair.parent import load_parent
 
+    # The run this process has just made (a Ray worker's is not registered yet): nothing in it can have been edited since.
     parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,
-                         calibration=calibration, loadtest=settings.loadtest)
+                         calibration=calibration, loadtest=settings.loadtest, allow_unverified=True)
     session = start(parent, options, gate_fn=gate_fn)
     result = session.run()
     if result.found is not None:

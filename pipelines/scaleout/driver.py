@@ -30,9 +30,9 @@ from pipelines.errors import InputError, QuantGateError
 from pipelines.job import (
     Candidate,
     CandidateResult,
-    JobFile,
     JobSummary,
     Ledger,
+    PlannedJob,
     cached_result,
     candidate_label,
     decision_line,
@@ -51,7 +51,8 @@ POLL_S = 1.0
 PROGRESS_EVERY_S = 60.0
 
 
-def run_on_ray(job: JobFile, job_path: Path, candidates: list[Candidate], ledger: Ledger, *, address: str | None) -> JobSummary:
+def run_on_ray(planned: PlannedJob, *, address: str | None) -> JobSummary:
+    job, job_path, candidates, ledger = planned
     started = time.monotonic()
     _refuse_repair(candidates, job_path)
     results: dict[int, CandidateResult] = {}

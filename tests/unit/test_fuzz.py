@@ -319,6 +319,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     registry = Registry(artifacts / "registry.db")
     version = registry.register(new_version(make_artifact(base / "artifact"), make_gate(base / "gate.json")))
     registry.promote(version.id, "gate passed")
+    from pipelines.signing import load_signer
+
+    load_signer(artifacts / "registry.db")  # the project's signing key beside the registry, as after a first real run
     inputs = base / "inputs"
     inputs.mkdir()
     return types.SimpleNamespace(base=base, artifacts=artifacts, registry=artifacts / "registry.db", inputs=inputs)
@@ -974,8 +977,10 @@ def test_a_malformed_registry_row_is_named(world, quantize, tmp_path: Path) -> N
     with sqlite3.connect(copy) as db:
         db.execute("DROP TRIGGER IF EXISTS events_no_update")
         db.execute("UPDATE versions SET eval_sets = '{not json'")
+        db.execute("UPDATE events SET kind = 'exploded'")
     line = assert_refused(quantize("registry", "list", "--registry", str(copy)), str(copy), "versions", "version row 1 is malformed")
     assert "internal error" not in line
+    assert_refused(quantize("registry", "history", "--registry", str(copy)), str(copy), "events", "an event row is malformed")
 
 
 def test_a_half_written_model_folder_is_not_taken_as_complete(tmp_path: Path) -> None:

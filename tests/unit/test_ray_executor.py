@@ -15,8 +15,9 @@ import pytest
 from fakes import LLAMA_CONFIG, FakeRunner, demo_job, install, make_artifact, make_eval_set, make_model, write_job
 
 from pipelines import evalsets
+from pipelines.commands import job as job_command
 from pipelines.errors import InputError
-from pipelines.job import CandidateResult, Ledger, load_job, plan_candidates, run_job
+from pipelines.job import CandidateResult, Ledger, load_job, plan_candidates, plan_job
 from pipelines.planner import gpu_spec, plan
 from pipelines.policy import FitRequirement
 from pipelines.recipe import load_recipe
@@ -191,14 +192,16 @@ def test_a_repair_candidate_is_refused_by_the_ray_executor_before_any_work(works
     fake = install(monkeypatch, FakeRunner(workspace, {}))
     path = demo_job(workspace, ["w8a8"], extra="executor: ray\ndefaults:\n  repair: true\n")
     with pytest.raises(InputError, match=r"repair: true is not available with the ray executor.*demo-llama x w8a8"):
-        run_job(path, jobs_dir=workspace / "jobs")
+        driver.run_on_ray(plan_job(path, jobs_dir=workspace / "jobs"), address=None)
     assert fake.calls == []
 
 
 def test_a_ray_address_needs_the_ray_executor(workspace, monkeypatch):
-    install(monkeypatch, FakeRunner(workspace, {}))
+    fake = install(monkeypatch, FakeRunner(workspace, {}))
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace / "artifacts"))
     with pytest.raises(InputError, match=r"--ray-address needs the ray executor"):
-        run_job(demo_job(workspace, ["w8a8"]), jobs_dir=workspace / "jobs", ray_address="127.0.0.1:6379")
+        job_command.run_job(demo_job(workspace, ["w8a8"]), ray_address="127.0.0.1:6379")
+    assert fake.calls == []
 
 
 def test_an_unreachable_or_malformed_address_is_one_line():

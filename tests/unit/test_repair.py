@@ -73,6 +73,42 @@ def test_a_rung_no_kernel_serves_is_refused_at_validation_naming_the_rung(tmp_pa
     load_ladder(path, parse_target("cuda:8.9"))  # the CUDA build serves W8A16 (Marlin)
 
 
+def test_a_rung_that_needs_calibration_is_refused_when_the_repair_has_none(tmp_path):
+    """A given ladder is refused at load, naming the rung; the shipped ladder's such rungs are skipped per unit."""
+    path = ladder_file(tmp_path, "      - weights: {bits: 4, granularity: channel}\n"
+                                 "      - weights: {bits: 4, granularity: channel}\n        algorithm: gptq\n      - 16-bit\n")
+    with pytest.raises(InputError) as error:
+        load_ladder(path, CPU, calibrated=False)
+    assert error.value.file == str(path) and error.value.field == "families.weight_only.rungs.1.algorithm"
+    assert "w4 channel sym / a16, gptq needs calibration data" in error.value.message
+    load_ladder(path, CPU)  # with calibration data it loads
+    _, units = units_for(SMOLLM2, "w4a16")
+    shipped = unit_ladder(units[0], load_ladder(None, CPU, calibrated=False).ladder, CPU, calibrated=False)
+    assert shipped.options and not any(o.scheme is not None and o.scheme.algorithm == "gptq" for o in shipped.options)
+    assert any(", gptq: needs calibration data" in reason for reason in shipped.skipped)
+
+
+def test_a_gptq_rung_gives_a_recipe_that_calibrates_nothing_the_default_calibration():
+    loaded, units = units_for(SMOLLM2, "w4a16")
+    by_name = {unit.name: unit for unit in units}
+    gptq = units[0].scheme.model_copy(update={"algorithm": "gptq"})
+    text = proposal_text(loaded, overrides_for({units[0].name: gptq}, by_name), load_policy())
+    proposal = parse_recipe(text, "proposal")
+    assert proposal.calibration is not None and proposal.calibration.num_samples == 64 and proposal.algorithm.method == "rtn"
+    assert list(yaml_keys(text)).index("calibration") < list(yaml_keys(text)).index("groups")
+    assert proposal.overrides[-1].attention is not None and proposal.overrides[-1].attention.algorithm == "gptq"
+    same_bytes = recipe_bytes(model_shape(SMOLLM2), proposal) == recipe_bytes(model_shape(SMOLLM2), loaded.recipe)
+    assert same_bytes  # RTN -> GPTQ costs no bytes
+    rtn_only = proposal_text(loaded, overrides_for({units[0].name: None}, by_name), load_policy())
+    assert parse_recipe(rtn_only, "proposal").calibration is None  # 16-bit reads nothing
+
+
+def yaml_keys(text: str) -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(text))
+
+
 @pytest.mark.parametrize("rungs, message", [
     ("      - 16-bit\n      - weights: {bits: 4, granularity: channel}\n", "can only be the last rung"),
     ("      - weights: {bits: 4, granularity: channel}\n      - 8-bit\n", "is not a rung"),
@@ -529,3 +565,40 @@ def test_a_policy_edit_is_accepted_unless_it_changes_the_rules_that_judged_the_r
         check_same_rules(report, stricter, identity, path, gate)
     with pytest.raises(InputError, match="fit for aggressive changed"):
         check_same_rules(report, policy.model_copy(update={"fit": None}), identity, path, gate)
+
+
+# ------------------------------------------------------------------------------------------- against the shipped recipes
+
+
+def test_every_shipped_recipe_is_compared_by_bytes_and_by_its_verdict_on_the_same_model_and_sets():
+    from pipelines.recipe import shipped_recipes
+    from pipelines.repair.compare import Registered, shipped_comparison
+
+    sets = [("retail_sentiment", "a"), ("retail_order_id", "b")]
+    gptq = load_recipe("gptq")
+
+    def version(recipe: str, number: int, verdict: str, **change) -> Registered:
+        fields = {"recipe": recipe, "recipe_hash": load_recipe(recipe).sha256, "source_hash": "model", "eval_sets": sets,
+                  "version": number, "verdict": verdict, "artifact_path": "/nonexistent", **change}
+        return Registered(**fields)
+
+    registered = [version("gptq", 1, "rejected"), version("gptq", 3, "promoted"),  # the latest run of gptq as shipped counts
+                  version("w8a8", 2, "promoted", eval_sets=sets[:1]),  # other sets: not comparable
+                  version("w4a16", 4, "promoted", recipe_hash="edited"),  # another recipe text under the same name
+                  version("aggressive", 5, "promoted", source_hash="another model")]
+    rows = {row.recipe: row for row in shipped_comparison(model_shape(SMOLLM2), layout_from_config(SMOLLM2), CPU, registered, "model", sets)}
+    assert sorted(rows) == shipped_recipes()
+    assert (rows["gptq"].verdict, rows["gptq"].registry_version) == ("promoted", 3)
+    assert rows["gptq"].predicted_bytes == recipe_bytes(model_shape(SMOLLM2), gptq.recipe) and rows["gptq"].measured_bytes is None
+    assert all(rows[name].verdict is None for name in ("w8a8", "w4a16", "aggressive"))
+
+
+def test_the_quantize_cost_adds_the_calibration_pipeline_and_the_gptq_solves_a_proposal_brings():
+    from pipelines.repair.pricing import quantize_cost
+
+    same = quantize_cost(50.0, parent_calibrates=False, proposal_calibrates=False, calibration_pass_s=30.0, gptq_added_s=0, gptq_removed_s=0)
+    assert same.seconds == 50.0
+    gptq = quantize_cost(50.0, parent_calibrates=False, proposal_calibrates=True, calibration_pass_s=30.0, gptq_added_s=12.0, gptq_removed_s=0)
+    assert gptq.seconds == 50.0 + 2 * 30.0 + 12.0 and gptq.parts["calibration pipeline"] == 60.0
+    already = quantize_cost(500.0, parent_calibrates=True, proposal_calibrates=True, calibration_pass_s=30.0, gptq_added_s=0, gptq_removed_s=8.0)
+    assert already.seconds == 492.0  # a GPTQ parent pays no new pipeline; moving units off GPTQ saves their solves
