@@ -253,7 +253,9 @@ class SensitivityModel:
         simulator.set_reference(self.paths)  # the 16-bit model, before any smoothing, is the reference
         if self.recipe.smoothquant is not None:
             simulator.smooth(self.recipe.smoothquant.strength, self.texts, tokenizer, self._max_length())
-        simulator.calibrate(self._encoded(tokenizer), self._schemes())
+        encoded = self._encoded(tokenizer)
+        with track("repair: calibration pass (static scales, GPTQ Hessians)", total=len(encoded), unit="sample") as bar:
+            simulator.calibrate(encoded, self._schemes(), bar.advance)
         return simulator
 
     def _max_length(self) -> int:

@@ -18,7 +18,7 @@ single unit's KL replays the decoder from layer L only (about half the work on a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -141,7 +141,7 @@ class Simulator:
     # ---------------------------------------------------------------------- static activation scales
 
     @torch.no_grad()
-    def calibrate(self, encoded: list[list[int]], schemes: dict[str, list[GroupScheme]]) -> None:
+    def calibrate(self, encoded: list[list[int]], schemes: dict[str, list[GroupScheme]], advance: Callable[[], None] = lambda: None) -> None:
         """One pass over the calibration samples, one at a time (as llm-compressor feeds them): static input scales for
         every (module, static scheme) of the units named, and the input Hessian of every unit with a GPTQ scheme."""
         wanted = {(info.name, s): StaticInputScale(s.activations) for unit, options in schemes.items() for s in options
@@ -160,6 +160,7 @@ class Simulator:
         try:
             for ids in encoded:
                 self.model(input_ids=torch.tensor([ids]))
+                advance()
         finally:
             for hook in hooks:
                 hook.remove()

@@ -80,8 +80,8 @@ def test_shipped_w8a8_compiles_to_smoothquant_then_gptq_with_mixed_activations(l
     assert attention["input_activations"] | {} == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
     assert (mlp["input_activations"]["strategy"], mlp["input_activations"]["dynamic"]) == ("tensor", False)
     assert yaml.safe_load(compiled.yaml) == compiled.llmcompressor
-    assert compiled.layers["model.layers.0.self_attn.q_proj"] == "w8 channel sym / a8 token dynamic"
-    assert compiled.layers["model.layers.0.mlp.down_proj"] == "w8 channel sym / a8 tensor static"
+    assert compiled.layers["model.layers.0.self_attn.q_proj"] == "w8 channel sym / a8 token dynamic, gptq"  # the layer table names GPTQ
+    assert compiled.layers["model.layers.0.mlp.down_proj"] == "w8 channel sym / a8 tensor static, gptq"
     assert compiled.layers["lm_head"] == compiled.layers["model.embed_tokens"] == "16-bit"
 
 
@@ -315,7 +315,7 @@ def test_shipped_four_bit_recipes_apply_to_a_hidden_576_model(smollm2: ModelLayo
     sizes = {info.name: info.in_features for info in smollm2.linears}
     for module, in_features in sizes.items():
         expected = 64 if in_features == 576 else 128  # 128 does not divide 576; 1536 = 12 x 128
-        assert compiled.layers[module] == f"w4 group{expected} sym / a16", module
+        assert compiled.layers[module] == f"w4 group{expected} sym / a16" + (", gptq" if name == "gptq" else ""), module
         assert len(claimed_by(compiled, module)) == 1, module
     assert {module.rsplit(".", 1)[1] for module, size in sizes.items() if size == 1536} == {"down_proj"}
     groups = config_groups(compiled)
