@@ -553,7 +553,7 @@ def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme
             "mappings": "derived at quantize time from the model's forward, checked before calibration (docs/calibration.md)",
         }
     for method, config_groups in by_method.items():
-        modifiers[MODIFIER_OF[method]] = {**_algorithm_args(recipe, method), "ignore": ignore, "config_groups": config_groups}
+        modifiers[MODIFIER_OF[method]] = {**_algorithm_args(recipe, method), "ignore": list(ignore), "config_groups": config_groups}
     return {"quant_stage": {"quant_modifiers": modifiers}}
 
 
@@ -664,15 +664,19 @@ def _matches(target: str, name: str) -> bool:
 def _verify_targets(by_method: dict[Method, dict[str, Any]], ignore: list[str], plan: dict[str, ModuleScheme], layout: ModelLayout) -> None:
     """Every module must be claimed by exactly one config group of all the modifiers', the one of its scheme
     (a guard on _targets)."""
-    groups = {name: group for method_groups in by_method.values() for name, group in method_groups.items()}
+    groups = {name: (method, group) for method, method_groups in by_method.items() for name, group in method_groups.items()}
     for info in layout.linears:
         entry = plan.get(info.name)
-        claimed = [name for name, group in groups.items() if any(_matches(t, info.name) for t in group["targets"])]
+        claimed = [name for name, (_, group) in groups.items() if any(_matches(t, info.name) for t in group["targets"])]
         ignored = any(_matches(t, info.name) for t in ignore)
         quantized = bool(claimed) and not ignored
         expected = entry is not None and entry.scheme is not None
         if quantized != expected or len(claimed) > 1:
             raise AssertionError(f"compiled targets claim {info.name} wrongly: groups {claimed}, ignored {ignored}")
+        if quantized and entry is not None and entry.scheme is not None:
+            method, group = groups[claimed[0]]
+            if method != entry.scheme.algorithm or group["weights"] != _weight_args(entry.scheme.weights):
+                raise AssertionError(f"compiled group {claimed[0]} ({method}) does not carry {info.name}'s scheme")
 
 
 # ------------------------------------------------------------------------------- layer summary

@@ -11,8 +11,9 @@ from typing import Any
 
 from pipelines.errors import InputError
 from pipelines.evidence import bundle_path, staged_bundle
+from pipelines.hashing import sha256_file
 from pipelines.registry import Registry, Version
-from pipelines.signing import load_signer, sign_folder, signature_record
+from pipelines.signing import SIGNATURE_NAME, load_signer, sign_folder, signature_record
 
 
 def promote_signed(registry: Registry, version: Version, reason: str, evidence: dict[str, Any] | None = None, *,
@@ -28,23 +29,32 @@ def promote_signed(registry: Registry, version: Version, reason: str, evidence: 
         started = time.monotonic()
         sign_folder(folder, signer)
         sign_s = time.monotonic() - started
+        ours = sha256_file(folder / SIGNATURE_NAME)
+    if _signature_sha(final) != ours:  # a concurrent promotion of the same version replaced the bundle: its own, not ours
+        raise InputError("another promotion of this version replaced its bundle while it was signed", file=final)
     record = signature_record(final, signer, sign_s)
     try:
         return registry.promote(version.id, reason, {**(evidence or {}), "signature": record.model_dump()}, override_gate=override_gate)
     except BaseException:
-        shutil.rmtree(final, ignore_errors=True)
+        if _signature_sha(final) == ours:  # never remove a bundle another promotion's record points to
+            shutil.rmtree(final, ignore_errors=True)
         raise
 
 
-def verify_recorded(registry_path: Path, model: str, number: int) -> None:
-    """Version `number` of `model`'s signed bundle, when the registry holds that version and it was signed
-    (a ledger entry may name a registry that is gone or a version it never held: then only the artifact's own
-    integrity check applies, done by the caller)."""
-    if not Path(registry_path).is_file():
-        return
-    registry = Registry(registry_path)
+def _signature_sha(bundle: Path) -> str | None:
     try:
-        version = registry.show(model, number)
-    except InputError:
-        return
+        return sha256_file(bundle / SIGNATURE_NAME)
+    except OSError:
+        return None
+
+
+def verify_recorded(registry_path: Path, model: str, number: int) -> None:
+    """Version `number` of `model`'s signed bundle. A ledger entry that names a registry version the registry
+    cannot show (the registry gone, moved, or without that version) is not trusted: an InputError, so the job
+    runs the candidate again instead of skipping it on an unverifiable promotion."""
+    if not Path(registry_path).is_file():
+        raise InputError(f"the ledger names registry version {number} of {model}, and there is no registry to verify it in",
+                         file=registry_path)
+    registry = Registry(registry_path)
+    version = registry.show(model, number)  # an InputError naming the registry when it has no such version
     registry.verify_signature(version)

@@ -292,7 +292,9 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
         raise InputError("the promotion bundle has no signature", file=signature)
     statement = _signed_statement(signature)
     trust = trusted_keys()
-    if trust is not None and record.method == "key" and record.key_id not in trust[0]:
+    if record.method == "key" and key_id(record.public_key) != record.key_id:  # trust is decided by the key that verifies, not a label
+        raise InputError("the registry's signature record is inconsistent: its key id is not the id of its public key", file=signature)
+    if trust is not None and record.method == "key" and key_id(record.public_key) not in trust[0]:
         raise InputError(f"signed by key {record.key_id[:16]}..., which is not among the trusted keys", file=signature, field=TRUSTED_ENV)
     config = verifying.Config().set_hashing_config(_hashing_config())
     with _pem_files([record.public_key]) as (public,), _pem_files(_chain(record, trust)) as chain:

@@ -41,6 +41,9 @@ MAX_VALUE_WEIGHT = 10_000_000  # what a value may become as text (a list of a sh
 ITEM_SECONDS = 2.0  # one template against one item
 SET_SECONDS = 10.0  # every template of a set against all its items
 MAX_EXPONENT = 1024
+# An integer no template needs is one Python cannot even print (about 4,300 digits): refused before it is computed,
+# since one C-level power or product cannot be interrupted by the time budget.
+MAX_INTEGER_BITS = 64_000
 MAX_JSON_INDENT = 16
 _WEIGHT_OF_ATOM = 32  # a number, None, a bool: at most this many characters (an int of 4,300 digits is refused by Python)
 _WEIGHT_OF_OBJECT = 64  # anything else: its default repr
@@ -58,15 +61,16 @@ class RenderBudget:
 
     seconds: float = SET_SECONDS
     chars: int = MAX_SET_RENDERED_CHARS  # what is left to write
-    deadline: float = field(init=False)
+    deadline: float = field(init=False, default=float("inf"))  # set by the first render: reading the data is not rendering
     chars_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + self.seconds
         self.chars_limit = self.chars
 
     def render(self, template: jinja2.Template, doc: dict) -> str:
         """`template` against one item, streamed: stops at the first check past a budget (TemplateBudgetError)."""
+        if self.deadline == float("inf"):
+            self.deadline = time.monotonic() + self.seconds
         item = _ItemState(self, min(time.monotonic() + ITEM_SECONDS, self.deadline))
         previous, _ACTIVE.item = getattr(_ACTIVE, "item", None), item
         try:
@@ -370,6 +374,7 @@ class Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         _tick()
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
             raise jinja2.sandbox.SecurityError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        _bounded_integer(operator, left, right)
         if operator == "*":
             for sequence, times in ((left, right), (right, left)):
                 if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and _weight(sequence) * times > MAX_VALUE_WEIGHT:
@@ -422,3 +427,16 @@ def render_template(source: str, doc: dict, budget: RenderBudget | None = None) 
     """`source` against one item, as lm-eval renders it, under `budget` (a fresh set budget when None)."""
     return (budget or RenderBudget()).render(compile_template(source), doc)
 
+
+def _bounded_integer(operator: str, left: Any, right: Any) -> None:
+    """Refuse `**` and `*` on integers whose result would exceed MAX_INTEGER_BITS, before computing it."""
+    if not (isinstance(left, int) and isinstance(right, int)) or isinstance(left, bool) or isinstance(right, bool):
+        return
+    if operator == "**" and right > 0:
+        bits = abs(left).bit_length() * right
+    elif operator == "*":
+        bits = abs(left).bit_length() + abs(right).bit_length()
+    else:
+        return
+    if bits > MAX_INTEGER_BITS:
+        raise jinja2.sandbox.SecurityError(f"an integer of about {bits:,} bits is larger than {MAX_INTEGER_BITS:,}")

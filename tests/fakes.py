@@ -276,7 +276,7 @@ class FakeRunner:
             make_artifact(artifact, weights=recipe.encode())
         return RunOutcome(
             verdict=what, exit_code=0 if what == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
-            report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=len(self.calls),
+            report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=None,  # nothing registered: no registry here
             reasons=[] if what == "promoted" else [f"tickets: drop 9.00 points > max_abs_drop 2.0 ({recipe})"], stages={},
         )
 

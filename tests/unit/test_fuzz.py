@@ -238,6 +238,9 @@ TEMPLATE_PAYLOADS: dict[str, bytes] = {
     "jinja-shared-sublists": task_with(doc_to_text="{% set a = [1] * 100000 %}{% set b = [a,a,a,a,a,a,a,a,a,a] %}{{ [b,b,b,b,b,b,b,b,b,b] }}"),
     "jinja-exponential-macro": task_with(doc_to_text="{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}"),
     "jinja-regex-backtracking": task_with(doc_to_text="{{ ('a' * 5000 ~ '!')|regex_replace('(a|aa)+$', '') }}"),
+    # Each power within the exponent cap, the result not: refused before one uninterruptible C-level power runs.
+    "jinja-power-of-powers": task_with(doc_to_text="{{ ((((2**1024)**1024)**128)**1024) > 1 }}"),
+    "jinja-product-of-powers": task_with(doc_to_text="{% set a = 2**1000 %}{% set b = a*a*a*a*a*a*a*a %}{{ b*b*b*b*b*b*b*b*b*b > 1 }}"),
     "jinja-choice-not-a-list": task_with(output_type="multiple_choice", doc_to_choice="{{ question }}", doc_to_target="0",
                                          metric_list=[{"metric": "acc"}]),
 }
