@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipelines.artifact import artifact_hash
 from pipelines.gate import load_report
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.policy import DEFAULT_POLICY
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     address, ray_start = start_ray(ray_root, args.ray_cpus)
     ray_summary, ray_wall = run_job(ray_root, write_job(ray_root, recipes, args.eval_sets, args.loadtest), "--executor", "ray",
                                     "--ray-address", address)
-    same = all(
-        (a["recipe"], a["status"], a["manifest_sha256"]) == (b["recipe"], b["status"], b["manifest_sha256"])
+    same = all(  # the artifact's hash is its files' (manifest.json itself also records times and peak memory)
+        (a["recipe"], a["status"], artifact_hash(Path(a["artifact_dir"]))) == (b["recipe"], b["status"], artifact_hash(Path(b["artifact_dir"])))
         for a, b in zip(local["results"], ray_summary["results"], strict=True)
     )
     candidate, baseline = stage_means(local)

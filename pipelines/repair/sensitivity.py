@@ -219,6 +219,7 @@ class SensitivityModel:
         self.inputs_s = round(time.monotonic() - started, 2)
         self._simulator = None
         self._predictions: dict[str, float] = self._read_predictions()
+        self.simulations = 0
 
     @property
     def path(self) -> Path:
@@ -341,8 +342,12 @@ class SensitivityModel:
         """Simulated KL of the model with every unit at its assigned scheme (units not named: 16-bit)."""
         key = sha256_json(sorted((name, scheme_summary(scheme)) for name, scheme in assignment.items()))
         if key not in self._predictions:
+            started = time.monotonic()
             self._predictions[key] = round(self.simulator().kl(assignment).mean, 10)
             write_json_atomic(self._predictions_path, self._predictions)
+            self.simulations += 1
+            progress(f"repair: simulation {self.simulations} (a whole proposal fake-quantized): KL {self._predictions[key]:.3g} "
+                     f"in {time.monotonic() - started:.0f} s")
         return self._predictions[key]
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from pipelines.errors import InputError
 from pipelines.scaleout.probe import ProbeWritten, check_probes, new_nonce, write_probe
+from pipelines.scaleout.worker import DRIVER_SET_THREADS
 from pipelines.settings import current as current_settings
 
 CONNECT_TIMEOUT_S = 5.0
@@ -44,6 +45,7 @@ def worker_environment() -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
     env["QUANTGATE_ARTIFACTS"] = str(settings.artifacts_dir.resolve())
     env["QUANTGATE_REGISTRY"] = str(settings.registry_path.resolve())
+    env[DRIVER_SET_THREADS] = "1" if "OMP_NUM_THREADS" in os.environ else "0"
     return env
 
 

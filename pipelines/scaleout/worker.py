@@ -26,6 +26,9 @@ from pipelines.job import Candidate, CandidateResult, run_candidate
 from pipelines.runner import GateSettings, score_baseline
 from pipelines.schema import StrictModel
 
+# "1" when the driver's own environment set OMP_NUM_THREADS (then the workers keep it: it came from the driver).
+DRIVER_SET_THREADS = "QUANTGATE_DRIVER_SET_OMP_NUM_THREADS"
+
 
 class TaskStatus(StrictModel):
     node: str
@@ -72,6 +75,7 @@ def candidate_task(candidate: Candidate, baseline: BaselineDone, status_dir: Pat
     """Quantize, serve, score and judge one candidate; its result, unregistered. `baseline` is the result of the
     baseline task it depends on (its scores are in the shared cache by now)."""
     _stdout_to_stderr()
+    _node_threads()
     status = mark_running(status_dir, candidate.key)
     result = run_candidate(without_registry(candidate))
     return result.model_copy(update={"node": status.node, "attempts": status.attempt, "registry_version": None})
@@ -80,9 +84,18 @@ def candidate_task(candidate: Candidate, baseline: BaselineDone, status_dir: Pat
 def baseline_task(model_dir: Path, settings: GateSettings) -> BaselineDone:
     """Score and cache the 16-bit baseline of one group (nothing when it is cached)."""
     _stdout_to_stderr()
+    _node_threads()
     started = time.monotonic()
     scored = score_baseline(model_dir, settings.model_copy(update={"registry_path": None}))
     return BaselineDone(node=platform.node(), scored=scored, wall_s=round(time.monotonic() - started, 1))
+
+
+def _node_threads() -> None:
+    """Ray sets OMP_NUM_THREADS to a task's num_cpus in its workers. GPTQ and SmoothQuant sum in a thread-count-
+    dependent order (pipelines/artifact.py), so unless the driver set it itself, a worker computes with the node's
+    default thread count, as a local run there would: the same artifact hashes as the local executor."""
+    if os.environ.get(DRIVER_SET_THREADS) != "1":
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _stdout_to_stderr() -> None:

@@ -197,3 +197,27 @@ def test_a_failure_mid_quantization_leaves_nothing(tiny_llama_dir: Path, tmp_pat
     with pytest.raises(RuntimeError, match="oneshot died"):
         quantize_model("w4a16", tiny_llama_dir, artifacts_root=tmp_path / "artifacts")
     assert list((tmp_path / "artifacts").iterdir()) == []
+
+
+def test_a_recipe_mixing_rtn_and_gptq_quantizes_in_one_run_and_vllm_serves_it(demo_or_tiny_model: Path, calibration_set_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """The repair's proposals mix algorithms by module (RTN groups, GPTQ overrides): one llm-compressor run with a
+    QuantizationModifier and a GPTQModifier, and the artifact loads and answers in vLLM (tests/unit/test_mixed_algorithms.py
+    checks the weights themselves)."""
+    from vllm_util import complete
+
+    from pipelines.serving import vllm_server
+
+    weights = "{bits: 4, granularity: group, group_size: 32, symmetric: true}"
+    recipe = tmp_path / "mixed.yaml"
+    recipe.write_text(
+        f"name: mixed\nalgorithm: {{method: rtn}}\ncalibration: {{dataset: {calibration_set_dir / 'data.jsonl'}, num_samples: 8, "
+        f"max_seq_length: 64, seed: 0}}\ngroups:\n  attention:\n    weights: {weights}\n  mlp:\n    weights: {weights}\n"
+        f"overrides:\n  - layers: [0]\n    attention: {{weights: {weights}, algorithm: gptq}}\n    mlp: {{weights: {weights}, algorithm: gptq}}\n"
+    )
+    result = quantize_model(str(recipe), demo_or_tiny_model, artifacts_root=tmp_path / "artifacts")
+    manifest = json.loads((result.artifact_dir / MANIFEST_NAME).read_text())
+    assert "GPTQModifier" in manifest["compiled_recipe"] and "QuantizationModifier" in manifest["compiled_recipe"]
+    with vllm_server(result.artifact_dir, log_path=tmp_path / "server.log", served_name="mixed") as server:
+        answer = complete(server, "Ticket 7: order", max_tokens=4)
+    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["finish_reason"] in ("length", "stop")

@@ -253,7 +253,10 @@ def test_the_search_stops_before_a_gate_that_would_overrun_the_wall_time():
 def test_the_search_shrinks_to_the_fewest_moves_that_pass():
     result, gated = fake_search(13, budget=20)
     assert result.best == 13 and result.stop == "shrunk" and 12 in gated
-    assert gated[0] == 9  # the first proposal: the fewest moves simulated under the target (1 / (1 + k) <= 0.1)
+    # the first gate, with gates to spare: the fewest moves under the geometric mean of the parent's KL (1) and the target (0.1)
+    assert gated[0] == 3 and gated[1] == 9  # it failed: the target's proposal next (1 / (1 + k) <= 0.1)
+    _, two_gates = fake_search(13, budget=2)
+    assert two_gates[0] == 9  # with two gates the safe target comes first
 
 
 def test_the_shrink_never_gates_a_proposal_simulated_over_max_kl():
@@ -261,7 +264,7 @@ def test_the_shrink_never_gates_a_proposal_simulated_over_max_kl():
         return 10.0 / (1 + k)  # within max_kl 1.0 from 9 moves on
 
     result, gated = fake_search(5, budget=20, predict=predict, target_kl=0.5, kl_limit=1.0)
-    assert gated[0] == 19 and min(gated) == 9  # the gate would pass 5, but below 9 the KL rule would reject
+    assert gated[0] == 9 and min(gated) == 9  # the gate would pass 5, but below 9 the KL rule would reject
     assert result.best == 9 and result.stop == "shrunk"
     unlimited, gated_without = fake_search(5, budget=20, predict=predict, target_kl=0.5)
     assert unlimited.best == 5 and min(gated_without) == 4
