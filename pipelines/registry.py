@@ -272,10 +272,12 @@ class Registry:
         # reading only: list / show / history work, writes say why they cannot.
         exists = self.path.exists()
         self.read_only = not _writable(self.path) if exists else not _creatable(self.path)
+        self._schema_ready = False  # this instance has seen the schema in place (created or migrated)
         if self.read_only and exists:
             self._check_readable()
         elif exists:
             self._create_schema()
+            self._schema_ready = True
         # A registry that does not exist yet is created by its first write, never by a read: `registry list`
         # on a root without one answers "none" and leaves nothing behind.
 
@@ -325,8 +327,15 @@ class Registry:
                 "the registry is read-only here (the file or its folder cannot be written): it can be listed, not changed",
                 file=self.path,
             )
-        if mode == "IMMEDIATE" and not self.path.exists():
-            self._create()  # the first write creates the file (its schema in a transaction of its own)
+        if mode == "IMMEDIATE" and not self._schema_ready:
+            # The first write creates the file and its schema (in a transaction of its own); a file another process is
+            # creating right now is waited for under its write lock, never written before its tables exist.
+            self._schema_ready = True  # before: creating the schema is itself a write through here
+            try:
+                self._create()
+            except BaseException:
+                self._schema_ready = False
+                raise
         db = self._connect(read_only=mode == "DEFERRED")
         try:
             db.execute(f"BEGIN {mode}")
@@ -343,7 +352,19 @@ class Registry:
             db.close()
 
     def _reader(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self._transaction("DEFERRED") if self.path.exists() else _empty_registry()
+        # A file without tables yet is a registry another process is creating this instant: empty, as none at all.
+        if not self.path.exists() or (not self._schema_ready and not self._has_tables()):
+            return _empty_registry()
+        return self._transaction("DEFERRED")
+
+    def _has_tables(self) -> bool:
+        db = self._connect(read_only=True)
+        try:
+            return db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'versions'").fetchone()[0] > 0
+        except sqlite3.DatabaseError:
+            return False
+        finally:
+            db.close()
 
     def _check_readable(self) -> None:
         db = self._connect(read_only=True)

@@ -412,7 +412,8 @@ def test_a_registry_that_cannot_be_written_fails_the_run_before_serving(stack, w
     from pipelines import registry as registry_module
 
     Registry(workspace.registry)
-    monkeypatch.setattr(registry_module, "_writable", lambda path: False)
+    monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # an existing registry ...
+    monkeypatch.setattr(registry_module, "_creatable", lambda path: False)  # ... or one not created yet (the first write makes it)
     with pytest.raises(InputError, match="--registry: the registry cannot be written"):
         gate(workspace)
     assert stack.starts == [] and not workspace.runs.exists()
