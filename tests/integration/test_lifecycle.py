@@ -3,8 +3,8 @@
 A real run on the demo model (one vLLM start: the baseline, on the smallest eval set) in an artifacts root
 of its own, killed with SIGKILL (no Python clean-up runs, as with the OOM killer) while lm-eval scores. The
 server's parent-death signal and its watchdog must take down the API server, engine core, workers, the
-watchdog itself and lm-eval within 30 s; the key must not be on any command line; the staging and shim
-folders it left are removed by reclaim_stale once they are stale.
+watchdog itself and lm-eval within 30 s; the key must not be on any command line; the staging folder it left
+(with the server's shim folder and temporary files inside it) is removed by reclaim_stale once it is stale.
 
 What must die is every descendant of `quantize` at the moment of the kill, plus every process carrying
 the run's marker. The marker alone would miss vLLM's engine core and workers: they rename themselves
@@ -123,9 +123,11 @@ def test_sigkill_of_quantize_leaves_no_process_and_reclaim_removes_its_folders(l
     sys.stderr.write(f"[lifecycle] {len(everything)} processes of the killed run gone in {took:.1f} s: {sorted(commands.values())}\n")
     assert left == [], f"still running {took:.0f} s after SIGKILL of quantize: {left}"
 
-    # What the dead run left: its staging folder (logs, tasks) and the server's shim folder.
+    # What the dead run left: its staging folder (logs, tasks), holding the server's shim folder and the server's own
+    # temporary files (shim/tmp: vLLM's rendezvous file, torch's caches); nothing of the server in the system's TMPDIR.
     (staging,) = list(workspace.runs_dir.glob(f".*-lifecycle-{quantize.pid}-*.tmp"))
-    (shim,) = list(tmp_root.glob(f"{SHIM_PREFIX}{quantize.pid}-*"))
+    (shim,) = list(staging.glob(f"{SHIM_PREFIX}{quantize.pid}-*"))
+    assert (shim / "tmp").is_dir() and not list(tmp_root.glob(f"{SHIM_PREFIX}*"))
     server_log = (staging / "baseline-server.log").read_text()
     assert "quantgate watchdog: process" in server_log
     sys.stderr.write(f"[lifecycle] {next(line for line in server_log.splitlines() if 'quantgate watchdog' in line)}\n")
@@ -139,5 +141,5 @@ def test_sigkill_of_quantize_leaves_no_process_and_reclaim_removes_its_folders(l
     old = time.time() - 120
     for folder in (staging, shim):
         os.utime(folder, (old, old))
-    assert sorted(reclaim_stale(workspace.runs_dir, tmp_root)) == sorted([staging, shim])
+    assert reclaim_stale(workspace.runs_dir, tmp_root) == [staging]  # the shim goes with the run folder that holds it
     assert not staging.exists() and not shim.exists()
