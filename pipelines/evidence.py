@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from pipelines.artifact import MANIFEST_NAME, load_manifest, read_manifest
 from pipelines.atomic import storage_error
@@ -39,7 +39,7 @@ from pipelines.errors import InputError, QuantGateError
 from pipelines.gate import GateReport, SetComparison
 from pipelines.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.safepath import safe_component
-from pipelines.signing import SIGNATURE_NAME, parse_record, verify_bundle
+from pipelines.signing import SIGNATURE_NAME, BundleCheck, parse_record, verify_bundle
 
 if TYPE_CHECKING:
     from pipelines.evalsets import EvalSet
@@ -87,19 +87,12 @@ class VersionLike(Protocol):
     def eval_sets(self) -> Sequence[Any]: ...  # EvalSetRef: name, hash
 
 
-class PromotionCheck(BaseModel):
-    """A verified promotion: the bundle, who signed it, its size, the time the check took, the evidence's verdict."""
-
-    model_config = ConfigDict(extra="forbid")
+class PromotionCheck(BundleCheck):
+    """A verified promotion: the verified bundle (who signed it, its size, the time the check took), its version and
+    the evidence's verdict."""
 
     model: str
     version: int
-    bundle: Path
-    key_id: str
-    method: Literal["key", "certificate"]
-    files: int
-    bytes: int
-    verify_s: float
     evidence: str
 
 
