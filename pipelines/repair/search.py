@@ -129,12 +129,15 @@ def level_sequence(current: dict[str, GroupScheme], options: dict[str, list[tupl
                    cost: Callable[[str, GroupScheme | None], int], kl: Callable[[str, GroupScheme | None], float],
                    ranking: list[str]) -> list[Move]:
     """Level by level: every unit, most sensitive first, moves to the ladder's next rung before any unit moves to the
-    rung after it (int8 everywhere before 16-bit anywhere); `options` are (ladder position, scheme) per unit."""
+    rung after it (group 32 everywhere before 16-bit anywhere); `options` are (ladder position, scheme) per unit. Only
+    the rungs on a unit's hull are levels for it: a rung estimated worse than one below it (int4 group 32
+    round-to-nearest after group 64 GPTQ) is never a step up."""
     here: dict[str, GroupScheme | None] = dict(current)
+    hulls = {unit: {move.scheme for move in _hull(unit, current[unit], [s for _, s in rungs], cost, kl)} for unit, rungs in options.items()}
     sequence = []
     for position in sorted({p for rungs in options.values() for p, _ in rungs}):
         for unit in ranking:
-            found = [s for p, s in options.get(unit, []) if p == position]
+            found = [s for p, s in options.get(unit, []) if p == position and s in hulls[unit]]
             if not found:
                 continue
             scheme = found[0]

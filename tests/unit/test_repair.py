@@ -13,7 +13,7 @@ from fakes import make_artifact, make_eval_set
 
 from pipelines.artifact import CalibrationRecord, Manifest, PeakMemory, WeightBytes
 from pipelines.cli import main
-from pipelines.compiler import check_recipe, layout_from_config, layout_from_model_dir
+from pipelines.compiler import check_recipe, layout_from_config, layout_from_model_dir, scheme_summary
 from pipelines.errors import InputError, ServeError
 from pipelines.gate import GateReport, PairedItem, SetComparison, decide
 from pipelines.hashing import sha256_file
@@ -140,8 +140,7 @@ def test_rungs_a_layer_cannot_take_are_skipped_with_the_compilers_reason():
     ladder = load_ladder(None, CPU).ladder
     _loaded, units = units_for(SMOLLM2, "w4a16")
     options = {u.name: [o.label for o in unit_ladder(u, ladder, CPU).options] for u in units}
-    assert options["layers.0.self_attn.qkv"] == ["w4 group64 sym / a16, gptq", "w4 group32 sym / a16", "w4 group32 sym / a16, gptq",
-                                                 "w8 channel sym / a8 token dynamic", "w8 channel sym / a8 token dynamic, gptq", "16-bit"]
+    assert options["layers.0.self_attn.qkv"] == ["w4 group64 sym / a16, gptq", "w4 group32 sym / a16", "w4 group32 sym / a16, gptq", "16-bit"]
     assert options["layers.0.mlp.down"][:2] == ["w4 group128 sym / a16, gptq", "w4 group64 sym / a16"]  # 1536 inputs: group 128 under w4a16
     odd = {**SMOLLM2, "intermediate_size": 1544}  # 1544 = 8 x 193: gate/up outputs are not multiples of 32
     aggressive = load_recipe("aggressive").recipe
@@ -151,7 +150,7 @@ def test_rungs_a_layer_cannot_take_are_skipped_with_the_compilers_reason():
     assert [reason.split(":")[0] for reason in found.skipped] == [f"w4 group{size} sym / a16{algorithm}" for size in (128, 64, 32)
                                                                   for algorithm in ("", ", gptq")]
     assert "does not divide the input size 576" in found.skipped[0] and "multiples of 32" in found.skipped[2]
-    assert [o.label for o in found.options] == ["w8 channel sym / a8 token dynamic", "w8 channel sym / a8 token dynamic, gptq", "16-bit"]
+    assert [o.label for o in found.options] == ["16-bit"]  # the weight-only family keeps activations 16-bit on every rung
 
 
 # ------------------------------------------------------------------------------------------- pricing
@@ -195,17 +194,28 @@ def test_free_moves_come_first_the_most_useful_of_them_first():
 
 
 def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
+    """Level by level over each unit's hull: a rung estimated worse than the one below it (group 32 round-to-nearest
+    after group 64 GPTQ) is no level for that unit."""
     _loaded, units = units_for(SMOLLM2, "w4a16")
     by_name = {unit.name: unit for unit in units}
     ladder = load_ladder(None, CPU).ladder
     options = {u.name: [(o.position, o.scheme) for o in unit_ladder(u, ladder, CPU).options] for u in units}
     ranking = [u.name for u in reversed(units)]
-    sequence = level_sequence({u.name: u.scheme for u in units}, options, lambda u, s: unit_bytes(by_name[u], s), lambda u, s: 0.0, ranking)
+    error = {"w4 group128 sym / a16": 1.0, "w4 group128 sym / a16, gptq": 0.5, "w4 group64 sym / a16": 0.8,
+             "w4 group64 sym / a16, gptq": 0.4, "w4 group32 sym / a16": 0.6, "w4 group32 sym / a16, gptq": 0.3, "16-bit": 0.0}
+
+    def kl(unit, scheme):
+        return error[scheme_summary(scheme)]
+
+    sequence = level_sequence({u.name: u.scheme for u in units}, options, lambda u, s: unit_bytes(by_name[u], s), kl, ranking)
     labels = [m.label for m in sequence]
-    assert labels.index("16-bit") > max(i for i, label in enumerate(labels) if label.startswith("w8"))  # int8 everywhere first
-    assert len(sequence) == sum(map(len, options.values()))
-    first_level = [m.unit for m in sequence if m.label == "w4 group64 sym / a16"]  # down_proj only: 128 -> 64
-    assert first_level == [name for name in ranking if name.endswith("mlp.down")]  # most sensitive first
+    assert "w4 group32 sym / a16" not in labels and "w4 group64 sym / a16" not in labels  # never a step up
+    assert all(m.delta_kl > 0 for m in sequence)
+    twins = [m for m in sequence if m.delta_bytes == 0]
+    assert {m.unit for m in twins} == set(by_name)  # every unit's GPTQ twin, before any unit goes to group 32
+    assert max(map(sequence.index, twins)) < min(i for i, label in enumerate(labels) if label.startswith("w4 group32"))
+    assert [m.unit for m in twins if m.unit.endswith("mlp.down")] == [n for n in ranking if n.endswith("mlp.down")]  # most sensitive first
+    assert labels.index("16-bit") > max(i for i, label in enumerate(labels) if label.startswith("w4 group32"))  # group 32 everywhere first
 
 
 def test_a_proposal_is_judged_by_the_parents_policy_rules():
