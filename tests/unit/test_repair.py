@@ -140,16 +140,18 @@ def test_rungs_a_layer_cannot_take_are_skipped_with_the_compilers_reason():
     ladder = load_ladder(None, CPU).ladder
     _loaded, units = units_for(SMOLLM2, "w4a16")
     options = {u.name: [o.label for o in unit_ladder(u, ladder, CPU).options] for u in units}
-    assert options["layers.0.self_attn.qkv"] == ["w4 group64 sym / a16, gptq", "w4 group32 sym / a16", "w4 group32 sym / a16, gptq", "16-bit"]
-    assert options["layers.0.mlp.down"][:2] == ["w4 group128 sym / a16, gptq", "w4 group64 sym / a16"]  # 1536 inputs: group 128 under w4a16
+    assert options["layers.0.self_attn.qkv"] == ["w4 group64 sym / a16, gptq", "w4 group64 asym / a16", "w4 group64 asym / a16, gptq",
+                                                 "w4 group32 sym / a16", "w4 group32 sym / a16, gptq", "w4 group32 asym / a16",
+                                                 "w4 group32 asym / a16, gptq", "16-bit"]
+    assert options["layers.0.mlp.down"][:2] == ["w4 group128 sym / a16, gptq", "w4 group128 asym / a16"]  # 1536 inputs: group 128 under w4a16
     odd = {**SMOLLM2, "intermediate_size": 1544}  # 1544 = 8 x 193: gate/up outputs are not multiples of 32
     aggressive = load_recipe("aggressive").recipe
     gate_up = next(u for u in quantized_units(recipe_units(load_recipe("w8a8").recipe, layout_from_config(odd), "w8a8", CPU))
                    if u.name == "layers.0.mlp.gate_up").model_copy(update={"scheme": aggressive.groups.mlp})
     found = unit_ladder(gate_up, ladder, CPU)
-    assert [reason.split(":")[0] for reason in found.skipped] == [f"w4 group{size} sym / a16{algorithm}" for size in (128, 64, 32)
-                                                                  for algorithm in ("", ", gptq")]
-    assert "does not divide the input size 576" in found.skipped[0] and "multiples of 32" in found.skipped[2]
+    assert [reason.split(":")[0] for reason in found.skipped] == [f"w4 group{size} {sym} / a16{algorithm}" for size in (128, 64, 32)
+                                                                  for sym in ("sym", "asym") for algorithm in ("", ", gptq")]
+    assert "does not divide the input size 576" in found.skipped[0] and "multiples of 32" in found.skipped[4]
     assert [o.label for o in found.options] == ["16-bit"]  # the weight-only family keeps activations 16-bit on every rung
 
 
@@ -202,7 +204,9 @@ def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
     options = {u.name: [(o.position, o.scheme) for o in unit_ladder(u, ladder, CPU).options] for u in units}
     ranking = [u.name for u in reversed(units)]
     error = {"w4 group128 sym / a16": 1.0, "w4 group128 sym / a16, gptq": 0.5, "w4 group64 sym / a16": 0.8,
-             "w4 group64 sym / a16, gptq": 0.4, "w4 group32 sym / a16": 0.6, "w4 group32 sym / a16, gptq": 0.3, "16-bit": 0.0}
+             "w4 group64 sym / a16, gptq": 0.4, "w4 group32 sym / a16": 0.6, "w4 group32 sym / a16, gptq": 0.3, "16-bit": 0.0,
+             "w4 group128 asym / a16": 0.7, "w4 group128 asym / a16, gptq": 0.35, "w4 group64 asym / a16": 0.5,
+             "w4 group64 asym / a16, gptq": 0.25, "w4 group32 asym / a16": 0.45, "w4 group32 asym / a16, gptq": 0.2}
 
     def kl(unit, scheme):
         return error[scheme_summary(scheme)]
