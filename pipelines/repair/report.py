@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.atomic import write_text_atomic
-from pipelines.repair.result import RepairResult
-from pipelines.repair.sensitivity import Sensitivity
+from pipelines.repair.result import RepairResult, SetMove
+from pipelines.repair.sensitivity import NEAR_TIE_NATS, Sensitivity
 from pipelines.report import md_list, md_table
 
 REPORT_MD = "report.md"
@@ -147,6 +147,8 @@ def render(result: RepairResult) -> str:
         ["#", "proposal", "moves", "modules moved, by rung", "weight bytes", "quantize s (estimated / measured)", "simulated KL",
          "gate KL by set", "verdict", "failed rules", "run"],
         path_rows(result))]
+    if any(a.scores for a in result.attempts):
+        parts += set_movement_section(result)
     if result.found:
         found = result.attempts[result.found.attempt - 1]
         parts += [f"## Modules moved by {found.recipe_name}", md_list([f"`{u}` -> {s}" for u, s in found.modules_moved.items()])]
@@ -158,6 +160,39 @@ def render(result: RepairResult) -> str:
     if result.error:
         parts += ["## Error", result.error]
     return "\n\n".join(parts) + "\n"
+
+
+def set_movement_section(result: RepairResult) -> list[str]:
+    """Each set's score under each gated proposal beside its share of near-tied baseline answers: a set whose
+    scores swing between proposals of close simulated KL is measuring ties, not the quantization."""
+    gated = [a for a in result.attempts if a.scores]
+    names = list(dict.fromkeys(name for a in gated for name in a.scores))
+    rows = []
+    for name in names:
+        first = next(a.scores[name] for a in gated if name in a.scores)
+        tie = result.near_ties.get(name)
+        rows.append([name, f"{first.baseline:.1f}", "-" if tie is None else f"{tie:.0%}",
+                     *(_moved(a.scores.get(name)) for a in gated)])
+    points = {name: [a.scores[name].candidate for a in gated if name in a.scores and a.scores[name].unit == "points"] for name in names}
+    swing = [name for name in names if _spread(points[name]) > 10]
+    notes = [f"Near-ties: items whose 16-bit answer starts with its top two tokens within {NEAR_TIE_NATS} nats (baseline cache). "
+             "Cells: the proposal's score (answers right -> wrong / wrong -> right)."]
+    if swing:
+        notes.append(f"{', '.join(swing)}: scores spread over more than 10 points between proposals; with many near-tied answers a "
+                     "set flips together under small perturbations, and the simulated KL (an average over positions) does not "
+                     "predict which way.")
+    return ["## How each eval set moved", md_table(["set", "baseline", "near-ties", *(f"attempt {a.number}" for a in gated)], rows), *notes]
+
+
+def _moved(move: SetMove | None) -> str:
+    if move is None:
+        return "-"
+    flips = f" ({move.right_to_wrong} / {move.wrong_to_right})" if move.right_to_wrong is not None else ""
+    return f"{move.candidate:.1f}{flips}"
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) - min(values) if values else 0.0
 
 
 def sensitivity_section(sensitivity: Sensitivity) -> list[str]:

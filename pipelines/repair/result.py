@@ -19,6 +19,16 @@ REPAIR_JSON = "repair.json"
 Status = Literal["running", "repaired", "budget exhausted", "ladder exhausted", "does not fit", "error"]
 
 
+class SetMove(BaseModel):
+    """One eval set under one proposal, in the set's unit (points for pass/fail metrics)."""
+
+    baseline: float
+    candidate: float
+    unit: str
+    right_to_wrong: int | None = None
+    wrong_to_right: int | None = None
+
+
 class Attempt(BaseModel):
     number: int
     moves: int = Field(description="k: how many moves of the promotion sequence this proposal makes")
@@ -35,6 +45,7 @@ class Attempt(BaseModel):
     reasons: list[str] = []
     failed_rules: list[str] = Field(default=[], description="`set: rule` for every rule that failed")
     kl_by_set: dict[str, float | None] = {}
+    scores: dict[str, SetMove] = Field(default={}, description="per set: the baseline's and this proposal's score, and the answers that changed")
     run_dir: str | None = None
     artifact_dir: str | None = None
     measured_weight_bytes: int | None = None
@@ -82,6 +93,8 @@ class RepairResult(BaseModel):
     settings: dict[str, Any]
     units: int
     ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
+    near_ties: dict[str, float] = Field(default={}, description="per set, the share of items whose baseline answer starts on a near-tie "
+                                                                "(sensitivity.near_tie_shares)")
     sensitivity: Sensitivity | None = None
     orders: list[OrderChoice] = Field(default=[], description="each promotion order and its first proposal")
     order: str | None = Field(default=None, description="the order searched: its first proposal costs the fewest bytes")

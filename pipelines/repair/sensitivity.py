@@ -45,6 +45,7 @@ from pipelines.serving import ServeSettings
 
 SENSITIVITY_VERSION = 2  # 2: GPTQ rungs measured with GPTQ applied
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
+NEAR_TIE_NATS = 0.5  # top-2 log-probability margin of a near-tie (odds under 1.65 : 1)
 
 
 class SensitivitySettings(BaseModel):
@@ -111,13 +112,31 @@ class Sensitivity(BaseModel):
 # ------------------------------------------------------------------------------------ inputs
 
 
-def reference_paths(model_dir: Path, eval_sets: list[EvalSet], serve: ServeSettings, cache_dir: Path, settings: SensitivitySettings,
-                    ) -> tuple[list[RefPath], str]:
-    """`settings.prompts` reference paths drawn in turn from each set: the baseline's own (baseline cache)
-    when every set has an entry, else greedy continuations of the sets' prompts made by the 16-bit model."""
+def cached_baselines(model_dir: Path, eval_sets: list[EvalSet], serve: ServeSettings, cache_dir: Path) -> dict[str, baseline_cache.BaselineEntry]:
+    """The gate's baseline cache entries of these sets (scores and reference paths), by set; sets without one are left out."""
     model_hash = folder_hash(model_dir)
     loaded = {s.name: baseline_cache.load_cached(baseline_cache.cache_key(model_hash, s, serve), cache_dir) for s in eval_sets}
-    entries = {name: entry for name, entry in loaded.items() if entry is not None}
+    return {name: entry for name, entry in loaded.items() if entry is not None}
+
+
+def near_tie_shares(entries: dict[str, baseline_cache.BaselineEntry]) -> dict[str, float]:
+    """Per set, the share of items whose baseline answer starts on a near-tie: the 16-bit model's own top two
+    first tokens within NEAR_TIE_NATS. Such items flip together under a perturbation too small for the KL to
+    show (SmolLM2 on retail_order_id: 31% of items, the choice between the worked example's order number and
+    the message's), so a set with many swings from one proposal to the next whatever its simulated KL."""
+    shares = {}
+    for name, entry in entries.items():
+        firsts = [sorted(r.baseline_topk[0].values(), reverse=True)[:2] for r in entry.references if r.baseline_topk]
+        margins = [top[0] - top[1] for top in firsts if len(top) == 2]
+        if margins:
+            shares[name] = round(sum(m < NEAR_TIE_NATS for m in margins) / len(margins), 4)
+    return shares
+
+
+def reference_paths(model_dir: Path, eval_sets: list[EvalSet], entries: dict[str, baseline_cache.BaselineEntry],
+                    settings: SensitivitySettings) -> tuple[list[RefPath], str]:
+    """`settings.prompts` reference paths drawn in turn from each set: the baseline's own (baseline cache)
+    when every set has an entry, else greedy continuations of the sets' prompts made by the 16-bit model."""
     if len(entries) == len(eval_sets):
         pool = {name: {r.doc_id: RefPath(eval_set=name, doc_id=r.doc_id, prompt_ids=r.prompt_ids, generated_ids=r.generated_ids)
                        for r in entry.references if r.generated_ids} for name, entry in entries.items()}
@@ -211,7 +230,9 @@ class SensitivityModel:
         self.model_dir, self.recipe, self.units, self.ladders = model_dir, recipe, units, ladders
         self.settings, self.calibration = settings or SensitivitySettings(), calibration
         started = time.monotonic()
-        self.paths, self.source = reference_paths(model_dir, eval_sets, serve, baseline_cache_dir(cache_dir), self.settings)
+        baselines = cached_baselines(model_dir, eval_sets, serve, baseline_cache_dir(cache_dir))
+        self.paths, self.source = reference_paths(model_dir, eval_sets, baselines, self.settings)
+        self.near_ties = near_tie_shares(baselines)
         self.calibrated_rungs = any(o.scheme is not None and o.scheme.needs_calibration for x in ladders.values() for o in x.options)
         self.texts, self.text_source = proxy_texts(recipe, calibration, eval_sets, model_dir, self.settings, self.calibrated_rungs)
         self.key = cache_key(model_dir, recipe_text, ladder_text, self.paths, self.texts, self.settings)

@@ -32,7 +32,7 @@ from pipelines.repair.parent import ParentRun
 from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
 from pipelines.repair.report import moved_by_rung
-from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, Status
+from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, SetMove, Status
 from pipelines.repair.search import (
     Budget,
     GateResult,
@@ -130,6 +130,7 @@ class Repair:
         started = self.now()
         self.sensitivity = self.sensitivity_model.measure()
         self.result.sensitivity = self.sensitivity
+        self.result.near_ties = self.sensitivity_model.near_ties
         self._solve_s = {e.unit: e.gptq_s / max(1, self._gptq_rungs(e.unit)) for e in self.sensitivity.units if e.gptq_s}
         self.result.wall_s["sensitivity"] = round(self.now() - started, 2)
         self.sequence = self._choose_order()
@@ -249,6 +250,9 @@ class Repair:
         attempt.verdict, attempt.reasons, attempt.wall_s = outcome.verdict, outcome.reasons, wall_s
         attempt.failed_rules = failed_rules(report)
         attempt.kl_by_set = {s.eval_set: s.kl_mean for s in report.gate.sets}
+        attempt.scores = {s.eval_set: SetMove(baseline=s.baseline_score, candidate=s.candidate_score, unit=s.unit,
+                                              right_to_wrong=s.flips_right_to_wrong, wrong_to_right=s.flips_wrong_to_right)
+                          for s in report.gate.sets}
         attempt.run_dir, attempt.artifact_dir = str(outcome.run_dir), str(outcome.artifact_dir)
         attempt.measured_weight_bytes = measured_bytes(outcome.artifact_dir)
         attempt.quantize_s = report.stages.get("quantize_s")

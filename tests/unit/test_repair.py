@@ -349,6 +349,7 @@ def parent(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
     rng = random.Random(0)
     paths = [RefPath(eval_set="tickets", doc_id=i, prompt_ids=[rng.randrange(3, 500) for _ in range(12)],
                      generated_ids=[rng.randrange(3, 500) for _ in range(4)]) for i in range(8)]
+    monkeypatch.setattr(sensitivity_module, "cached_baselines", lambda *a, **k: {})
     monkeypatch.setattr(sensitivity_module, "reference_paths", lambda *a, **k: (paths, "baseline cache"))
     eval_set = make_eval_set(tmp_path / "eval_sets", "tickets")
     loaded = load_recipe("aggressive")
@@ -398,6 +399,12 @@ def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: Pa
     assert "![sensitivity ranking](sensitivity.png)" in report and (folder / "sensitivity.png").stat().st_size > 1000
     assert "| # | proposal | moves | modules moved, by rung | weight bytes |" in report
     assert result.sensitivity.units[0].kl is not None and len(result.sensitivity.units) == 16
+    # each set's score under each proposal, beside the baseline (a rejected fake loses 40 of 200 items)
+    scores = [attempt.scores["tickets"] for attempt in result.attempts]
+    assert all(s.baseline == 100.0 and s.unit == "points" for s in scores)
+    assert {(s.candidate, s.right_to_wrong) for s in scores} == {(100.0, 0), (80.0, 40)}
+    assert "## How each eval set moved" in report and "| tickets | 100.0 | - | " in report and "80.0 (40 / 0)" in report
+    assert "tickets: scores spread over more than 10 points" in report
 
 
 def test_a_repair_that_runs_out_of_gates_exits_1_with_the_closest_attempt(parent: ParentRun, tmp_path: Path):
@@ -619,3 +626,20 @@ def test_the_quantize_cost_adds_the_calibration_pipeline_and_the_gptq_solves_a_p
     assert gptq.seconds == 50.0 + 2 * 30.0 + 12.0 and gptq.parts["calibration pipeline"] == 60.0
     already = quantize_cost(500.0, parent_calibrates=True, proposal_calibrates=True, calibration_pass_s=30.0, gptq_added_s=0, gptq_removed_s=8.0)
     assert already.seconds == 492.0  # a GPTQ parent pays no new pipeline; moving units off GPTQ saves their solves
+
+
+def test_near_ties_are_items_whose_baseline_answer_starts_on_two_close_tokens():
+    from pipelines.baseline import BaselineEntry
+    from pipelines.divergence import Reference
+
+    def reference(first: dict[str, float]) -> Reference:
+        return Reference(doc_id=0, prompt_ids=[1], generated_ids=[2], baseline_topk=[first])
+
+    entry = BaselineEntry.model_construct(references=[
+        reference({"token_id:2": -0.5, "token_id:3": -0.9}),  # margin 0.4: a near-tie
+        reference({"token_id:2": -0.1, "token_id:3": -2.5}),  # margin 2.4
+        reference({"token_id:2": -0.6, "token_id:3": -1.1}),  # margin 0.5: not under it
+        reference({"token_id:2": 0.0}),  # one token known: no margin, not counted
+    ])
+    assert sensitivity_module.near_tie_shares({"orders": entry}) == {"orders": round(1 / 3, 4)}
+    assert sensitivity_module.near_tie_shares({"empty": BaselineEntry.model_construct(references=[])}) == {}
