@@ -19,6 +19,7 @@ REPORT_MD = "report.md"
 PLOT_PNG = "sensitivity.png"
 TOP_ROWS = 24
 MiB = 2**20
+SWING_POINTS = 10  # a set whose scores spread wider than this between proposals is named under the table
 
 
 def write_report(result: RepairResult, folder: Path) -> tuple[str, str | None]:
@@ -174,11 +175,11 @@ def set_movement_section(result: RepairResult) -> list[str]:
         rows.append([name, f"{first.baseline:.1f}", "-" if tie is None else f"{tie:.0%}",
                      *(_moved(a.scores.get(name)) for a in gated)])
     points = {name: [a.scores[name].candidate for a in gated if name in a.scores and a.scores[name].unit == "points"] for name in names}
-    swing = [name for name in names if _spread(points[name]) > 10]
+    swing = [name for name in names if _spread(points[name]) > SWING_POINTS]
     notes = [f"Near-ties: items whose 16-bit answer starts with its top two tokens within {NEAR_TIE_NATS} nats (baseline cache). "
              "Cells: the proposal's score (answers right -> wrong / wrong -> right)."]
     if swing:
-        notes.append(f"{', '.join(swing)}: scores spread over more than 10 points between proposals; with many near-tied answers a "
+        notes.append(f"{', '.join(swing)}: scores spread over more than {SWING_POINTS} points between proposals; with many near-tied answers a "
                      "set flips together under small perturbations, and the simulated KL (an average over positions) does not "
                      "predict which way.")
     return ["## How each eval set moved", md_table(["set", "baseline", "near-ties", *(f"attempt {a.number}" for a in gated)], rows), *notes]

@@ -123,7 +123,7 @@ def near_tie_shares(entries: dict[str, baseline_cache.BaselineEntry]) -> dict[st
     """Per set, the share of items whose baseline answer starts on a near-tie: the 16-bit model's own top two
     first tokens within NEAR_TIE_NATS. Such items flip together under a perturbation too small for the KL to
     show (SmolLM2 on retail_order_id: 31% of items, the choice between the worked example's order number and
-    the message's), so a set with many swings from one proposal to the next whatever its simulated KL."""
+    the message's), so such a set's score swings between proposals whatever their simulated KL."""
     shares = {}
     for name, entry in entries.items():
         firsts = [sorted(r.baseline_topk[0].values(), reverse=True)[:2] for r in entry.references if r.baseline_topk]
