@@ -25,6 +25,7 @@ import builtins  # Registry.list shadows the built-in inside the class
 import json
 import os
 import sqlite3
+import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -257,6 +258,21 @@ def _empty_registry() -> Iterator[sqlite3.Connection]:
         db.close()
 
 
+def _set_wal(db: sqlite3.Connection) -> None:
+    """Switch the file to WAL, waiting up to BUSY_TIMEOUT_S. The switch reads and then needs the exclusive lock;
+    while another connection holds the write lock SQLite refuses that upgrade at once (SQLITE_BUSY) instead of
+    calling the busy handler, to avoid a deadlock: two first opens of a fresh file meet exactly there."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode = WAL").fetchone()
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 # --- the registry ------------------------------------------------------------------------------------
 
 
@@ -384,7 +400,7 @@ class Registry:
         db = self._connect()
         try:
             # WAL is a property of the file, kept once set: readers never wait for a writer.
-            db.execute("PRAGMA journal_mode = WAL")
+            _set_wal(db)
             found = db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as error:
             raise InputError(f"not a registry database ({error})", file=self.path) from None

@@ -6,6 +6,8 @@ import itertools
 import json
 import multiprocessing
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -274,6 +276,27 @@ def _worker(db_path: str, artifacts: list[str], barrier) -> list[tuple[int, int]
         registry.set_alias("demo-llama", "production", version.version)
         done.append((version.id, version.version))
     return done
+
+
+def test_the_first_open_waits_for_another_process_holding_the_write_lock(tmp_path: Path) -> None:
+    # A fresh file in rollback-journal mode, locked for writing by another process: the switch to WAL is refused at
+    # once by SQLite (no busy handler), and the open must wait for the lock instead of calling the file no registry.
+    path = tmp_path / "registry.db"
+    sqlite3.connect(path).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "db.execute('BEGIN IMMEDIATE'); db.execute('CREATE TABLE held (x)')\n"
+         "print('held', flush=True); time.sleep(0.5); db.execute('COMMIT')", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        registry = Registry(path)
+    finally:
+        holder.wait(timeout=30)
+    version = registry.register(new_version(make_artifact(tmp_path / "a", b"a")))
+    assert registry.list("demo-llama") == [version]
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
