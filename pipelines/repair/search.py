@@ -14,7 +14,10 @@
    three gates in the budget the first gate is spent on a cheaper proposal: the fewest moves under the geometric
    mean of the rejected recipe's simulated KL and that target (on SmolLM2 w4a16, 0.44 and 0.02: the target's
    proposal put 87 of 120 units in 16-bit, 225 MiB, where the cheap one was all int4 GPTQ, 108 MiB); a failure there costs one gate and the target's
-   proposal is gated next, a pass is shrunk as below. Not the
+   proposal is gated next, a pass is shrunk as below. When the target's proposal puts modules in 16-bit and the
+   cheap one failed, the gate after it (with two left) goes to the last proposal before the first 16-bit move: the
+   parent's storage tier at its best (group size, zero points, GPTQ: a few percent of the bytes), before paying
+   several times a module's bytes for 16-bit. Neither cheap proposal's failure raises the bar. Not the
    max_kl itself: the accuracy rules bind long before the KL rule (on the demo, a proposal simulated at 0.016
    nats/token, 0.024 by the gate, lost 10 points on one set; 0.00016 passed), and a first proposal that passes
    leaves the remaining gates to shrinking. Found by bisection on the simulated curve: forward passes, not gates.
@@ -210,8 +213,11 @@ class Search:
     def __init__(self, moves: int, *, predict: Callable[[int], float], price: Callable[[int], int], fits: Callable[[int], bool | None],
                  gate: Callable[[int, str], GateResult], budget: Budget, settings: SearchSettings, target_kl: float,
                  expected_gate_s: float, kl_limit: float | None = None, started: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, extra_s: Callable[[int], float] = lambda k: 0.0):
+                 clock: Callable[[], float] = time.monotonic, extra_s: Callable[[int], float] = lambda k: 0.0,
+                 tier_end: int | None = None):
         self.moves, self.predict, self.price, self.fits, self.gate = moves, predict, price, fits, gate
+        self.tier_end = tier_end
+        self._probes: set[int] = set()  # k of the cheap proposals gated before the target's: their failure does not escalate
         self.budget, self.settings, self.target, self.kl_limit = budget, settings, target_kl, kl_limit
         self.expected_gate_s, self.clock, self.extra_s = expected_gate_s, clock, extra_s
         self.started = clock() if started is None else started
@@ -255,8 +261,15 @@ class Search:
             return self._shrink()
         if self.lo >= self.moves:
             return None, ""
+        if self._tier_next():
+            assert self.tier_end is not None
+            self._probes.add(self.tier_end)
+            return self.tier_end, (f"every move before the first to 16-bit (simulated KL {self.predict(self.tier_end):.3g}): the "
+                                   "cheap proposal failed, and the target's costs 16-bit modules")
         target, why = self._first_target()
         k = first_below(self.predict, self.lo, self.moves, target)
+        if target != self.target:
+            self._probes.add(k)
         predicted = self.predict(k)
         if predicted <= target:
             return k, f"fewest moves whose simulated KL {predicted:.3g} <= {why} {target:.3g}"
@@ -275,6 +288,18 @@ class Search:
         if self.kl_limit is not None and cheap > self.kl_limit:  # never gate what a rejecting max_kl would refuse
             return max(self.target, self.kl_limit), "max_kl"
         return cheap, f"the geometric mean of the rejected recipe's {parent:.3g} and the target"
+
+    def _tier_next(self) -> bool:
+        """After the cheap first proposal failed, with two gates left: the last proposal before any module goes to
+        16-bit (`tier_end`), when the target's proposal lies beyond it. Moves within the parent's storage tier (group
+        size, zero points, GPTQ) cost a few percent of the bytes each and a 16-bit move costs several times its module's, so the
+        smallest artifact the tier holds is gated before one that pays for 16-bit modules (on SmolLM2 w4a16: 120 modules at
+        int4 against the target's 64 modules in 16-bit, 193 MB)."""
+        if self.tier_end is None or len(self.steps) != 1 or self.steps[0].passed is not False or self.steps[0].k not in self._probes:
+            return False
+        if self.budget.max_gates - 1 < 2 or not self.lo < self.tier_end:
+            return False
+        return first_below(self.predict, self.lo, self.moves, self.target) > self.tier_end
 
     def _shrink(self) -> tuple[int, str]:
         """Between the largest failure (the parent itself at first) and the smallest pass: the fewest moves simulated under
@@ -310,6 +335,6 @@ class Search:
             self.hi = k if self.hi is None else min(self.hi, k)
         else:
             self.lo = max(self.lo, k)
-            if self.hi is None and len(self.steps) > 1:
+            if self.hi is None and k not in self._probes:
                 self.target = min(self.target, step.predicted_kl) / self.settings.escalate
-            # a cheap first proposal that fails leaves the safe target as it was: it is the next one gated
+            # a cheap proposal (the first, the tier's last) that fails leaves the safe target as it was: it is gated next

@@ -166,7 +166,7 @@ class Repair:
             len(self.sequence), predict=self._predict, price=lambda k: self._price(k).weight_bytes, fits=lambda k: self._price(k).fits,
             gate=self._gate, budget=self.options.budget, settings=self.options.search, target_kl=self._target_kl(),
             expected_gate_s=self.parent.candidate_wall_s, kl_limit=self._kl_limit(), started=self.started, clock=self.now,
-            extra_s=self._extra_quantize_s,
+            extra_s=self._extra_quantize_s, tier_end=next((k for k, move in enumerate(self.sequence) if move.scheme is None), len(self.sequence)),
         )
         self.result.search = search.run()
 

@@ -237,7 +237,8 @@ def test_a_proposal_is_judged_by_the_parents_policy_rules():
 
 
 def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall_s: float = 1e6, gate_s: float = 10.0,
-                predict: Callable[[int], float] = lambda k: 1.0 / (1 + k), target_kl: float = 0.1, kl_limit: float | None = None):
+                predict: Callable[[int], float] = lambda k: 1.0 / (1 + k), target_kl: float = 0.1, kl_limit: float | None = None,
+                tier_end: int | None = None):
     """A search over `moves` moves whose gate passes from `threshold` moves on (None: never); a fake clock."""
     clock = {"now": 0.0}
     gated: list[int] = []
@@ -249,7 +250,7 @@ def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall
 
     search = Search(moves, predict=predict, price=lambda k: 1000 + 10 * k, fits=lambda k: True, gate=gate,
                     budget=Budget(max_gates=budget, max_wall_s=wall_s), settings=SearchSettings(min_saving=0.0), target_kl=target_kl,
-                    expected_gate_s=gate_s, kl_limit=kl_limit, started=0.0, clock=lambda: clock["now"])
+                    expected_gate_s=gate_s, kl_limit=kl_limit, started=0.0, clock=lambda: clock["now"], tier_end=tier_end)
     return search.run(), gated
 
 
@@ -271,6 +272,18 @@ def test_the_search_shrinks_to_the_fewest_moves_that_pass():
     assert gated[0] == 3 and gated[1] == 9  # it failed: the target's proposal next (1 / (1 + k) <= 0.1)
     _, two_gates = fake_search(13, budget=2)
     assert two_gates[0] == 9  # with two gates the safe target comes first
+
+
+def test_a_failed_cheap_proposal_is_followed_by_the_last_one_before_any_16_bit_module():
+    # cheap k=3 (1 / (1 + k) under 0.316), the target's k=9; the moves before the first to 16-bit end at 6
+    result, gated = fake_search(6, budget=4, tier_end=6)
+    assert gated[:2] == [3, 6] and result.best is not None and result.best <= 6
+    failed, gated_after = fake_search(8, budget=4, tier_end=6)
+    assert gated_after == [3, 6, 9, 8] and failed.best == 8  # the tier's failure does not raise the bar: the target is next
+    _, beyond = fake_search(8, budget=4, tier_end=12)
+    assert beyond[:2] == [3, 9]  # the target's proposal is within the tier: nothing to gate before it
+    _, two_gates = fake_search(None, budget=2, tier_end=6)
+    assert two_gates == [9, 39]  # no cheap probes with two gates; the target's failure raises the bar to 0.1 / 4: k=39
 
 
 def test_the_shrink_never_gates_a_proposal_simulated_over_max_kl():
