@@ -23,6 +23,7 @@ from pipelines.demo import real_sets
 from pipelines.evalsets import validate_eval_set
 from pipelines.models import CATALOGUE, PROVENANCE_FILE
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
+from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 
@@ -112,11 +113,33 @@ def test_the_sets_are_the_generator_s() -> None:
     assert not real_sets.write_sets(check=True), "eval_sets/retail_* differ from `python -m pipelines.demo.real_sets`"
 
 
-def test_the_16_bit_model_gated_against_itself_passes_with_its_baseline_in_range(converted: Path, real_env: dict[str, str]) -> None:
-    """vLLM serves the converted folder twice (baseline, candidate), lm-eval scores both: nothing may fail.
-    Without the load test (about two minutes of CI here; test_loadtest_e2e.py covers it on the demo model)."""
+def _subset_policy(folder: Path) -> Path:
+    """The default policy with a tolerance a 60-item set can certify for an unchanged model.
+
+    vLLM's CPU build does not answer every request identically across two servers (batching changes the float
+    sums; the same 16-bit server answered 8 of retail_order_id's 240 items differently when only the order of the
+    requests changed, README "Known limits"). On 60 items a single right -> wrong flip puts the worsening's 95%
+    bound at 7.1 points, over the default 5.5, so the default policy rejects an unchanged model whenever serving
+    noise lands one flip there. 12 points keeps up to three such flips passing (bound 11.9); the flip count is
+    asserted on its own."""
+    policy = folder / "subset-policy.yaml"
+    text = DEFAULT_POLICY.read_text()
+    for rule in ("ni_margin", "max_abs_drop"):
+        assert f"\n  {rule}: 5.5\n" in text, f"policies/default.yaml no longer sets {rule}: 5.5; update this test"
+        text = text.replace(f"\n  {rule}: 5.5\n", f"\n  {rule}: 12\n")
+    policy.write_text(text)
+    return policy
+
+
+def test_the_16_bit_model_gated_against_itself_passes_with_its_baseline_in_range(
+    converted: Path, real_env: dict[str, str], tmp_path: Path
+) -> None:
+    """vLLM serves the converted folder twice (baseline, candidate), lm-eval scores both: nothing may fail beyond
+    serving noise. Without the load test (about two minutes of CI here; test_loadtest_e2e.py covers it on the demo
+    model)."""
     run = quantize(real_env, "gate", "--artifact", str(converted), "--baseline", str(converted), "--allow-unverified",
-                   "--recipe-name", "sixteen-bit", "--eval-sets", REAL_SETS, "--no-loadtest")
+                   "--recipe-name", "sixteen-bit", "--eval-sets", REAL_SETS, "--no-loadtest",
+                   "--policy", str(_subset_policy(tmp_path)))
     assert run.returncode == 0, run.stderr[-3000:]
     gate = _gate(json.loads(run.stdout))
     assert gate["verdict"] == "promoted" and not gate["reasons"]
@@ -124,7 +147,7 @@ def test_the_16_bit_model_gated_against_itself_passes_with_its_baseline_in_range
     for name, (low, high) in BANDS.items():
         assert scores[name]["n"] == SUBSET
         assert 100 * low <= scores[name]["baseline_score"] <= 100 * high, f"{name}: baseline {scores[name]['baseline_score']}"
-        assert scores[name]["flips_right_to_wrong"] <= 2  # serving noise: about 1 flip in 240 items
+        assert scores[name]["flips_right_to_wrong"] <= 3  # serving noise (see _subset_policy)
 
 
 def test_plan_says_a_recipe_that_cannot_apply_does_not_apply(converted: Path, tmp_path: Path, real_env: dict[str, str]) -> None:
