@@ -117,8 +117,8 @@ def _subset_policy(folder: Path) -> Path:
     """The default policy with a tolerance a 60-item set can certify for an unchanged model.
 
     vLLM's CPU build does not answer every request identically across two servers (batching changes the float
-    sums; the same 16-bit server answered 8 of retail_order_id's 240 items differently when only the order of the
-    requests changed, README "Known limits"). On 60 items a single right -> wrong flip puts the worsening's 95%
+    sums; the same 16-bit server answered 5 of retail_order_id's 240 items differently in two passes, README
+    "Known limits"). On 60 items a single right -> wrong flip puts the worsening's 95%
     bound at 7.1 points, over the default 5.5, so the default policy rejects an unchanged model whenever serving
     noise lands one flip there. 12 points keeps up to three such flips passing (bound 11.9); the flip count is
     asserted on its own."""
