@@ -64,6 +64,15 @@ def test_the_shipped_ladders_load_on_their_targets():
     assert load_ladder(None, parse_target("cuda:8.9")).path == LADDERS_DIR / "cuda.yaml"
 
 
+def test_the_symmetric_cpu_ladder_is_the_cpu_ladder_without_its_asymmetric_rungs():
+    full = load_ladder(None, CPU).ladder.families
+    symmetric = load_ladder(LADDERS_DIR / "cpu-symmetric.yaml", CPU).ladder.families
+    assert full.weight_only is not None and symmetric.weight_only is not None
+    kept = [rung for rung in full.weight_only.rungs if rung is None or rung.weights.symmetric]
+    assert symmetric.weight_only.rungs == kept and len(kept) < len(full.weight_only.rungs)
+    assert symmetric.w8a8 == full.w8a8
+
+
 def test_a_rung_no_kernel_serves_is_refused_at_validation_naming_the_rung(tmp_path):
     path = ladder_file(tmp_path, "      - weights: {bits: 4, granularity: channel}\n" + W8A16 + "      - 16-bit\n")
     with pytest.raises(InputError) as error:
