@@ -97,7 +97,8 @@ class RepairResult(BaseModel):
                                                                 "(sensitivity.near_tie_shares)")
     sensitivity: Sensitivity | None = None
     orders: list[OrderChoice] = Field(default=[], description="each promotion order and its first proposal")
-    order: str | None = Field(default=None, description="the order searched: its first proposal costs the fewest bytes")
+    order: str | None = Field(default=None, description="the order searched: level by level with three gates or more, "
+                                                        "else the one whose first proposal costs the fewest bytes")
     sequence: list[dict[str, Any]] = Field(default=[], description="the promotion sequence: unit, to, delta bytes, estimated KL removed")
     attempts: list[Attempt] = []
     search: SearchResult | None = None

@@ -8,16 +8,21 @@
    budget, deciding how far to go. Single-unit estimates miss how errors compound across many units (on
    SmolLM2 w4a16 the units' KLs sum to a fraction of the whole recipe's), so a second order is also built,
    level by level (every unit to the next rung of its hull, most sensitive first, before any goes further), and
-   the simulator chooses: the order whose first proposal (below) costs the fewest bytes is searched.
+   the simulator chooses: the order whose first proposal (below) costs the fewest bytes is searched, except that a
+   budget of three gates or more searches level by level, whose tier ends (item 2) are whole formats.
 2. The first proposal: the smallest k whose simulated KL (the whole proposal fake-quantized, measured in
    transformers) is at most the target: `kl_safety` x the policy's smallest max_kl for this recipe. With at least
    three gates in the budget the first gate is spent on a cheaper proposal: the fewest moves under the geometric
    mean of the rejected recipe's simulated KL and that target (on SmolLM2 w4a16, 0.44 and 0.02: the target's
    proposal put 87 of 120 units in 16-bit, 225 MiB, where the cheap one was all int4 GPTQ, 108 MiB); a failure there costs one gate and the target's
-   proposal is gated next, a pass is shrunk as below. When the target's proposal puts modules in 16-bit and the
-   cheap one failed, the gate after it (with two left) goes to the last proposal before the first 16-bit move: the
-   parent's storage tier at its best (group size, zero points, GPTQ: a few percent of the bytes), before paying
-   several times a module's bytes for 16-bit. Neither cheap proposal's failure raises the bar. Not the
+   proposal is gated next, a pass is shrunk as below. When the target's proposal lies beyond them and the cheap one
+   failed, the next gates (while two are left) go to the tier ends: the last proposal before any unit changes its
+   storage (level by level, every unit's own format climbed first: symmetric int4 at its finest group size, with
+   GPTQ), then the last before the first 16-bit move (zero points too), before paying several times a module's
+   bytes for 16-bit. A change of zero points is the one move the simulated KL ranks and the gate can overturn: on
+   SmolLM2 every asymmetric unit measured had the smaller error, asymmetric int4 everywhere was the closer by the
+   served KL (0.0074 against 0.0265 nats/token) and lost retail_order_id by copying the prompt's worked example,
+   where symmetric int4 everywhere passed. No cheap proposal's failure raises the bar. Not the
    max_kl itself: the accuracy rules bind long before the KL rule (on the demo, a proposal simulated at 0.016
    nats/token, 0.024 by the gate, lost 10 points on one set; 0.00016 passed), and a first proposal that passes
    leaves the remaining gates to shrinking. Found by bisection on the simulated curve: forward passes, not gates.
@@ -54,6 +59,8 @@ from pipelines.compiler import scheme_summary
 from pipelines.recipe import GroupScheme
 from pipelines.repair.units import Assignment
 
+LEVEL_ORDER = "level by level"
+PROBING_GATES = 3  # a budget of this many gates or more spends its first gates on cheap probes
 KL_FLOOR = 1e-9  # nats/token: a simulated KL of 0 (every unit 16-bit) still has a logarithm
 StopReason = Literal["shrunk", "savings too small", "gate budget", "time budget", "ladder exhausted", "does not fit", "gate error"]
 
@@ -110,7 +117,7 @@ def _slope(move: Move) -> float:
     return move.delta_kl / move.delta_bytes if move.delta_bytes > 0 else float("inf")
 
 
-def _hull(unit: str, start: GroupScheme, options: list[GroupScheme | None], cost, kl) -> list[Move]:
+def _hull(unit: str, start: GroupScheme | None, options: list[GroupScheme | None], cost, kl) -> list[Move]:
     """From the current scheme, repeatedly the option that removes the most KL per added byte (the lower convex
     hull of (bytes, KL)); options that remove no KL are never taken."""
     moves: list[Move] = []
@@ -128,26 +135,49 @@ def _hull(unit: str, start: GroupScheme, options: list[GroupScheme | None], cost
         here = option
 
 
+def same_storage(scheme: GroupScheme | None, other: GroupScheme | None) -> bool:
+    """Whether two schemes store weights alike: bits, number type and zero points (symmetric or not), and 16-bit or
+    quantized activations. Group size, the rounding algorithm and static or dynamic activation scales may differ."""
+    if scheme is None or other is None:
+        return scheme is other
+    return ((scheme.weights.bits, scheme.weights.type, scheme.weights.symmetric, scheme.activations is None)
+            == (other.weights.bits, other.weights.type, other.weights.symmetric, other.activations is None))
+
+
 def level_sequence(current: dict[str, GroupScheme], options: dict[str, list[tuple[int, GroupScheme | None]]],
                    cost: Callable[[str, GroupScheme | None], int], kl: Callable[[str, GroupScheme | None], float],
                    ranking: list[str]) -> list[Move]:
     """Level by level: every unit, most sensitive first, moves to the ladder's next rung before any unit moves to the
-    rung after it (group 32 everywhere before 16-bit anywhere); `options` are (ladder position, scheme) per unit. Only
-    the rungs on a unit's hull are levels for it: a rung estimated worse than one below it (int4 group 32
+    rung after it (group 32 everywhere before 16-bit anywhere); `options` are (ladder position, scheme) per unit. The
+    rungs that keep a unit's storage (same_storage: symmetric int4 stays symmetric) are its levels first, the others
+    after every unit has climbed those: the parent's format at its finest is one proposal of the sequence. Only the
+    rungs on a unit's hull are levels for it: a rung estimated worse than one below it (int4 group 32
     round-to-nearest after group 64 GPTQ) is never a step up."""
     here: dict[str, GroupScheme | None] = dict(current)
-    hulls = {unit: {move.scheme for move in _hull(unit, current[unit], [s for _, s in rungs], cost, kl)} for unit, rungs in options.items()}
-    sequence = []
-    for position in sorted({p for rungs in options.values() for p, _ in rungs}):
-        for unit in ranking:
-            found = [s for p, s in options.get(unit, []) if p == position and s in hulls[unit]]
-            if not found:
-                continue
-            scheme = found[0]
-            sequence.append(Move(unit=unit, scheme=scheme, delta_bytes=cost(unit, scheme) - cost(unit, here[unit]),
-                                 delta_kl=kl(unit, here[unit]) - kl(unit, scheme)))
-            here[unit] = scheme
+    kept = {unit: [(p, s) for p, s in rungs if same_storage(s, current[unit])] for unit, rungs in options.items()}
+    kept_hulls = {unit: _hull(unit, current[unit], [s for _, s in rungs], cost, kl) for unit, rungs in kept.items()}
+    top = {unit: moves[-1].scheme if moves else current[unit] for unit, moves in kept_hulls.items()}
+    after = {unit: _after(rungs, top[unit]) for unit, rungs in options.items()}
+    hulls = {unit: {m.scheme for m in kept_hulls[unit]} | {m.scheme for m in _hull(unit, top[unit], [s for _, s in after[unit]], cost, kl)}
+             for unit in options}
+    sequence: list[Move] = []
+    for phase in (kept, after):
+        for position in sorted({p for rungs in phase.values() for p, _ in rungs}):
+            for unit in ranking:
+                found = [s for p, s in phase.get(unit, []) if p == position and s in hulls[unit] and s != here[unit]]
+                if not found:
+                    continue
+                scheme = found[0]
+                sequence.append(Move(unit=unit, scheme=scheme, delta_bytes=cost(unit, scheme) - cost(unit, here[unit]),
+                                     delta_kl=kl(unit, here[unit]) - kl(unit, scheme)))
+                here[unit] = scheme
     return sequence
+
+
+def _after(rungs: list[tuple[int, GroupScheme | None]], top: GroupScheme | None) -> list[tuple[int, GroupScheme | None]]:
+    """The rungs above `top` in ladder order that change the storage: where a unit goes once its own format is climbed."""
+    start = next((p for p, s in rungs if s == top), -1)
+    return [(p, s) for p, s in rungs if p > start and not same_storage(s, top)]
 
 
 def first_below(predict: Callable[[int], float], lo: int, moves: int, target: float) -> int:
@@ -214,9 +244,9 @@ class Search:
                  gate: Callable[[int, str], GateResult], budget: Budget, settings: SearchSettings, target_kl: float,
                  expected_gate_s: float, kl_limit: float | None = None, started: float | None = None,
                  clock: Callable[[], float] = time.monotonic, extra_s: Callable[[int], float] = lambda k: 0.0,
-                 tier_end: int | None = None):
+                 tier_ends: dict[int, str] | None = None):
         self.moves, self.predict, self.price, self.fits, self.gate = moves, predict, price, fits, gate
-        self.tier_end = tier_end
+        self.tier_ends = dict(sorted((tier_ends or {}).items()))  # k -> what the move after it does ("16-bit")
         self._probes: set[int] = set()  # k of the cheap proposals gated before the target's: their failure does not escalate
         self.budget, self.settings, self.target, self.kl_limit = budget, settings, target_kl, kl_limit
         self.expected_gate_s, self.clock, self.extra_s = expected_gate_s, clock, extra_s
@@ -261,45 +291,48 @@ class Search:
             return self._shrink()
         if self.lo >= self.moves:
             return None, ""
-        if self._tier_next():
-            assert self.tier_end is not None
-            self._probes.add(self.tier_end)
-            return self.tier_end, (f"every move before the first to 16-bit (simulated KL {self.predict(self.tier_end):.3g}): the "
-                                   "cheap proposal failed, and the target's costs 16-bit modules")
-        target, why = self._first_target()
-        k = first_below(self.predict, self.lo, self.moves, target)
-        if target != self.target:
-            self._probes.add(k)
+        probe = self._probe()
+        if probe is not None:
+            self._probes.add(probe[0])
+            return probe
+        k = first_below(self.predict, self.lo, self.moves, self.target)
         predicted = self.predict(k)
-        if predicted <= target:
-            return k, f"fewest moves whose simulated KL {predicted:.3g} <= {why} {target:.3g}"
-        return k, f"every move: no proposal simulated below the target {target:.3g}"
+        if predicted <= self.target:
+            return k, f"fewest moves whose simulated KL {predicted:.3g} <= target {self.target:.3g}"
+        return k, f"every move: no proposal simulated below the target {self.target:.3g}"
 
-    def _first_target(self) -> tuple[float, str]:
-        """The safe target, except for a first gate with at least two more behind it: then the geometric mean of the
-        rejected recipe's simulated KL and the safe target, so that the first gate tests a cheap proposal (a failure
-        costs one gate, and the safe target follows); with one or two gates the safe target comes first."""
-        if self.steps or self.budget.max_gates < 3:
-            return self.target, "target"
+    def _probe(self) -> tuple[int, str] | None:
+        """With at least three gates, while every gate so far was a failed probe and two gates are left: the cheapest
+        proposal not yet ruled out among the probes before the target's proposal. The probes: the cheap proposal, the
+        fewest moves under the geometric mean of the rejected recipe's simulated KL and the target (a failure costs one
+        gate, and the target follows), and the tier ends (`tier_ends`: the last proposal before any module changes its
+        storage, then the last before any goes to 16-bit). Moves within a storage format (group size, GPTQ) cost a few
+        percent of the bytes each and a 16-bit move several times its module's, so the smallest artifacts a format holds
+        are gated before one that pays for 16-bit modules (on SmolLM2 w4a16: 120 modules at int4 against the target's
+        64 modules in 16-bit, 193 MB). With one or two gates the target's proposal comes first."""
+        if self.budget.max_gates < PROBING_GATES or self.budget.max_gates - len(self.steps) < 2:
+            return None
+        if any(step.passed is not False or step.k not in self._probes for step in self.steps):
+            return None
+        target_k = first_below(self.predict, self.lo, self.moves, self.target)
+        probes = {k: (f"every move before the first to {what} (simulated KL {self.predict(k):.3g}): the smallest artifacts "
+                      "before it are gated before the costlier proposals beyond it") for k, what in self.tier_ends.items()}
+        cheap = self._cheap_target()
+        if cheap is not None:
+            k = first_below(self.predict, 0, self.moves, cheap[0])
+            probes.setdefault(k, f"fewest moves whose simulated KL {self.predict(k):.3g} <= {cheap[1]} {cheap[0]:.3g}")
+        return min(((k, why) for k, why in probes.items() if self.lo < k < target_k), default=None)
+
+    def _cheap_target(self) -> tuple[float, str] | None:
+        """The cheap probe's target: the geometric mean of the rejected recipe's simulated KL and the safe target (never
+        over a max_kl that rejects); None when the rejected recipe is already simulated under the target."""
         parent = self.predict(0)
         if parent <= self.target:
-            return self.target, "target"
+            return None
         cheap = math.sqrt(parent * self.target)
         if self.kl_limit is not None and cheap > self.kl_limit:  # never gate what a rejecting max_kl would refuse
             return max(self.target, self.kl_limit), "max_kl"
         return cheap, f"the geometric mean of the rejected recipe's {parent:.3g} and the target"
-
-    def _tier_next(self) -> bool:
-        """After the cheap first proposal failed, with two gates left: the last proposal before any module goes to
-        16-bit (`tier_end`), when the target's proposal lies beyond it. Moves within the parent's storage tier (group
-        size, zero points, GPTQ) cost a few percent of the bytes each and a 16-bit move costs several times its module's, so the
-        smallest artifact the tier holds is gated before one that pays for 16-bit modules (on SmolLM2 w4a16: 120 modules at
-        int4 against the target's 64 modules in 16-bit, 193 MB)."""
-        if self.tier_end is None or len(self.steps) != 1 or self.steps[0].passed is not False or self.steps[0].k not in self._probes:
-            return False
-        if self.budget.max_gates - 1 < 2 or not self.lo < self.tier_end:
-            return False
-        return first_below(self.predict, self.lo, self.moves, self.target) > self.tier_end
 
     def _shrink(self) -> tuple[int, str]:
         """Between the largest failure (the parent itself at first) and the smallest pass: the fewest moves simulated under

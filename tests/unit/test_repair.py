@@ -28,7 +28,16 @@ from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import recipe_bytes, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text
 from pipelines.repair.result import load_result
-from pipelines.repair.search import Budget, GateResult, Search, SearchSettings, assignment_at, level_sequence, promotion_sequence
+from pipelines.repair.search import (
+    LEVEL_ORDER,
+    Budget,
+    GateResult,
+    Search,
+    SearchSettings,
+    assignment_at,
+    level_sequence,
+    promotion_sequence,
+)
 from pipelines.repair.sensitivity import SensitivitySettings
 from pipelines.repair.session import REPAIRED_RECIPE, RepairOptions, repair
 from pipelines.repair.simulate import RefPath
@@ -62,15 +71,6 @@ def units_for(config: dict, recipe_name: str):
 def test_the_shipped_ladders_load_on_their_targets():
     assert load_ladder(None, CPU).path == LADDERS_DIR / "cpu.yaml"
     assert load_ladder(None, parse_target("cuda:8.9")).path == LADDERS_DIR / "cuda.yaml"
-
-
-def test_the_symmetric_cpu_ladder_is_the_cpu_ladder_without_its_asymmetric_rungs():
-    full = load_ladder(None, CPU).ladder.families
-    symmetric = load_ladder(LADDERS_DIR / "cpu-symmetric.yaml", CPU).ladder.families
-    assert full.weight_only is not None and symmetric.weight_only is not None
-    kept = [rung for rung in full.weight_only.rungs if rung is None or rung.weights.symmetric]
-    assert symmetric.weight_only.rungs == kept and len(kept) < len(full.weight_only.rungs)
-    assert symmetric.w8a8 == full.w8a8
 
 
 def test_a_rung_no_kernel_serves_is_refused_at_validation_naming_the_rung(tmp_path):
@@ -206,7 +206,7 @@ def test_free_moves_come_first_the_most_useful_of_them_first():
 
 def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
     """Level by level over each unit's hull: a rung estimated worse than the one below it (group 32 round-to-nearest
-    after group 64 GPTQ) is no level for that unit."""
+    after group 64 GPTQ) is no level for that unit; the rungs keeping the parent's storage come first."""
     _loaded, units = units_for(SMOLLM2, "w4a16")
     by_name = {unit.name: unit for unit in units}
     ladder = load_ladder(None, CPU).ladder
@@ -229,6 +229,10 @@ def test_level_by_level_moves_every_unit_one_rung_before_any_goes_further():
     assert max(map(sequence.index, twins)) < min(i for i, label in enumerate(labels) if label.startswith("w4 group32"))
     assert [m.unit for m in twins if m.unit.endswith("mlp.down")] == [n for n in ranking if n.endswith("mlp.down")]  # most sensitive first
     assert labels.index("16-bit") > max(i for i, label in enumerate(labels) if label.startswith("w4 group32"))  # group 32 everywhere first
+    symmetric = [i for i, label in enumerate(labels) if " sym " in label]
+    asymmetric = [i for i, label in enumerate(labels) if " asym " in label]
+    assert asymmetric and min(asymmetric) > max(symmetric)  # the parent's own storage (symmetric int4) climbed first
+    assert {m.unit for m in sequence[: max(symmetric) + 1] if m.label == "w4 group32 sym / a16, gptq"} == set(by_name)
 
 
 def test_a_proposal_is_judged_by_the_parents_policy_rules():
@@ -247,7 +251,7 @@ def test_a_proposal_is_judged_by_the_parents_policy_rules():
 
 def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall_s: float = 1e6, gate_s: float = 10.0,
                 predict: Callable[[int], float] = lambda k: 1.0 / (1 + k), target_kl: float = 0.1, kl_limit: float | None = None,
-                tier_end: int | None = None):
+                tier_ends: dict[int, str] | None = None):
     """A search over `moves` moves whose gate passes from `threshold` moves on (None: never); a fake clock."""
     clock = {"now": 0.0}
     gated: list[int] = []
@@ -259,7 +263,7 @@ def fake_search(threshold: int | None, *, moves: int = 40, budget: int = 4, wall
 
     search = Search(moves, predict=predict, price=lambda k: 1000 + 10 * k, fits=lambda k: True, gate=gate,
                     budget=Budget(max_gates=budget, max_wall_s=wall_s), settings=SearchSettings(min_saving=0.0), target_kl=target_kl,
-                    expected_gate_s=gate_s, kl_limit=kl_limit, started=0.0, clock=lambda: clock["now"], tier_end=tier_end)
+                    expected_gate_s=gate_s, kl_limit=kl_limit, started=0.0, clock=lambda: clock["now"], tier_ends=tier_ends)
     return search.run(), gated
 
 
@@ -285,14 +289,28 @@ def test_the_search_shrinks_to_the_fewest_moves_that_pass():
 
 def test_a_failed_cheap_proposal_is_followed_by_the_last_one_before_any_16_bit_module():
     # cheap k=3 (1 / (1 + k) under 0.316), the target's k=9; the moves before the first to 16-bit end at 6
-    result, gated = fake_search(6, budget=4, tier_end=6)
+    result, gated = fake_search(6, budget=4, tier_ends={6: "16-bit"})
     assert gated[:2] == [3, 6] and result.best is not None and result.best <= 6
-    failed, gated_after = fake_search(8, budget=4, tier_end=6)
+    failed, gated_after = fake_search(8, budget=4, tier_ends={6: "16-bit"})
     assert gated_after == [3, 6, 9, 8] and failed.best == 8  # the tier's failure does not raise the bar: the target is next
-    _, beyond = fake_search(8, budget=4, tier_end=12)
+    _, beyond = fake_search(8, budget=4, tier_ends={12: "16-bit"})
     assert beyond[:2] == [3, 9]  # the target's proposal is within the tier: nothing to gate before it
-    _, two_gates = fake_search(None, budget=2, tier_end=6)
+    _, two_gates = fake_search(None, budget=2, tier_ends={6: "16-bit"})
     assert two_gates == [9, 39]  # no cheap probes with two gates; the target's failure raises the bar to 0.1 / 4: k=39
+
+
+def test_the_parents_own_format_at_its_finest_is_gated_before_another_format_and_before_16_bit():
+    tiers = {5: "another storage format", 7: "16-bit"}
+    result, gated = fake_search(5, budget=4, tier_ends=tiers)
+    assert gated == [3, 5, 4] and result.best == 5  # the format's end passed: the shrink follows (4 fails)
+    failed, both = fake_search(7, budget=4, tier_ends=tiers)
+    assert both == [3, 5, 7, 6] and failed.best == 7  # the other format's end next, then the shrink
+    _, none = fake_search(None, budget=4, tier_ends=tiers)
+    assert none == [3, 5, 7, 9]  # neither tier passed: the last gate goes to the target's proposal
+    _, three = fake_search(None, budget=3, tier_ends=tiers)
+    assert three == [3, 5, 9]  # with one gate left after a tier, the target's proposal takes it
+    _, before_cheap = fake_search(None, budget=4, tier_ends={2: "another storage format", 7: "16-bit"})
+    assert before_cheap == [2, 3, 7, 9]  # a format's end below the cheap proposal is the cheaper probe: it goes first
 
 
 def test_the_shrink_never_gates_a_proposal_simulated_over_max_kl():
@@ -400,6 +418,7 @@ def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: Pa
     result = repair(parent, RepairOptions(budget=Budget(max_gates=12), sensitivity=FAST), gate_fn=fake, target=CPU)
     assert result.status == "repaired" and result.exit_code == 0 and result.search.stop == "shrunk"
     assert len(fake.calls) == len(result.attempts) <= 12
+    assert result.order == LEVEL_ORDER and {c.order for c in result.orders} == {LEVEL_ORDER, "by KL per byte"}  # 12 gates: probes
     assert result.found is not None and result.found.modules_moved == 3  # bisected down to the fewest that pass
     repaired = load_recipe(result.found.recipe_file)  # reusable as --recipe FILE
     assert repaired.text == fake.calls[result.found.attempt - 1].text and Path(result.found.recipe_file).name == REPAIRED_RECIPE
