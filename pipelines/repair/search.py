@@ -164,7 +164,7 @@ def level_sequence(current: dict[str, GroupScheme], options: dict[str, list[tupl
     for phase in (kept, after):
         for position in sorted({p for rungs in phase.values() for p, _ in rungs}):
             for unit in ranking:
-                found = [s for p, s in phase.get(unit, []) if p == position and s in hulls[unit] and s != here[unit]]
+                found = [s for p, s in phase.get(unit, []) if p == position and s in hulls[unit]]
                 if not found:
                     continue
                 scheme = found[0]
@@ -315,13 +315,19 @@ class Search:
         if any(step.passed is not False or step.k not in self._probes for step in self.steps):
             return None
         target_k = first_below(self.predict, self.lo, self.moves, self.target)
-        probes = {k: (f"every move before the first to {what} (simulated KL {self.predict(k):.3g}): the smallest artifacts "
-                      "before it are gated before the costlier proposals beyond it") for k, what in self.tier_ends.items()}
+        probes: dict[int, str | None] = dict(self.tier_ends)  # k -> the tier it ends, None for the cheap proposal
         cheap = self._cheap_target()
         if cheap is not None:
-            k = first_below(self.predict, 0, self.moves, cheap[0])
-            probes.setdefault(k, f"fewest moves whose simulated KL {self.predict(k):.3g} <= {cheap[1]} {cheap[0]:.3g}")
-        return min(((k, why) for k, why in probes.items() if self.lo < k < target_k), default=None)
+            probes.setdefault(first_below(self.predict, 0, self.moves, cheap[0]), None)
+        k = min((k for k in probes if self.lo < k < target_k), default=None)
+        if k is None:
+            return None
+        # only the chosen probe is simulated for its reason: each simulation is a whole proposal fake-quantized
+        if probes[k] is None:
+            assert cheap is not None
+            return k, f"fewest moves whose simulated KL {self.predict(k):.3g} <= {cheap[1]} {cheap[0]:.3g}"
+        return k, (f"every move before the first to {probes[k]} (simulated KL {self.predict(k):.3g}): the smallest artifacts "
+                   "before it are gated before the costlier proposals beyond it")
 
     def _cheap_target(self) -> tuple[float, str] | None:
         """The cheap probe's target: the geometric mean of the rejected recipe's simulated KL and the safe target (never
