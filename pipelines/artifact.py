@@ -230,6 +230,9 @@ class Manifest(StrictModel):
     # the same device and thread count, and may differ in the last bit elsewhere.
     compute: str = ""
     smoothing: SmoothingRecord | None = None  # when the recipe smooths (absent in manifests written before it)
+    # The host class the recipe was validated for and the quantizing host (absent in manifests written before them).
+    serve_target: str | None = None
+    host: dict[str, str | bool] | None = None
 
 
 def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:

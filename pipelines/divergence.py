@@ -66,7 +66,7 @@ async def _post(client: httpx.AsyncClient, server: RunningServer, path: str, pay
     # The key is needed on /v1/...; vLLM does not guard /tokenize, but the header costs nothing there.
     response = await client.post(f"{root}{path}", json={"model": server.served_name, **payload}, headers=server.auth_headers)
     if response.status_code != 200:
-        server.check_alive()
+        server.check_engine()
         raise ServeError(f"{path} returned HTTP {response.status_code}: {response.text[:200]}", file=server.log_path)
     return response.json()
 

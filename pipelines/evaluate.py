@@ -404,6 +404,7 @@ def _run_watching_server(command: list[str], server: RunningServer, log_path: Pa
     if process.returncode != 0:
         from pipelines.serving import log_tail
 
+        server.check_engine()
         raise EvalError(f"lm-eval failed (exit code {process.returncode}): {log_tail(log_path, 3)}", file=log_path)
 
 

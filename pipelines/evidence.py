@@ -122,6 +122,7 @@ def write_run_evidence(
         "recipe": recipe,
         "calibration": manifest.calibration.model_dump() if manifest and manifest.calibration else None,  # sha256 of its texts
         "eval_sets": {s.name: {"sha256": s.sha256, "files": file_hashes(s.folder)} for s in eval_sets},
+        "host": report.inputs.get("host"),
         "versions": {"project": _package_versions(), "quantize": manifest.versions if manifest else None, "serve": _serve_versions()},
     })
 

@@ -144,6 +144,9 @@ class RecipeOverrides(RuleOverrides):
     performance: PerformanceOverrides | None = None  # the load test's block, fields named here win (docs/loadtest.md)
 
 
+MAX_SCORING_TIME_S = 7 * 24 * 3600.0
+
+
 class Policy(FrozenModel):
     schema_version: Literal[1] = 1
     description: str = ""
@@ -152,6 +155,11 @@ class Policy(FrozenModel):
     eval_sets: dict[str, RuleOverrides] = Field(default_factory=dict)
     fit: FitRequirement | None = None
     performance: PerformancePolicy = PerformancePolicy()
+    max_scoring_time_s: float | None = Field(
+        default=None, gt=0, le=MAX_SCORING_TIME_S, allow_inf_nan=False,
+        description="refuse (exit 2, before it is scored) a candidate whose probed kernels make its estimated scoring time "
+                    "longer than this (docs/hardware.md); unset: the estimate is shown, never enforced",
+    )
 
     def recipe_key(self, recipe: str | RecipeIdentity | None) -> str | None:
         """The `recipes:` key that applies to a recipe (a name, or its identity): name > base > tags. None: no recipe."""

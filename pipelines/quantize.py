@@ -45,6 +45,7 @@ from pipelines.recipe import LoadedRecipe, load_recipe
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.settings import current as current_settings
 from pipelines.smoothing import checked_smoothing, with_mappings
+from pipelines.targets import host_record, installed_target
 
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 KEY_HEX = 12
@@ -70,6 +71,7 @@ class _Inputs(BaseModel):
     calibration: CalibrationRecord | None
     source_files: dict[str, str]
     versions: dict[str, str]
+    target: str  # the serve target the recipe was checked for (not part of the key: the same bits serve anywhere)
 
     @property
     def key(self) -> str:
@@ -115,7 +117,8 @@ def gather_inputs(
     recipe_obj = loaded.recipe
     check_model_dir(model_dir)
     progress(f"checking recipe {recipe_obj.name} against {model_dir}")
-    compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), loaded.path)
+    target = installed_target()
+    compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), loaded.path, target)
     progress(f"hashing {model_dir}")
     source_files = file_hashes(model_dir)
     if calibration is not None and not recipe_obj.needs_calibration:
@@ -133,6 +136,7 @@ def gather_inputs(
         calibration=record,
         source_files=source_files,
         versions=library_versions(),
+        target=str(target),
     )
 
 
@@ -250,6 +254,8 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         stages={"quantize_s": round(quantize_s, 3)},
         compute=compute_description(),
         smoothing=smoothing,
+        serve_target=inputs.target,
+        host=host_record(),
     )
 
 

@@ -36,6 +36,8 @@ from pipelines.evalsets import EvalSet
 from pipelines.evaluate import ANSWER_RESERVE_TOKENS, SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
 from pipelines.evidence import write_run_evidence
 from pipelines.gate import FitCheck, GateReport, decide, load_report
+from pipelines.hardware.host import host_profile
+from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
 from pipelines.loadtest.render import summary as performance_summary
@@ -50,6 +52,7 @@ from pipelines.safepath import safe_component
 from pipelines.serving import RunningServer, ServeSettings, vllm_server
 from pipelines.settings import current as current_settings
 from pipelines.signing import load_signer
+from pipelines.targets import host_record, installed_target
 
 
 def default_runs_dir() -> Path:
@@ -250,7 +253,30 @@ def _candidate_entries(
         kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references), strict=True)}
         return baseline_cache.CandidateEntry(key=keys[eval_set.name], model_hash=artifact_hash, score=score, kl_by_doc=kl_by_doc)
 
-    return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir, stages, pool)
+    def check_speed(missing: list[EvalSet]) -> None:
+        check_scoring_time(job, {s.name: baseline[s.name] for s in missing}, stages)
+
+    return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir,
+                             stages, pool, before_serving=check_speed)
+
+
+def check_scoring_time(job: GateJob, baseline: dict[str, baseline_cache.BaselineEntry], stages: dict[str, float]) -> None:
+    """Before a slow candidate is scored: its estimated scoring time from the probe (docs/hardware.md), refused when
+    over the policy's max_scoring_time_s. Silent when the probe finds nothing slow here (or cannot probe here)."""
+    target = installed_target()
+    if not target.local:
+        return
+    speed = probed_speed(host_profile(), artifact_cases(job.artifact_dir / CONFIG_NAME))
+    items = sum(entry.score.n for entry in baseline.values())
+    estimate = estimate_scoring(items, sum(entry.score.wall_s for entry in baseline.values()), speed)
+    if estimate is None:
+        return
+    stages["candidate_scoring_estimate_s"] = round(estimate.seconds, 1)
+    limit = job.settings.policy.max_scoring_time_s
+    if limit is not None and estimate.seconds > limit:
+        raise InputError(f"{estimate.line()} > max_scoring_time_s {limit:g}: not scored", file=job.settings.policy_path,
+                         field="max_scoring_time_s")
+    progress(estimate.line() + ("" if limit is None else f" (policy limit {limit:g} s)"))
 
 
 def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, baseline_cache.Entry]:
@@ -261,15 +287,17 @@ def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, base
 def _cached_or_served(
     role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
     make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
-    stages: dict[str, float], pool: ServerPool | None = None,
+    stages: dict[str, float], pool: ServerPool | None = None, before_serving: Callable[[list[EvalSet]], None] | None = None,
 ) -> dict[str, baseline_cache.Entry]:
     """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached
-    (and, with a pool, kept up after its scoring for the load test)."""
+    (and, with a pool, kept up after its scoring for the load test). `before_serving` sees the missing sets first."""
     entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir, entry_type) for name, key in keys.items()}
     missing = [s for s in job.settings.eval_sets if entries[s.name] is None]
     if not missing:
         progress(f"{role}: all {len(entries)} eval set(s) cached; no {role} server needed")
         return _complete(entries)
+    if before_serving is not None:
+        before_serving(missing)
     progress(f"{role}: scoring {', '.join(s.name for s in missing)} on {model_dir}")
     serve = pool.serve if pool is not None else vllm_server
     with serve(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
@@ -315,7 +343,8 @@ def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
         "baseline": {"path": str(job.baseline_dir), "sha256": next(iter(baseline.values())).model_hash},
         "policy": {"path": str(job.settings.policy_path), "sha256": sha256_file(job.settings.policy_path)},
         "eval_sets": {s.name: s.sha256 for s in job.settings.eval_sets},
-        "serve": job.settings.serve.model_dump(),
+        "serve": {**job.settings.serve.model_dump(), "dtype": job.settings.serve.served_dtype()},
+        "host": host_record(),
     }
 
 

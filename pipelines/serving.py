@@ -14,6 +14,7 @@ docs/serving.md has the details and the limits.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -32,26 +33,25 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipelines.artifact import require_model_dir
 from pipelines.bounds import MAX_CONTEXT
 from pipelines.errors import ServeError
+from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.output import progress
 from pipelines.progress import track
 from pipelines.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
+from pipelines.targets import installed_target, require_local_target
 
 LOOPBACK = "127.0.0.1"
 MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
+_CAUSE_SCAN_BYTES = 8 * 1024 * 1024  # a log is read from its end, at most this much
+# vLLM's log prefix: "(Worker pid=5533) ERROR 12-03 11:50:43 [multiproc_executor.py:1063] "
+_VLLM_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\) +[A-Z]+ +\S+ +\S+ +\[[^\]]*\] ?")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)(: .*)?$")
 MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
-# Imported by every Python process of the server (API server, engine core) through PYTHONPATH.
-NO_AMX_SITECUSTOMIZE = (
-    "try:\n"
-    "    import torch.cpu\n"
-    "    torch.cpu._is_amx_tile_supported = lambda: False\n"
-    "except Exception:\n"
-    "    pass\n"
-)
+HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
 
 
 class ServeSettings(BaseModel):
@@ -64,10 +64,12 @@ class ServeSettings(BaseModel):
                                    description="--gpu-memory-utilization (on CPU: fraction of host memory)")
     cpu_kv_cache_gib: int = Field(default=1, gt=0, le=MAX_CPU_KV_CACHE_GIB, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
     max_model_len: int = Field(default=512, gt=0, le=MAX_CONTEXT)
-    # The model's bf16: vLLM CPU's int8 W8A8 kernel refuses float16 ("scale_C: scalar path not implemented",
-    # measured). bf16 would pick AMX kernels that die with SIGILL on these VMs, so the server runs with AMX
-    # reported unavailable (NO_AMX_SITECUSTOMIZE) and uses its AVX-512 kernels instead.
-    dtype: Literal["auto", "bfloat16", "float16", "half", "float32", "float"] = "bfloat16"  # vLLM's --dtype choices
+    # `host`: the host class's serve dtype, bfloat16 where the CPU or GPU computes it natively, float32 on other CPUs
+    # (on AVX2 vLLM's int8 kernel falls to oneDNN's reference kernel with a bfloat16 output: docs/hardware.md).
+    # vLLM CPU's int8 W8A8 kernel refuses float16 ("scale_C: scalar path not implemented", measured). bf16 would
+    # pick AMX kernels that die with SIGILL on these VMs, so the server runs with AMX reported unavailable (the
+    # shim, pipelines/hardware/host.py) and uses its AVX-512 kernels instead.
+    dtype: Literal["host", "auto", "bfloat16", "float16", "half", "float32", "float"] = "host"  # and vLLM's --dtype choices
     enforce_eager: bool = True
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     max_num_seqs: int = Field(default=16, gt=0, le=MAX_NUM_SEQS)
@@ -75,8 +77,15 @@ class ServeSettings(BaseModel):
     request_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
 
     def cache_fields(self) -> dict:
-        """The settings that can change scores (timeouts cannot)."""
-        return self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"})
+        """The settings that can change scores (timeouts cannot), with the dtype this host serves."""
+        return {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
+
+    def served_dtype(self) -> str:
+        """--dtype as passed to vLLM: `host` made concrete by this host's class."""
+        if self.dtype != HOST_DTYPE:
+            return self.dtype
+        target = installed_target()
+        return host_profile().serve_dtype if target.local else serve_dtype_for(str(target))[0]
 
 
 class RunningServer(BaseModel):
@@ -101,10 +110,18 @@ class RunningServer(BaseModel):
         """The header every request to /v1/... needs (vLLM answers 401 without it)."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def check_engine(self) -> None:
+        """After a failed request: a server whose engine died (it answers 500 to everything, and may still be
+        running) is reported by the exception in its log, not by the request that met it."""
+        self.check_alive()
+        cause = log_cause(self.log_path)
+        if cause:
+            raise ServeError(f"vLLM's engine for {self.model_dir} failed: {cause} (log: {self.log_path})", file=self.log_path)
+
     def check_alive(self) -> None:
         if self.process.poll() is not None:
             raise ServeError(
-                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): {log_tail(self.log_path)}",
+                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): {failure_line(self.log_path)}",
                 file=self.log_path,
             )
 
@@ -124,11 +141,40 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def log_cause(log_path: Path) -> str | None:
+    """The root cause of a vLLM failure in its log: the exception that ends the first traceback (a worker's
+    `AttributeError: ... 'cpu_gemm_wna16'`), not the wrappers the engine and API server log after it."""
+    in_traceback = False
+    for line in _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines():
+        line = _VLLM_PREFIX.sub("", line).strip()
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and _EXCEPTION_LINE.match(line):
+            return _shorten(line)
+    return None
+
+
+def failure_line(log_path: Path) -> str:
+    """What a failed server's error line says: its root cause when the log has one, else the log's last errors;
+    with the log's path."""
+    cause = log_cause(log_path)
+    return f"{cause} (log: {log_path})" if cause else f"{log_tail(log_path)} (log: {log_path})"
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - limit))
+            return handle.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def log_tail(log_path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     """The last meaningful error lines of a server log, folded onto one line."""
     if not log_path.exists():
         return "(no log)"
-    text = log_path.read_text(errors="replace").splitlines()
+    text = _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines()
     errors = [line for line in text if "Error" in line or "error" in line]
     picked = (errors or text)[-lines:]
     return " | ".join(_shorten(line.strip()) for line in picked) or "(empty log)"
@@ -143,7 +189,7 @@ def _shorten(line: str, head: int = 200, tail: int = 80) -> str:
 @lru_cache(maxsize=1)
 def serve_versions() -> dict[str, str]:
     """Versions of the serve environment's vLLM and torch (part of cache keys)."""
-    _require_serve_env()
+    require_serve_env()
     code = (
         "from importlib.metadata import version, PackageNotFoundError\n"
         "import json\nout={}\n"
@@ -158,15 +204,6 @@ def serve_versions() -> dict[str, str]:
     return json.loads(result.stdout)
 
 
-def _require_serve_env() -> None:
-    python = current_settings().serve_python
-    if not python.exists():
-        raise ServeError(
-            f"the serve environment is missing ({python}); run `make setup` (or scripts/setup_env.sh serve)",
-            file=python,
-        )
-
-
 def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettings) -> list[str]:
     command = [
         str(current_settings().serve_python), "-m", "vllm.entrypoints.openai.api_server",
@@ -174,7 +211,7 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
         "--served-model-name", served_name,
         "--host", LOOPBACK,
         "--port", str(port),
-        "--dtype", settings.dtype,
+        "--dtype", settings.served_dtype(),
         "--max-model-len", str(settings.max_model_len),
         "--gpu-memory-utilization", str(settings.memory_fraction),
         "--max-num-seqs", str(settings.max_num_seqs),
@@ -192,31 +229,18 @@ def new_api_key() -> str:
 
 
 def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
-    """The server's environment. Its temporary files (vLLM's rendezvous file `vllm_dist_*` per start, torch's
-    compile caches and locks) go to shim_dir/tmp, inside the run folder and removed with the shim when the server
-    stops; vLLM's ZeroMQ sockets stay in the system's temporary folder (VLLM_RPC_BASE_PATH), whose short path
-    keeps them under the 107-byte limit of a socket's name."""
-    scratch = shim_dir / "tmp"
-    scratch.mkdir(exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
-    env.update(TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
+    """The server's environment: the serve environment's (pipelines/hardware/host.py serve_process_env: the shim,
+    temporary files under shim_dir/tmp, inside the run folder and removed with it, the emulated host class's ISA
+    caps) plus the key and the KV space. vLLM's ZeroMQ sockets stay in the system's temporary folder
+    (VLLM_RPC_BASE_PATH), whose short path keeps them under the 107-byte limit of a socket's name."""
+    rpc_base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    env = serve_process_env(shim_dir, emulated_class())
     env.update(
+        VLLM_RPC_BASE_PATH=rpc_base,
         VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        PYTHONUNBUFFERED="1",
     )
-    env["PYTHONPATH"] = str(shim_dir)  # only the shim: nothing of the project environment leaks in
     return env
-
-
-def _write_shim(shim_dir: Path) -> Path:
-    (shim_dir / "sitecustomize.py").write_text(NO_AMX_SITECUSTOMIZE)
-    return shim_dir
 
 
 def _wait_until_healthy(
@@ -227,7 +251,7 @@ def _wait_until_healthy(
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise ServeError(
-                    f"vLLM exited during start-up (exit code {server.returncode}): {log_tail(log_path)}", file=log_path
+                    f"vLLM exited during start-up (exit code {server.returncode}): {failure_line(log_path)}", file=log_path
                 )
             try:
                 healthy = client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200
@@ -237,7 +261,7 @@ def _wait_until_healthy(
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
                 return
             time.sleep(0.5)
-    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {log_tail(log_path)}", file=log_path)
+    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {failure_line(log_path)}", file=log_path)
 
 
 def _confirm_ours(
@@ -331,7 +355,8 @@ def vllm_server(
         port = free_port()
     elif not port_is_free(port):
         raise ServeError(f"port {port} on {LOOPBACK} is already in use", field="port")
-    _require_serve_env()  # after the caller's own input: a bad model folder is reported as such on any machine
+    require_serve_env()  # after the caller's own input: a bad model folder is reported as such on any machine
+    require_local_target()  # a forced target that is not this host's class cannot serve here
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()
@@ -340,7 +365,7 @@ def vllm_server(
     # in the name lets reclaim_stale remove it once this process is gone without clean-up.
     shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
     try:
-        env = _environment(settings, _write_shim(Path(shim.name)), api_key)
+        env = _environment(settings, Path(shim.name), api_key)
         process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
         try:
             with track(f"starting vLLM ({served_name})", total=None, unit="s"):

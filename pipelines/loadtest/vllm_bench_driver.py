@@ -31,8 +31,8 @@ READY_LINE = "quantgate-bench: vLLM imported, waiting for the plan"
 
 
 def _parser():
-    from vllm.benchmarks.serve import add_cli_args  # type: ignore[import-not-found]
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found]
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
@@ -41,10 +41,10 @@ def _parser():
 
 def _cpu_platform_if_unspecified() -> None:
     # What `vllm bench` does before dispatching (vllm/entrypoints/cli/main.py).
-    from vllm import platforms  # type: ignore[import-not-found]
+    from vllm import platforms
 
     if platforms.current_platform.is_unspecified():
-        from vllm.platforms.cpu import CpuPlatform  # type: ignore[import-not-found]
+        from vllm.platforms.cpu import CpuPlatform
 
         platforms.current_platform = CpuPlatform()
 

@@ -39,9 +39,13 @@ def kv_cache_bytes_for_context(shape: ModelShape, element_bytes: int, context: i
     return tokens * _kv_layer_bytes_per_token(shape, element_bytes)
 
 
-def kv_element_bytes(shape: ModelShape, kv_cache_dtype: str = "auto") -> tuple[str, int]:
+# Bytes per element of vLLM's --dtype values: "auto" KV follows the dtype the model is served in.
+SERVED_DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+
+
+def kv_element_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", served_dtype: str | None = None) -> tuple[str, int]:
     """The KV cache dtype and its bytes: an explicit --kv-cache-dtype, else the config's kv_cache_scheme,
-    else the model dtype."""
+    else the dtype the model is served in (`served_dtype`, vLLM's --dtype; default: the model's own)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         known = ", ".join(KV_CACHE_DTYPES)
         raise InputError(f"unknown KV cache dtype {kv_cache_dtype!r} (known: {known})", field="kv_cache_dtype")
@@ -50,7 +54,7 @@ def kv_element_bytes(shape: ModelShape, kv_cache_dtype: str = "auto") -> tuple[s
         return kv_cache_dtype, element
     if shape.kv_cache_dtype and shape.kv_cache_element_bytes:
         return shape.kv_cache_dtype, shape.kv_cache_element_bytes
-    return "auto", shape.param_bytes
+    return "auto", SERVED_DTYPE_BYTES.get(served_dtype or "", shape.param_bytes)
 
 
 def attention_summary(windows: Sequence[int | None]) -> str:
@@ -177,6 +181,7 @@ def kv_capacity_tokens(
     block_size: int = CUDA_BLOCK_SIZE,
     max_model_len: int | None = None,
     kv_cache_dtype: str = "auto",
+    served_dtype: str | None = None,
     in_flight_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS * CPU_BATCHES_IN_FLIGHT,
     hybrid: bool = True,
 ) -> int:
@@ -187,7 +192,7 @@ def kv_capacity_tokens(
         if shape.max_position is None:
             raise InputError("config.json has no max_position_embeddings: give max_model_len", field="max_model_len")
         max_model_len = shape.max_position
-    _, element = kv_element_bytes(shape, kv_cache_dtype)
+    _, element = kv_element_bytes(shape, kv_cache_dtype, served_dtype)
     cache = vllm_kv_cache(
         shape, element, kv_space_bytes, block_size=block_size, max_model_len=max_model_len,
         in_flight_tokens=in_flight_tokens, hybrid=hybrid,

@@ -83,8 +83,10 @@ class LoadedLadder(BaseModel):
 
 
 def default_ladder_path(target: ServeTarget) -> Path:
-    """The shipped ladder for a serve target: recipes/ladders/cpu.yaml or cuda.yaml."""
-    return LADDERS_DIR / f"{target.kind}.yaml"
+    """The shipped ladder for a serve target: recipes/ladders/<kind>-<class>.yaml where the class has its own
+    (cpu-avx2.yaml: no 4-bit kernel there), else <kind>.yaml (cpu.yaml, cuda.yaml)."""
+    own = LADDERS_DIR / f"{target.kind}-{target.isa}.yaml" if target.isa else None
+    return own if own is not None and own.is_file() else LADDERS_DIR / f"{target.kind}.yaml"
 
 
 def load_ladder(path: Path | str | None, target: ServeTarget, *, calibrated: bool = True) -> LoadedLadder:

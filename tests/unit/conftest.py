@@ -22,8 +22,9 @@ import pytest
 from fakes import N_ITEMS, FakeStack, gate_workspace
 
 from pipelines import baseline as baseline_cache
-from pipelines import evalsets, runner
+from pipelines import evalsets, runner, serving, targets
 from pipelines.evaluate import Prompt
+from pipelines.hardware.host import HostProfile
 from pipelines.targets import TARGET_ENV
 
 UNIT_DIR = Path(__file__).resolve().parent
@@ -36,9 +37,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
 
 
+# The host a unit test runs on, whatever machine runs it: vLLM's CPU build on AVX-512 with BF16 (`cpu`).
+UNIT_HOST = HostProfile(host_class="cpu:avx512bf16", library="_C", serve_dtype="bfloat16", dtype_reason="unit tests' host",
+                        fingerprint="unit-test-host00")
+
+
 @pytest.fixture(autouse=True)
 def cpu_serve_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The written rules of `cpu`, and that class as the host a fake server "runs" on: nothing is probed."""
     monkeypatch.setenv(TARGET_ENV, "cpu")
+    monkeypatch.setattr(targets, "host_profile", lambda: UNIT_HOST)
+    monkeypatch.setattr(serving, "host_profile", lambda: UNIT_HOST)
 
 
 @pytest.fixture(autouse=True)

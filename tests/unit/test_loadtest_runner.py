@@ -127,14 +127,14 @@ def test_a_promoted_run_load_tests_both_models_on_the_servers_the_gate_started(t
     assert (outcome.verdict, outcome.exit_code) == ("promoted", 0), "report-only on a CPU target"
     report = json.loads(outcome.gate_json.read_text())
     performance = report["performance"]
-    assert performance["target"] == "cpu" and performance["enforced"] is False and "report-only" in performance["enforcement"]
+    assert performance["target"] == "cpu:avx512bf16" and performance["enforced"] is False and "report-only" in performance["enforcement"]
     assert performance["levels"] == [1, 2, 4, 8, 16] and performance["deployment_concurrency"] == 16
     assert [m["served_by"] for m in performance["models"]] == ["quality gate", "quality gate"]
     assert all(m["kv_capacity_tokens"] == m["kv_capacity_tokens_predicted"] == 524_288 for m in performance["models"])
     top = performance["ratios"][-1]
     assert top["concurrency"] == 16 and top["throughput"]["estimate"] == pytest.approx(0.5, rel=0.02)
     assert top["throughput"]["low"] <= top["throughput"]["estimate"] <= top["throughput"]["high"]
-    assert any(w.startswith("performance (report-only on cpu): output throughput ratio 0.50") for w in report["gate"]["warnings"])
+    assert any(w.startswith("performance (report-only on cpu:avx512bf16): output throughput ratio 0.50") for w in report["gate"]["warnings"])
     assert outcome.performance.throughput_ratio == pytest.approx(0.5, rel=0.02)
     assert "loadtest_s" in outcome.stages and "loadtest_baseline_serve_start_s" not in outcome.stages
     text = outcome.report_md.read_text()
@@ -177,7 +177,7 @@ def test_the_same_slo_on_the_cpu_target_only_warns(tool, servers, workspace, tmp
     outcome = gate(workspace, policy=policy)
     assert outcome.verdict == "promoted"
     warnings = json.loads(outcome.gate_json.read_text())["gate"]["warnings"]
-    assert any(w.startswith("performance (report-only on cpu): 0.0% of requests met the SLO") for w in warnings)
+    assert any(w.startswith("performance (report-only on cpu:avx512bf16): 0.0% of requests met the SLO") for w in warnings)
 
 
 def test_a_candidate_the_quality_gate_rejects_is_not_load_tested(tool, servers, stack, workspace):

@@ -658,7 +658,7 @@ def test_a_plan_for_a_known_gpu_checks_recipes_for_its_compute_capability() -> N
 
 def test_a_gpu_given_by_size_checks_the_installed_target_unless_told() -> None:
     by_size = plan(TINY, [recipe(W8A16)], gpu_spec(memory_gib=24), 2048, 1)
-    assert by_size.target == "cpu" and "4 bits only" in (by_size.rows[0].does_not_apply or "")
+    assert by_size.target == "cpu:avx512bf16" and "4 bits only" in (by_size.rows[0].does_not_apply or "")
     told = plan(TINY, [recipe(W8A16)], gpu_spec(memory_gib=24), 2048, 1, target=parse_target("cuda:8.0"))
     assert told.target == "cuda:8.0" and told.rows[0].does_not_apply is None
     assert plan(TINY, [None], gpu_spec(memory_gib=24), 2048, 1).target is None  # nothing to check

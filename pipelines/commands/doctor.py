@@ -1,0 +1,167 @@
+"""`quantize doctor`: this host's class, its vLLM build, and what each shipped recipe and ladder rung gets here.
+
+Every scheme of the shipped recipes (recipes/*.yaml) and of the host's repair ladder is looked up in the kernel
+probe (pipelines/hardware/kernels.py; probed once per host and cached): the kernel vLLM chose for it or why none
+could, its speed against 16-bit at a decode-like and a prefill-like row count, and what the product does with it
+here. With `--target CLASS` (another machine) the written rules (pipelines/targets.py) answer instead; nothing is
+probed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+from pydantic import BaseModel
+
+from pipelines.hardware.host import HostProfile, host_profile
+from pipelines.hardware.kernels import (
+    DECODE_ROWS,
+    PREFILL_ROWS,
+    PROBE_IN_FEATURES,
+    PROBE_OUT_FEATURES,
+    SLOW_RATIO,
+    KernelCase,
+    KernelFact,
+    kernel_facts,
+)
+from pipelines.output import emit, say, table
+from pipelines.recipe import GroupScheme, load_recipe, shipped_recipes
+from pipelines.repair.ladder import Families, Ladder, default_ladder_path
+from pipelines.targets import TARGET_HELP, ServeTarget, installed_target, parse_target, serve_problem
+from pipelines.yamlio import parse_yaml_model, read_user_text
+
+Action = Literal["runs", "runs slowly", "refused"]
+
+
+class SchemeRow(BaseModel):
+    source: str  # "w8a8: mlp" or "ladder cpu.yaml: weight_only rung 3"
+    scheme: str
+    key: str
+    served: bool
+    kernel: str | None
+    decode_ratio: float | None
+    prefill_ratio: float | None
+    action: Action
+    why: str = ""
+
+
+class DoctorReport(BaseModel):
+    target: str
+    probed: bool
+    host: HostProfile | None
+    ladder: str
+    rows: list[SchemeRow]
+
+    def recipe_actions(self) -> dict[str, Action]:
+        """Each shipped recipe's worst action (refused > runs slowly > runs)."""
+        order: list[Action] = ["runs", "runs slowly", "refused"]
+        worst: dict[str, Action] = {}
+        for row in self.rows:
+            if row.source.startswith("ladder"):
+                continue
+            name = row.source.split(":", 1)[0]
+            worst[name] = max(worst.get(name, "runs"), row.action, key=order.index)
+        return worst
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("doctor")  # its summary: pipelines.cli.COMMANDS
+    parser.add_argument("--target", metavar="CLASS", help=f"judge another machine by the written rules: {TARGET_HELP}")
+    parser.add_argument("--json", action="store_true", help="print JSON on stdout")
+    parser.set_defaults(handler=doctor)
+
+
+def doctor(args: argparse.Namespace) -> int:
+    target = parse_target(args.target, field="--target") if args.target else installed_target()
+    emit(diagnose(target), as_json=args.json, render=_render)
+    return 0
+
+
+def diagnose(target: ServeTarget) -> DoctorReport:
+    schemes = _recipe_schemes() + _ladder_schemes(target)
+    facts: dict[str, KernelFact] = {}
+    host = None
+    if target.local:
+        host = host_profile()
+        facts = kernel_facts(host, [KernelCase.of(scheme) for _, scheme in schemes])
+    rows = [_row(source, scheme, target, facts) for source, scheme in schemes]
+    return DoctorReport(target=str(target), probed=target.local, host=host, ladder=str(default_ladder_path(target)), rows=rows)
+
+
+def _concrete(scheme: GroupScheme) -> GroupScheme:
+    """`group_size: auto` as the probe's layer gets it."""
+    return scheme.model_copy(update={"weights": scheme.weights.for_layer(PROBE_IN_FEATURES)})
+
+
+def _recipe_schemes() -> list[tuple[str, GroupScheme]]:
+    found = []
+    for name in shipped_recipes():
+        recipe = load_recipe(name).recipe
+        for group in ("attention", "mlp"):
+            scheme = getattr(recipe.groups, group)
+            if scheme is not None:
+                found.append((f"{name}: {group}", _concrete(scheme)))
+        for index, override in enumerate(recipe.overrides):
+            for group in ("attention", "mlp"):
+                scheme = getattr(override, group)
+                if scheme is not None:
+                    found.append((f"{name}: overrides.{index}.{group}", _concrete(scheme)))
+    return found
+
+
+def _ladder_schemes(target: ServeTarget) -> list[tuple[str, GroupScheme]]:
+    path = default_ladder_path(target)
+    ladder = parse_yaml_model(read_user_text(path, what="ladder", field="ladder"), path, Ladder, "ladder")
+    found = []
+    for family in Families.model_fields:
+        rungs = getattr(ladder.families, family)
+        for index, rung in enumerate(rungs.rungs if rungs else []):
+            if rung is not None:
+                found.append((f"ladder {path.name}: {family} rung {index}", _concrete(rung)))
+    return found
+
+
+def _row(source: str, scheme: GroupScheme, target: ServeTarget, facts: dict[str, KernelFact]) -> SchemeRow:
+    case = KernelCase.of(scheme)
+    fact = facts.get(case.key)
+    problem = serve_problem(scheme, target)
+    slowdown = fact.slowdown if fact else None
+    action: Action = "refused" if problem else ("runs slowly" if slowdown is not None and slowdown >= SLOW_RATIO else "runs")
+    return SchemeRow(
+        source=source, scheme=case.label, key=case.key, served=problem is None, kernel=fact.kernel if fact else None,
+        decode_ratio=fact.decode_ratio if fact else None, prefill_ratio=fact.prefill_ratio if fact else None,
+        action=action, why=problem.why if problem else "",
+    )
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _here(row: SchemeRow, reasons: dict[str, int]) -> str:
+    if row.why:
+        return f"{row.action} [{reasons.setdefault(row.why, len(reasons) + 1)}]"
+    return row.action
+
+
+def _render(report: DoctorReport) -> None:
+    host = report.host
+    if host is not None:
+        emulated = " (emulated)" if host.emulated else ""
+        say(f"host class {host.host_class}{emulated}: vLLM {host.vllm_version} loads {host.library}; {host.cpu_model}; "
+            f"torch {host.torch_version}")
+        say(f"serve dtype {host.serve_dtype}: {host.dtype_reason}")
+        say(f"kernel probe: a {PROBE_IN_FEATURES}x{PROBE_OUT_FEATURES} Linear, time per call against 16-bit ({host.serve_dtype}) at "
+            f"{DECODE_ROWS} rows (decode) and {PREFILL_ROWS} rows (prefill); 'runs slowly' from {SLOW_RATIO:g}x (geometric mean)")
+    else:
+        say(f"target {report.target}: written rules (pipelines/targets.py); nothing probed on this machine")
+    actions = report.recipe_actions()
+    say(table("shipped recipes", ["recipe", "here"], [[name, action] for name, action in actions.items()]))
+    reasons: dict[str, int] = {}
+    say(table(None, ["where", "scheme", "kernel", "decode", "prefill", "here"], [
+        [row.source, row.scheme, row.kernel or "-", _ratio(row.decode_ratio), _ratio(row.prefill_ratio), _here(row, reasons)]
+        for row in report.rows
+    ]))
+    for why, number in reasons.items():
+        say(f"[{number}] {why}")

