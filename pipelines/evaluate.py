@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.errors import EvalError, InputError
 from pipelines.evalsets import ROLLING, EvalSet, materialize_task
@@ -274,9 +274,10 @@ def lm_eval_groups(eval_sets: list[EvalSet]) -> list[tuple[str, list[EvalSet]]]:
 
 def score_eval_sets(
     server: RunningServer, tokenizer_dir: Path, eval_sets: list[EvalSet], include_dir: Path, work_dir: Path,
+    deadline: ScoringDeadline | None = None,
 ) -> dict[str, SetScore]:
     """Run lm-eval against `server` (once per group of sets with the same chat options); return per-set
-    scores with per-item results."""
+    scores with per-item results. `deadline`: stop when the measured pace projects past the policy's limit."""
     scores: dict[str, SetScore] = {}
     for name, members in lm_eval_groups(eval_sets):
         chat, instruction = members[0].lm_eval_options
@@ -291,9 +292,11 @@ def score_eval_sets(
         requests = [s.num_requests for s in members if s.num_requests is not None]
         total = sum(requests) if len(requests) == len(members) else None  # unknown when one set's count is
         with track(f"scoring {server.served_name}", total=total, unit="request") as bar:
-            _run_watching_server(command, server, log_path, bar=bar)
+            _run_watching_server(command, server, log_path, bar=bar, deadline=deadline)
             if total is not None:
                 bar.update(completed=total)  # lm-eval finished: every request was answered
+                if deadline is not None:
+                    deadline.done_before += total
         elapsed = time.monotonic() - started
         run = read_lm_eval_run(output_dir, log_path)
         for eval_set in members:
@@ -347,6 +350,31 @@ class RequestCounter:
         return self.done
 
 
+class ScoringDeadline(BaseModel):
+    """The policy's max_scoring_time_s, held against the measured pace: once `min_elapsed_s` have passed, scoring
+    stops (exit 2) as soon as the requests answered so far project past the limit, or when it is reached."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    limit_s: float
+    policy_file: Path
+    total: int | None  # requests of every set the role scores
+    min_elapsed_s: float = 30.0
+    started: float = Field(default_factory=lambda: time.monotonic())
+    done_before: int = 0  # requests of the lm-eval groups already finished
+
+    def check(self, completed: int) -> None:
+        elapsed = time.monotonic() - self.started
+        answered = self.done_before + completed
+        projected = elapsed / answered * self.total if answered and self.total else None
+        if elapsed > self.limit_s or (elapsed >= self.min_elapsed_s and projected is not None and projected > self.limit_s):
+            pace = f"{answered:,} of {self.total:,} requests in {elapsed:.0f} s" if self.total else f"{elapsed:.0f} s"
+            raise InputError(
+                f"candidate scoring projected at {projected or elapsed:,.0f} s ({pace}) > max_scoring_time_s {self.limit_s:g}: stopped",
+                file=self.policy_file, field="max_scoring_time_s",
+            )
+
+
 class _LogFollower:
     """Reads what lm-eval appended to its log since the last call and moves the progress bar."""
 
@@ -354,6 +382,7 @@ class _LogFollower:
         self._path, self._bar = log_path, bar
         self._offset = 0
         self._counter = RequestCounter()
+        self.completed = 0
 
     def poll(self) -> None:
         if self._bar is None:
@@ -365,7 +394,8 @@ class _LogFollower:
         except OSError:
             return
         self._offset += len(chunk)
-        self._bar.update(completed=self._counter.feed(chunk.decode("utf-8", errors="replace")))
+        self.completed = self._counter.feed(chunk.decode("utf-8", errors="replace"))
+        self._bar.update(completed=self.completed)
 
 
 @contextmanager
@@ -377,7 +407,9 @@ def _removed_after(folder: Path) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run_watching_server(command: list[str], server: RunningServer, log_path: Path, bar: Bar | None = None) -> None:
+def _run_watching_server(
+    command: list[str], server: RunningServer, log_path: Path, bar: Bar | None = None, deadline: ScoringDeadline | None = None,
+) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     follower = _LogFollower(log_path, bar)
     scratch = log_path.parent / f"{LM_EVAL_SCRATCH}-{log_path.stem}"
@@ -394,6 +426,8 @@ def _run_watching_server(command: list[str], server: RunningServer, log_path: Pa
                     process.kill()
                     server.check_alive()
                 follower.poll()
+                if deadline is not None:
+                    deadline.check(follower.completed)
                 time.sleep(0.5)
             follower.poll()
         finally:

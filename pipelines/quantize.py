@@ -45,7 +45,7 @@ from pipelines.recipe import LoadedRecipe, load_recipe
 from pipelines.safepath import ensure_inside, safe_component
 from pipelines.settings import current as current_settings
 from pipelines.smoothing import checked_smoothing, with_mappings
-from pipelines.targets import host_record, installed_target
+from pipelines.targets import ServeTarget, host_record, installed_target
 
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
 KEY_HEX = 12
@@ -87,16 +87,17 @@ class _Inputs(BaseModel):
 
 def quantize_model(
     recipe: str | LoadedRecipe, model_dir: Path, *, artifacts_root: Path | None = None, force: bool = False,
-    calibration: str | None = None, eval_sets: list[EvalSet] | None = None,
+    calibration: str | None = None, eval_sets: list[EvalSet] | None = None, target: ServeTarget | None = None,
 ) -> QuantizeResult:
     """Quantize `model_dir` with `recipe` (shipped name, YAML path, or loaded); reuse the artifact when it exists.
+    `target`: the host class the artifact is for (default: this machine's; another class is checked by its written rules).
 
     `calibration` replaces the recipe's calibration data (a folder with data.jsonl, a JSONL file, a set
     under eval_sets/, or FROM_EVAL_SETS: the held-out prompts of `eval_sets`, the sets the run scores)."""
     started = time.perf_counter()
     artifacts_root = current_settings().artifacts_dir if artifacts_root is None else artifacts_root
     model_name(Path(model_dir))  # refused before minutes of work, not after
-    inputs = gather_inputs(recipe, Path(model_dir), calibration=calibration, eval_sets=eval_sets)
+    inputs = gather_inputs(recipe, Path(model_dir), calibration=calibration, eval_sets=eval_sets, target=target)
     artifact_dir = artifact_path(artifacts_root, inputs)
     if not force and (manifest := verified_manifest(artifact_dir, inputs.key)) is not None:
         progress(f"reusing {artifact_dir} (same model, recipe, calibration data and library versions)")
@@ -112,12 +113,13 @@ def quantize_model(
 
 def gather_inputs(
     recipe: str | LoadedRecipe, model_dir: Path, *, calibration: str | None = None, eval_sets: list[EvalSet] | None = None,
+    target: ServeTarget | None = None,
 ) -> _Inputs:
     loaded = load_recipe(recipe)
     recipe_obj = loaded.recipe
     check_model_dir(model_dir)
     progress(f"checking recipe {recipe_obj.name} against {model_dir}")
-    target = installed_target()
+    target = target or installed_target()
     compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), loaded.path, target)
     progress(f"hashing {model_dir}")
     source_files = file_hashes(model_dir)

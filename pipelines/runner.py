@@ -33,10 +33,19 @@ from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
-from pipelines.evaluate import ANSWER_RESERVE_TOKENS, SetScore, check_prompt_lengths, load_all_prompts, materialize_tasks, score_eval_sets
+from pipelines.evaluate import (
+    ANSWER_RESERVE_TOKENS,
+    ScoringDeadline,
+    SetScore,
+    check_prompt_lengths,
+    load_all_prompts,
+    materialize_tasks,
+    score_eval_sets,
+)
 from pipelines.evidence import write_run_evidence
 from pipelines.gate import FitCheck, GateReport, decide, load_report
 from pipelines.hardware.host import host_profile
+from pipelines.hardware.probe_rules import probe_problem
 from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed
 from pipelines.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
@@ -151,6 +160,7 @@ def run_gate(job: GateJob) -> RunOutcome:
     require_model_dir(job.baseline_dir, "--baseline")
     require_model_dir(job.artifact_dir, "--artifact")
     check = verify_before_serving(job.artifact_dir, allow_unverified=job.allow_unverified)
+    check_served_here(job.artifact_dir)
     register = _registrable(job, check)
     with run_folder(job.settings.runs_dir, job.recipe_name) as folder:
         report = _gate_in(folder.path, job, check)
@@ -253,30 +263,45 @@ def _candidate_entries(
         kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references), strict=True)}
         return baseline_cache.CandidateEntry(key=keys[eval_set.name], model_hash=artifact_hash, score=score, kl_by_doc=kl_by_doc)
 
-    def check_speed(missing: list[EvalSet]) -> None:
-        check_scoring_time(job, {s.name: baseline[s.name] for s in missing}, stages)
+    def check_speed(missing: list[EvalSet]) -> ScoringDeadline | None:
+        return scoring_deadline(job, {s.name: baseline[s.name] for s in missing}, missing, stages)
 
     return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir,
                              stages, pool, before_serving=check_speed)
 
 
-def check_scoring_time(job: GateJob, baseline: dict[str, baseline_cache.BaselineEntry], stages: dict[str, float]) -> None:
-    """Before a slow candidate is scored: its estimated scoring time from the probe (docs/hardware.md), refused when
-    over the policy's max_scoring_time_s. Silent when the probe finds nothing slow here (or cannot probe here)."""
+def check_served_here(artifact_dir: Path) -> None:
+    """Before any server starts: every scheme in the artifact's config must have a kernel on this host (the probe's
+    finding), or the run stops with the host class and the missing kernel, not with a server dying at its first request."""
+    if not installed_target().local:
+        return
+    config = artifact_dir / CONFIG_NAME
+    for case in artifact_cases(config):
+        problem = probe_problem(case)
+        if problem is not None:
+            raise InputError(problem[1], file=config, field="quantization_config")
+
+
+def scoring_deadline(
+    job: GateJob, baseline: dict[str, baseline_cache.BaselineEntry], missing: list[EvalSet], stages: dict[str, float],
+) -> ScoringDeadline | None:
+    """Before a candidate is scored: a slow one (by the kernel probe, docs/hardware.md) gets its estimated scoring
+    time, an upper bound from the baseline's measured time; the policy's max_scoring_time_s is then held against
+    the measured pace while it is scored (a bound can be far above the truth: one Linear's ratio bounds the model's)."""
     target = installed_target()
-    if not target.local:
-        return
-    speed = probed_speed(host_profile(), artifact_cases(job.artifact_dir / CONFIG_NAME))
-    items = sum(entry.score.n for entry in baseline.values())
-    estimate = estimate_scoring(items, sum(entry.score.wall_s for entry in baseline.values()), speed)
-    if estimate is None:
-        return
-    stages["candidate_scoring_estimate_s"] = round(estimate.seconds, 1)
+    if target.local:
+        speed = probed_speed(host_profile(), artifact_cases(job.artifact_dir / CONFIG_NAME))
+        items = sum(entry.score.n for entry in baseline.values())
+        estimate = estimate_scoring(items, sum(entry.score.wall_s for entry in baseline.values()), speed)
+        if estimate is not None:
+            stages["candidate_scoring_bound_s"] = round(estimate.seconds, 1)
+            progress(estimate.line())
     limit = job.settings.policy.max_scoring_time_s
-    if limit is not None and estimate.seconds > limit:
-        raise InputError(f"{estimate.line()} > max_scoring_time_s {limit:g}: not scored", file=job.settings.policy_path,
-                         field="max_scoring_time_s")
-    progress(estimate.line() + ("" if limit is None else f" (policy limit {limit:g} s)"))
+    if limit is None:
+        return None
+    requests = [s.num_requests for s in missing]
+    total = sum(count for count in requests if count is not None) if None not in requests else None
+    return ScoringDeadline(limit_s=limit, policy_file=job.settings.policy_path, total=total)
 
 
 def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, baseline_cache.Entry]:
@@ -287,7 +312,8 @@ def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, base
 def _cached_or_served(
     role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
     make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
-    stages: dict[str, float], pool: ServerPool | None = None, before_serving: Callable[[list[EvalSet]], None] | None = None,
+    stages: dict[str, float], pool: ServerPool | None = None,
+    before_serving: Callable[[list[EvalSet]], ScoringDeadline | None] | None = None,
 ) -> dict[str, baseline_cache.Entry]:
     """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached
     (and, with a pool, kept up after its scoring for the load test). `before_serving` sees the missing sets first."""
@@ -296,14 +322,13 @@ def _cached_or_served(
     if not missing:
         progress(f"{role}: all {len(entries)} eval set(s) cached; no {role} server needed")
         return _complete(entries)
-    if before_serving is not None:
-        before_serving(missing)
+    deadline = before_serving(missing) if before_serving is not None else None
     progress(f"{role}: scoring {', '.join(s.name for s in missing)} on {model_dir}")
     serve = pool.serve if pool is not None else vllm_server
     with serve(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
         stages[f"{role}_serve_start_s"] = round(server.startup_s, 2)
         with timed(stages, f"{role}_scoring_s"):
-            scores = score_eval_sets(server, model_dir, missing, include_dir, staging / role)
+            scores = score_eval_sets(server, model_dir, missing, include_dir, staging / role, deadline)
             for eval_set in missing:
                 fresh = make_entry(server, eval_set, scores[eval_set.name])
                 baseline_cache.store(fresh, job.settings.cache_dir)

@@ -136,8 +136,10 @@ def cpu_rules(scheme: GroupScheme, target: ServeTarget = CPU, layer: Layer | Non
     """vLLM's CPU build: weight-only at 4 bits (CPUWNA16, not in the AVX2 library), int8 W8A8
     (CPUInt8ScaledMMLinearKernel, oneDNN)."""
     weights, activations = scheme.weights, scheme.activations
+    if activations is not None and weights.bits == 4:
+        return _w4a8_problem(weights, activations, layer)
     if activations is not None:
-        return _w8a8_problem(weights, activations, "vLLM serves int8 W8A8, not W4A8 on CPU")
+        return _w8a8_problem(weights, activations, "on CPU vLLM serves W4A8 with int4 weights and int8 dynamic activations")
     if target.isa == "avx2" and weights.bits == 4:
         return Problem(
             "weights.bits",
@@ -169,7 +171,8 @@ def cuda_rules(scheme: GroupScheme, target: ServeTarget, layer: Layer | None = N
         return Problem("", f"vLLM's compressed-tensors int schemes need compute capability 7.5 (Turing) or newer; {target} is older")
     weights, activations = scheme.weights, scheme.activations
     if activations is not None:
-        return _w8a8_problem(weights, activations, "vLLM's CUDA build serves int8 W8A8; W4A8 int serves on Arm CPUs only")
+        return _w8a8_problem(weights, activations, "vLLM's CUDA build serves int8 W8A8; its W4A8 kernels take FP8 activations, "
+                                                   "W4A8 with int8 activations serves on CPUs only")
     if weights.granularity == "tensor":
         return _PER_TENSOR_WEIGHT_ONLY
     if weights.bits not in (4, 8):
@@ -218,6 +221,23 @@ def _cuda_shape_problem(weights: WeightScheme, layer: Layer) -> Problem | None:
                                       f"sizes multiples of {MACHETE_BLOCK[1]}; {shape}")
     elif weights.group_size == 256 and layer.out_features % 8:
         return Problem("weights", f"group size 256 serves through Triton W4A16, which needs output sizes multiples of 8; {shape}")
+    return None
+
+
+def _w4a8_problem(weights: WeightScheme, activations: ActivationScheme, layer: Layer | None) -> Problem | None:
+    """compressed-tensors' `_is_dynamic_token_w4a8_int` -> CompressedTensorsW4A8Int -> Dynamic4bitLinearKernel, vLLM's
+    only CPU kernel for it (PyTorch's _dyn_quant_matmul_4bit: KleidiAI on Arm, PyTorch's own kernel on x86, in every
+    library vLLM loads): symmetric int4 weights per channel or group, int8 activations dynamic per token."""
+    if not weights.symmetric:
+        return Problem("weights.symmetric", "vLLM's W4A8 kernel (Dynamic4bitLinearKernel) needs symmetric int4 weights")
+    if weights.granularity == "tensor":
+        return Problem("weights.granularity", "W4A8 weights must be per channel or per group in vLLM")
+    if not activations.dynamic or activations.granularity != "token":
+        return Problem("activations", "vLLM serves W4A8 with dynamic per-token int8 activations only")
+    group = weights.group_size
+    if layer is not None and isinstance(group, int) and layer.in_features % group:
+        return Problem("weights.group_size", f"vLLM's W4A8 kernel needs a group size that divides the input size; {layer.name} has "
+                                             f"{layer.in_features} inputs")
     return None
 
 

@@ -123,7 +123,7 @@ class FakeStack:
         log_path.write_text(f"fake vLLM serving {model_dir}\n")
         yield SimpleNamespace(served_name=served_name, model_dir=model_dir, startup_s=1.5)
 
-    def score(self, server, tokenizer_dir, eval_sets, include_dir, work_dir) -> dict[str, SetScore]:
+    def score(self, server, tokenizer_dir, eval_sets, include_dir, work_dir, deadline=None) -> dict[str, SetScore]:
         assert all((include_dir / s.task_yaml.name).is_file() for s in eval_sets), "tasks not materialized"
         if server.served_name == "candidate" and self.fail_candidate is not None:
             raise self.fail_candidate

@@ -46,12 +46,16 @@ class SchemeRow(BaseModel):
     why: str = ""
 
 
+NEGATIVE_CONTROL_TAG = "negative-control"
+
+
 class DoctorReport(BaseModel):
     target: str
     probed: bool
     host: HostProfile | None
     ladder: str
     rows: list[SchemeRow]
+    negative_control: str | None = None  # the first shipped recipe tagged negative-control that runs here (make demo-reject)
 
     def recipe_actions(self) -> dict[str, Action]:
         """Each shipped recipe's worst action (refused > runs slowly > runs)."""
@@ -86,7 +90,11 @@ def diagnose(target: ServeTarget) -> DoctorReport:
         host = host_profile()
         facts = kernel_facts(host, [KernelCase.of(scheme) for _, scheme in schemes])
     rows = [_row(source, scheme, target, facts) for source, scheme in schemes]
-    return DoctorReport(target=str(target), probed=target.local, host=host, ladder=str(default_ladder_path(target)), rows=rows)
+    report = DoctorReport(target=str(target), probed=target.local, host=host, ladder=str(default_ladder_path(target)), rows=rows)
+    actions = report.recipe_actions()
+    controls = [name for name in shipped_recipes() if NEGATIVE_CONTROL_TAG in load_recipe(name).recipe.tags]
+    report.negative_control = next((name for name in sorted(controls, key=len) if actions.get(name, "refused") != "refused"), None)
+    return report
 
 
 def _concrete(scheme: GroupScheme) -> GroupScheme:
@@ -157,6 +165,7 @@ def _render(report: DoctorReport) -> None:
     else:
         say(f"target {report.target}: written rules (pipelines/targets.py); nothing probed on this machine")
     actions = report.recipe_actions()
+    say(f"negative control here: {report.negative_control or 'none of the shipped ones serves here'}")
     say(table("shipped recipes", ["recipe", "here"], [[name, action] for name, action in actions.items()]))
     reasons: dict[str, int] = {}
     say(table(None, ["where", "scheme", "kernel", "decode", "prefill", "here"], [

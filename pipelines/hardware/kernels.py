@@ -133,6 +133,8 @@ STANDARD_CASES: tuple[KernelCase, ...] = (
     *(_case({"bits": 4, "granularity": "channel", "symmetric": s}) for s in (True, False)),
     *(_case({"bits": 4, "granularity": "group", "group_size": g, "symmetric": s}) for g in (128, 64, 32) for s in (True, False)),
     _case({"bits": 8, "granularity": "channel"}),
+    *(_case({"bits": 4, **weights}, {"granularity": "token", "dynamic": True})
+      for weights in ({"granularity": "channel"}, {"granularity": "group", "group_size": 128})),
 )
 
 

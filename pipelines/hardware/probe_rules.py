@@ -7,11 +7,11 @@ from pipelines.hardware.kernels import STANDARD_CASES, KernelCase, KernelFact, k
 from pipelines.recipe import GroupScheme
 
 
-def probe_problem(scheme: GroupScheme) -> tuple[str, str] | None:
+def probe_problem(scheme: GroupScheme | KernelCase) -> tuple[str, str] | None:
     """(field, why) when no vLLM kernel serves `scheme` on this host, with the probe's own error and what is served
     here instead; None when one does."""
     profile = host_profile()
-    case = KernelCase.of(scheme)
+    case = scheme if isinstance(scheme, KernelCase) else KernelCase.of(scheme)
     facts = kernel_facts(profile, [case])
     fact = facts[case.key]
     if fact.served:
@@ -29,6 +29,7 @@ def served_families(facts: dict[str, KernelFact]) -> str:
     families = []
     for name, test in (
         ("int8 W8A8 (the w8a8 recipe)", lambda c: c.activations is not None and c.weights.bits == 8),
+        ("int4 weights with int8 activations (W4A8: the aggressive recipe)", lambda c: c.activations is not None and c.weights.bits == 4),
         ("int4 weight-only (w4a16, gptq)", lambda c: c.activations is None and c.weights.bits == 4),
         ("int8 weight-only", lambda c: c.activations is None and c.weights.bits == 8),
     ):

@@ -91,8 +91,9 @@ class ScoringEstimate(BaseModel):
     seconds: float
 
     def line(self) -> str:
-        return (f"candidate scoring estimated at up to {duration(self.seconds)}: the 16-bit baseline scored these "
-                f"{self.items:,} items in {duration(self.baseline_seconds)}, x probed slowdown {self.slowdown:.1f} on {self.host_class}")
+        return (f"slow kernels here: candidate scoring may take up to {duration(self.seconds)} (the 16-bit baseline scored these "
+                f"{self.items:,} items in {duration(self.baseline_seconds)}, x probed slowdown {self.slowdown:.1f} on {self.host_class}; "
+                "an upper bound: the probe times one Linear layer, the model also spends time outside them)")
 
 
 def estimate_scoring(items: int, baseline_seconds: float, speed: ProbedSpeed) -> ScoringEstimate | None:

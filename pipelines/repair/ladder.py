@@ -187,7 +187,8 @@ def rung_problem(rung: GroupScheme | None, unit: Unit, target: ServeTarget, cali
 def unit_ladder(unit: Unit, ladder: Ladder, target: ServeTarget, calibrated: bool = True) -> UnitLadder:
     """The rungs `unit` may move to: above its current scheme on its family's ladder, and applicable to its shapes.
 
-    A scheme that is not one of the ladder's rungs is placed by bytes: the rungs that store more qualify."""
+    A scheme that is not one of the ladder's rungs is placed by bytes: the rungs that store more qualify, and those
+    that store as much with wider weights (int8 W8A8 above W4A8, whose int4 weights are stored one per int8)."""
     assert unit.scheme is not None, "16-bit units have nowhere to move"
     name, family = ladder.family_of(unit.scheme)
     if family is None:
@@ -198,8 +199,9 @@ def unit_ladder(unit: Unit, ladder: Ladder, target: ServeTarget, calibrated: boo
     if on_ladder:
         above = list(enumerate(rungs))[rungs.index(unit.scheme) + 1:]
     else:
-        current = unit_bytes(unit, unit.scheme)
-        above = [(index, rung) for index, rung in enumerate(rungs) if rung is None or unit_bytes(unit, rung) > current]
+        current, bits = unit_bytes(unit, unit.scheme), unit.scheme.weights.bits
+        above = [(index, rung) for index, rung in enumerate(rungs)
+                 if rung is None or (unit_bytes(unit, rung), rung.weights.bits) > (current, bits)]
     options, skipped = [], []
     for position, rung in above:
         problem = rung_problem(rung, unit, target, calibrated)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import NEGATIVE_CONTROL
 from vllm_util import complete
 
 from pipelines.evalsets import discover_eval_sets
@@ -66,7 +67,7 @@ def test_aggressive_is_rejected_with_reasons_naming_the_set_and_the_rule(workspa
         assert set_name in failed and set_name in eval_set_names, reason
         assert any(rule in reason for rule in RULES), reason
     version = workspace.registry().show(DEMO_MODEL_DIR.name, outcome["registry_version"])
-    assert (version.status, version.recipe_name) == ("rejected", "aggressive")
+    assert (version.status, version.recipe_name) == ("rejected", NEGATIVE_CONTROL)
     assert Path(version.gate_path) == Path(outcome["gate_json"]).resolve()
     no_process_left(aggressive_run)
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import INT4_WEIGHT_ONLY
 from safetensors import safe_open
 
 from pipelines.artifact import MANIFEST_NAME, artifact_file_hashes
@@ -19,10 +20,12 @@ from pipelines.calibration import calibration_dataset, load_calibration_texts
 from pipelines.errors import InputError
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
 from pipelines.quantize import QuantizeResult, quantize_model
+from pipelines.targets import parse_target
 
 pytestmark = pytest.mark.integration
 
-SHIPPED = ("w8a8", "w4a16", "gptq", "aggressive")
+SHIPPED = ("w8a8", "w4a16", "gptq", "aggressive", "aggressive-w4a8")
+WEIGHT_ONLY_INT4 = ("w4a16", "gptq", "aggressive")  # recipes vLLM's AVX2 library has no kernel for
 ATTENTION, MLP = r"re:.*self_attn\.(q|k|v|o)_proj$", r"re:.*mlp\.(gate|up|down)_proj$"
 
 
@@ -48,7 +51,9 @@ def artifacts(workspace, recipes: dict[str, str], demo_or_tiny_model: Path):
 
     def get(name: str) -> QuantizeResult:
         if name not in done:
-            done[name] = quantize_model(recipes[name], demo_or_tiny_model, artifacts_root=root)
+            # for this host when it serves the recipe; else for one that does (AVX-512 with BF16: `cpu`)
+            target = None if INT4_WEIGHT_ONLY or name not in WEIGHT_ONLY_INT4 else parse_target("cpu")
+            done[name] = quantize_model(recipes[name], demo_or_tiny_model, artifacts_root=root, target=target)
         return done[name]
 
     return get
@@ -110,6 +115,16 @@ def test_4_bit_artifacts(artifacts, name: str, strategy: str, group_size: int | 
     assert_16_bit_embeddings_and_lm_head(result.artifact_dir)
 
 
+def test_the_w4a8_control_keeps_the_int4_weights_and_adds_dynamic_int8_activations(artifacts) -> None:
+    config = quantization_config(artifacts("aggressive-w4a8").artifact_dir)
+    assert config["format"] == "int-quantized"  # int4 codes one per int8: vLLM's W4A8 kernel reads them so
+    for target in (ATTENTION, MLP):
+        group = group_for(config, target)
+        assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (4, "channel")
+        assert (group["input_activations"]["num_bits"], group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == (8, "token", True)
+    assert_16_bit_embeddings_and_lm_head(artifacts("aggressive-w4a8").artifact_dir)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_manifest_describes_the_artifact(artifacts, name: str) -> None:
     result = artifacts(name)
@@ -119,6 +134,7 @@ def test_manifest_describes_the_artifact(artifacts, name: str) -> None:
     assert "model.safetensors" in manifest.artifact_files and MANIFEST_NAME not in manifest.artifact_files
     assert result.artifact_dir.name == f"{name}-{manifest.input_key[:12]}"
     assert 0.2 < manifest.weight_bytes.ratio < 0.7 and manifest.weight_bytes.before > manifest.weight_bytes.after
+    assert manifest.host is not None and manifest.serve_target is not None
     assert manifest.layers["lm_head"] == "16-bit"
     assert set(manifest.versions) == {"torch", "transformers", "llmcompressor", "compressed-tensors"}
     assert manifest.compute.startswith(("cpu: ", "cuda: "))
@@ -177,14 +193,14 @@ def test_bad_model_folders_fail_before_any_work(tiny_llama_dir: Path, tmp_path: 
     model = _copy_model(tiny_llama_dir, tmp_path)
     damage(model)
     with pytest.raises(InputError) as caught:
-        quantize_model("w4a16", model, artifacts_root=tmp_path / "artifacts")
+        quantize_model("w4a16", model, artifacts_root=tmp_path / "artifacts", target=parse_target("cpu"))
     assert caught.value.file == str(model / file) and caught.value.field == field
     assert not (tmp_path / "artifacts").exists()
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="model folder does not exist"):
-        quantize_model("w4a16", tmp_path / "absent", artifacts_root=tmp_path / "artifacts")
+        quantize_model("w4a16", tmp_path / "absent", artifacts_root=tmp_path / "artifacts", target=parse_target("cpu"))
 
 
 def test_a_failure_mid_quantization_leaves_nothing(tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +211,7 @@ def test_a_failure_mid_quantization_leaves_nothing(tiny_llama_dir: Path, tmp_pat
     monkeypatch.setattr("pipelines.quantize.run_oneshot", crash)
     (tmp_path / "artifacts").mkdir()
     with pytest.raises(RuntimeError, match="oneshot died"):
-        quantize_model("w4a16", tiny_llama_dir, artifacts_root=tmp_path / "artifacts")
+        quantize_model("w4a16", tiny_llama_dir, artifacts_root=tmp_path / "artifacts", target=parse_target("cpu"))
     assert list((tmp_path / "artifacts").iterdir()) == []
 
 
@@ -208,12 +224,14 @@ def test_a_recipe_mixing_rtn_and_gptq_quantizes_in_one_run_and_vllm_serves_it(de
 
     from pipelines.serving import vllm_server
 
-    weights = "{bits: 4, granularity: group, group_size: 32, symmetric: true}"
+    # int4 weight-only where vLLM has the kernel; int8 W8A8 on AVX2 hosts (no 4-bit weight-only kernel there)
+    scheme = "weights: {bits: 4, granularity: group, group_size: 32, symmetric: true}" if INT4_WEIGHT_ONLY else \
+        "weights: {bits: 8, granularity: channel, symmetric: true}, activations: {bits: 8, granularity: token, dynamic: true}"
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text(
         f"name: mixed\nalgorithm: {{method: rtn}}\ncalibration: {{dataset: {calibration_set_dir / 'data.jsonl'}, num_samples: 8, "
-        f"max_seq_length: 64, seed: 0}}\ngroups:\n  attention:\n    weights: {weights}\n  mlp:\n    weights: {weights}\n"
-        f"overrides:\n  - layers: [0]\n    attention: {{weights: {weights}, algorithm: gptq}}\n    mlp: {{weights: {weights}, algorithm: gptq}}\n"
+        f"max_seq_length: 64, seed: 0}}\ngroups:\n  attention: {{{scheme}}}\n  mlp: {{{scheme}}}\n"
+        f"overrides:\n  - layers: [0]\n    attention: {{{scheme}, algorithm: gptq}}\n    mlp: {{{scheme}, algorithm: gptq}}\n"
     )
     result = quantize_model(str(recipe), demo_or_tiny_model, artifacts_root=tmp_path / "artifacts")
     manifest = json.loads((result.artifact_dir / MANIFEST_NAME).read_text())

@@ -23,15 +23,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import QUANTIZE, CommandRun, Workspace, processes_with_marker
+from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL, QUANTIZE, CommandRun, Workspace, processes_with_marker
 
 from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
 from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = pytest.mark.integration
 
-RECIPES = ("w8a8", "aggressive")
-EXPECTED = {"w8a8": "promoted", "aggressive": "rejected"}
+RECIPES = ("w8a8", NEGATIVE_CONTROL)
+SOURCE = "gptq" if INT4_WEIGHT_ONLY else "w8a8"
+FRESH = f"{SOURCE}-ray"
+EXPECTED = {"w8a8": "promoted", NEGATIVE_CONTROL: "rejected"}
 # Ledger fields that say where and when, not what: they differ between any two runs.
 CIRCUMSTANCES = {"run_dir", "registry_version", "wall_s", "skipped", "node", "attempts", "fingerprint"}
 
@@ -174,9 +176,10 @@ def test_the_ledger_records_node_and_wall_time(workspace, ray_job):
 
 @pytest.fixture(scope="module")
 def fresh_recipe(workspace: Workspace) -> Path:
-    """gptq under another name: an artifact no earlier test made, so the worker really quantizes it."""
-    path = workspace.root / "gptq-ray.yaml"
-    path.write_text((REPO_ROOT / "recipes" / "gptq.yaml").read_text().replace("name: gptq\n", "name: gptq-ray\n", 1))
+    """gptq (w8a8 on AVX2 hosts, which serve no int4 weight-only) under another name: an artifact no earlier test made,
+    so the worker really quantizes it (GPTQ in both)."""
+    path = workspace.root / f"{FRESH}.yaml"
+    path.write_text((REPO_ROOT / "recipes" / f"{SOURCE}.yaml").read_text().replace(f"name: {SOURCE}\n", f"name: {FRESH}\n", 1))
     return path
 
 
@@ -200,7 +203,7 @@ class Killer(threading.Thread):
                 if status["attempt"] == 1 and self.killed_pid is None:
                     self.timeline["worker 1 started"] = round(time.monotonic() - self.started, 1)
                     time.sleep(2.0)  # inside quantize: torch and llm-compressor loading, or GPTQ itself
-                    self.quantizing = not list(self.artifacts.glob("candidates/demo-llama/gptq-ray-*/manifest.json"))
+                    self.quantizing = not list(self.artifacts.glob(f"candidates/demo-llama/{FRESH}-*/manifest.json"))
                     os.kill(status["pid"], signal.SIGKILL)
                     self.killed_pid = status["pid"]
                     self.timeline["worker 1 SIGKILLed"] = round(time.monotonic() - self.started, 1)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL
 
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR
 from pipelines.recipe import load_recipe
@@ -33,20 +34,25 @@ def repair_run(workspace, aggressive_run):
 
 @pytest.fixture(scope="session")
 def repair_flag_run(workspace, repair_run):
-    return workspace.quantize("--recipe", "aggressive", "--eval-sets", ",".join(DEMO_EVAL_SETS), "--repair", "--repair-budget", BUDGET,
+    return workspace.quantize("--recipe", NEGATIVE_CONTROL, "--eval-sets", ",".join(DEMO_EVAL_SETS), "--repair", "--repair-budget", BUDGET,
                               "--no-loadtest", "--json")
 
 
 def test_aggressive_is_repaired_into_a_passing_artifact_smaller_than_w8a8(repair_run, w8a8_run, no_process_left):
+    """Smaller than w8a8 where vLLM has 4-bit weight-only kernels; on AVX2 hosts the W4A8 control stores its int4 codes
+    one per int8, as many bytes as w8a8, and the repair can only climb to int8 or 16-bit: smaller than 16-bit."""
     assert repair_run.code == 0, repair_run.describe()
     result = repair_run.json
     assert result["status"] == "repaired" and result["exit_code"] == 0
     found = result["found"]
     w8a8_bytes = json.loads((Path(w8a8_run.json["artifact_dir"]) / "manifest.json").read_text())["weight_bytes"]["after"]
-    assert found["weight_bytes"] < w8a8_bytes < result["bytes"]["16-bit"]
+    if INT4_WEIGHT_ONLY:
+        assert found["weight_bytes"] < w8a8_bytes < result["bytes"]["16-bit"]
+    else:
+        assert w8a8_bytes <= found["weight_bytes"] < result["bytes"]["16-bit"]
     assert 0 < found["modules_moved"] < result["units"]
     repaired = load_recipe(found["recipe_file"])  # reusable: quantize --recipe FILE
-    assert repaired.recipe.base == "aggressive" and repaired.recipe.overrides
+    assert repaired.recipe.base == NEGATIVE_CONTROL and repaired.recipe.overrides
     gate = json.loads((Path(found["run_dir"]) / "gate.json").read_text())
     assert gate["gate"]["verdict"] == "promoted" and gate["inputs"]["recipe"] == found["recipe_name"]
     no_process_left(repair_run)

@@ -204,7 +204,9 @@ def test_a_later_override_that_splits_fused_shards_is_the_one_named(layout: Mode
         ({"mlp": {"weights": {"bits": 3, "granularity": "group", "group_size": 128}}}, "groups.mlp.weights.bits", "4 bits only"),
         ({"mlp": {"weights": {"bits": 8, "granularity": "channel"}}}, "groups.mlp.weights.bits", "4 bits only"),
         ({"mlp": {"weights": {"bits": 4, "granularity": "tensor"}}}, "groups.mlp.weights.granularity", "channel' or 'group"),
-        ({"mlp": {"weights": {"bits": 4}, "activations": {}}}, "groups.mlp.weights.bits", "8-bit weights"),
+        ({"mlp": {"weights": {"bits": 4, "granularity": "tensor"}, "activations": {}}}, "groups.mlp.weights.granularity",
+         "W4A8 weights must be per channel or per group"),
+        ({"mlp": {"weights": {"bits": 4, "symmetric": False}, "activations": {}}}, "groups.mlp.weights.symmetric", "symmetric int4"),
         (
             {"mlp": {"weights": {"bits": 8, "granularity": "group", "group_size": 128}, "activations": {}}},
             "groups.mlp.weights.granularity", "per channel",

@@ -295,7 +295,7 @@ def test_score_eval_sets_starts_each_run_with_its_options(tmp_path: Path, monkey
     chat = make_set(tmp_path / "sets", "chatty", docs, metadata={"chat_template": True})
     commands = []
 
-    def fake_run(command, server, log_path, bar=None):
+    def fake_run(command, server, log_path, bar=None, deadline=None):
         commands.append(command)
         task = command[command.index("--tasks") + 1]
         output = Path(command[command.index("--output_path") + 1])

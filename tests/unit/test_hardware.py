@@ -233,3 +233,27 @@ def test_a_forced_target_that_is_not_this_hosts_class_cannot_serve_here(monkeypa
     assert targets.require_local_target().local
     monkeypatch.delenv(targets.TARGET_ENV)
     assert targets.installed_target() == targets.ServeTarget(kind="cpu", isa="avx2", local=True)
+
+
+def test_the_scoring_limit_holds_against_the_measured_pace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pipelines import evaluate
+    from pipelines.evaluate import ScoringDeadline
+
+    clock = [1000.0]
+    monkeypatch.setattr(evaluate.time, "monotonic", lambda: clock[0])
+    deadline = ScoringDeadline(limit_s=600, policy_file=tmp_path / "policy.yaml", total=2000)
+    clock[0] += 20
+    deadline.check(1)  # too early to project: 2 s of a slow start say little
+    clock[0] += 20
+    deadline.check(400)  # 40 s for 400 of 2,000: 200 s projected
+    clock[0] += 20
+    with pytest.raises(InputError) as raised:
+        deadline.check(410)  # 60 s for 410: 293 s... and then a stall
+        clock[0] += 200
+        deadline.check(420)  # 260 s for 420: 1,238 s projected
+    assert raised.value.field == "max_scoring_time_s" and "420 of 2,000 requests" in raised.value.message
+    deadline.done_before = 0
+    over = ScoringDeadline(limit_s=10, policy_file=tmp_path / "policy.yaml", total=None)
+    clock[0] += 11
+    with pytest.raises(InputError, match="> max_scoring_time_s 10"):
+        over.check(0)

@@ -82,7 +82,10 @@ def test_cpu_four_bit_layers_need_sizes_in_multiples_of_32() -> None:
     (scheme(8, "channel", activations=W8A8_DYNAMIC), None),
     (scheme(8, "tensor", activations=W8A8_STATIC), None),
     (scheme(8, "channel", activations={**W8A8_DYNAMIC, "symmetric": False}), None),  # asymmetric activations serve
-    (scheme(4, "channel", activations=W8A8_DYNAMIC), "weights.bits"),  # W4A8: Arm CPUs only
+    (scheme(4, "channel", activations=W8A8_DYNAMIC), None),  # W4A8: Dynamic4bitLinearKernel, every CPU class
+    (scheme(4, "group", 128, activations=W8A8_DYNAMIC), None),
+    (scheme(4, "channel", symmetric=False, activations=W8A8_DYNAMIC), "weights.symmetric"),
+    (scheme(4, "channel", activations=W8A8_STATIC), "activations"),
     (scheme(8, "group", 128, activations=W8A8_DYNAMIC), "weights.granularity"),
     (scheme(8, "channel", symmetric=False, activations=W8A8_DYNAMIC), "weights.symmetric"),
     (scheme(8, "channel", activations={"granularity": "tensor", "dynamic": True}), "activations.granularity"),
