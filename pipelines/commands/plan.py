@@ -11,6 +11,9 @@ from pydantic import ValidationError
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT, MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
 from pipelines.commands.args import float_arg, int_arg
 from pipelines.errors import InputError, from_validation_error
+from pipelines.hardware.host import host_profile
+from pipelines.hardware.kernels import PROBE_IN_FEATURES, KernelCase
+from pipelines.hardware.speed import ProbedSpeed, probed_speed
 from pipelines.output import emit, say, table
 from pipelines.plan_view import (
     PLAN_COLUMNS,
@@ -33,8 +36,8 @@ from pipelines.planner import (
     model_shape,
     plan,
 )
-from pipelines.recipe import load_recipe
-from pipelines.targets import TARGET_HELP, parse_target
+from pipelines.recipe import Recipe, load_recipe
+from pipelines.targets import TARGET_HELP, installed_target, parse_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,13 +88,23 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("give --gpu NAME or --gpu-memory-gib GIB (see --list-gpus)", field="gpu")
     gpu = gpu_spec(args.gpu, args.gpu_memory_gib, args.gpu_bandwidth_gbs)
     recipes = [None, *(load_recipe(name).recipe for name in args.recipe)]
+    target = parse_target(args.target) if args.target else None
     result = plan(
         config, recipes, gpu, _max_model_len(args, config), args.concurrency, artifact_dir,
-        settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype,
-        target=parse_target(args.target) if args.target else None,
+        settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype, target=target,
     )
+    if result.target is not None and (target or installed_target()).local:
+        result.probed = {recipe.name: _probed(recipe) for recipe in recipes if recipe is not None}
     emit(result, as_json=args.json, render=render_plan)
     return 0
+
+
+def _probed(recipe: Recipe) -> ProbedSpeed:
+    """The probe's ratios for the recipe's schemes on this host (group sizes as the probe's layer gets them)."""
+    schemes = [getattr(recipe.groups, group) for group in ("attention", "mlp")]
+    schemes += [getattr(override, group) for override in recipe.overrides for group in ("attention", "mlp")]
+    cases = [KernelCase.of(s.model_copy(update={"weights": s.weights.for_layer(PROBE_IN_FEATURES)})) for s in schemes if s is not None]
+    return probed_speed(host_profile(), cases)
 
 
 def _source(args: argparse.Namespace) -> tuple[Path, Path | None]:
@@ -134,6 +147,10 @@ def render_plan(result: Plan) -> None:
     say(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
     for row in result.rows:
         say(f"{row.scheme}: {vllm_arguments(row)}")
+    for name, speed in result.probed.items():
+        if speed.slowdown is not None:
+            say(f"{name}: probed on {speed.host_class} (its slowest scheme's Linear against 16-bit): {speed.decode_ratio:.2f}x at decode, "
+                f"{speed.prefill_ratio:.2f}x at prefill (docs/hardware.md)")
     for row in result.rows:
         if row.vllm_kv_layout:
             say(f"{row.scheme}: vLLM KV cache {row.vllm_kv_tokens:,} tokens: {row.vllm_kv_layout}")

@@ -105,11 +105,14 @@ def _fill(torch, layer, in_features: int, out_features: int) -> None:
 
 def _time(torch, layer, inputs, budget_s: float) -> float:
     """Milliseconds per forward: at most 5 calls, fewer when a call is slow (a budget per case and row count)."""
+    synchronize = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
     with torch.no_grad():
         layer(inputs)  # first call: lazy set-up (oneDNN primitives) is not what a server pays per step
+        synchronize()
         calls, started = 0, time.perf_counter()
         while calls < 5 and (calls == 0 or time.perf_counter() - started < budget_s):
             layer(inputs)
+            synchronize()
             calls += 1
     return (time.perf_counter() - started) / calls * 1000.0
 
@@ -161,6 +164,8 @@ def main() -> int:
         current_platform.import_kernels()
         dtype = getattr(torch, request.get("dtype") or "bfloat16")
         torch.set_default_dtype(dtype)
+        if output["host"]["cuda"]:
+            torch.set_default_device("cuda")  # the layers, their weights and the inputs live where vLLM puts them
         torch.manual_seed(0)
         with set_current_vllm_config(VllmConfig()):
             init_distributed_environment(world_size=1, rank=0, local_rank=0,

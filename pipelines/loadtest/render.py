@@ -74,6 +74,19 @@ def headline(report: PerformanceReport) -> str:
     return f"Performance {state}: {figures}{report.enforcement}"
 
 
+def probed_line(report: PerformanceReport) -> str:
+    """The kernel probe's ratios beside the measured one (docs/hardware.md): one Linear against the whole server."""
+    probed = report.probed
+    assert probed is not None
+    ratio = next((r for r in report.ratios if r.concurrency == report.deployment_concurrency), None)
+    throughput = ratio.throughput if ratio is not None else None
+    measured = f"; measured output-throughput ratio at concurrency {report.deployment_concurrency}: {throughput.estimate:.2f}" if throughput else ""
+    decode = f"{probed.decode_ratio:.2f}x" if probed.decode_ratio is not None else "?"
+    prefill = f"{probed.prefill_ratio:.2f}x" if probed.prefill_ratio is not None else "?"
+    return (f"Probed on {probed.host_class}: the candidate's slowest scheme ({probed.slowest}) takes {decode} the time of a 16-bit Linear "
+            f"at decode and {prefill} at prefill{measured} (a throughput ratio; 1/time).")
+
+
 def summary(report: PerformanceReport) -> PerformanceSummary:
     """The few figures a run's outcome and a job's result carry (gate.json has everything)."""
     ratio = next((r for r in report.ratios if r.concurrency == report.deployment_concurrency), None)
@@ -101,6 +114,8 @@ def markdown_sections(report: PerformanceReport, table) -> list[str]:
     ]
     if report.ratios:
         parts += ["### Candidate / baseline", table(RATIO_COLUMNS, ratio_rows(report)), f"Interval: {report.interval_method}."]
+        if report.probed is not None and report.probed.slowdown is not None:
+            parts.append(probed_line(report))
     parts += ["### KV cache and memory", table(MEMORY_COLUMNS, memory_rows(report))]
     if report.tuning is not None:
         parts += ["### Measured tuning", table(TUNING_COLUMNS, tuning_rows(report)), report.tuning.basis + "."]

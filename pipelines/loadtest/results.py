@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipelines.hardware.speed import ProbedSpeed
 from pipelines.loadtest.config import PerformancePolicy
 from pipelines.schema import StrictModel
 
@@ -121,6 +122,8 @@ class PerformanceReport(StrictModel):
     warnings: list[str] = Field(default_factory=list)
     plots: dict[str, str] = Field(default_factory=dict, description="PNG files in the run folder")
     wall_s: float = 0.0
+    probed: ProbedSpeed | None = Field(default=None, description="the kernel probe's ratios for the candidate's slowest scheme on "
+                                                                 "this host class (docs/hardware.md), beside the measured ratios")
 
     @property
     def passed(self) -> bool:

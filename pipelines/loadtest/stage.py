@@ -18,6 +18,8 @@ from pathlib import Path
 from pipelines.errors import InputError
 from pipelines.evalsets import EvalSet
 from pipelines.evaluate import Prompt
+from pipelines.hardware.host import host_profile
+from pipelines.hardware.speed import ProbedSpeed, artifact_cases, probed_speed
 from pipelines.loadtest import bench, figures, memory, plots, tuning, verdict
 from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
@@ -26,6 +28,7 @@ from pipelines.output import progress
 from pipelines.progress import track
 from pipelines.schema import StrictModel
 from pipelines.serving import RunningServer, ServeSettings, serve_versions
+from pipelines.targets import installed_target
 
 ServerSource = Callable[[Role], tuple[RunningServer, str]]
 LOADTEST_DIR = "loadtest"
@@ -169,5 +172,12 @@ def _report(inputs: StageInputs, workload: dict, levels: list[int], top: int, li
         target=inputs.target, enforced=enforced, enforcement=sentence, policy=policy, workload=workload,
         levels=levels, deployment_concurrency=top, models=models, ratios=ratios, interval_method=figures.INTERVAL_METHOD,
         tuning=measured, checks=found, reasons=reasons, warnings=[*warnings, *notes], plots=written,
-        wall_s=round(time.monotonic() - started, 2),
+        wall_s=round(time.monotonic() - started, 2), probed=_probed(inputs),
     )
+
+
+def _probed(inputs: StageInputs) -> ProbedSpeed | None:
+    """The kernel probe's figures for the candidate on this host (None: no candidate, or not this host's class)."""
+    if inputs.artifact_dir is None or not installed_target().local:
+        return None
+    return probed_speed(host_profile(), artifact_cases(inputs.artifact_dir / "config.json"))

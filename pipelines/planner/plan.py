@@ -16,6 +16,7 @@ from pipelines.artifact import is_model_dir
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT
 from pipelines.compiler import SIXTEEN_BIT, cannot_apply
 from pipelines.errors import InputError
+from pipelines.hardware.speed import ProbedSpeed
 from pipelines.planner.gpus import GiB, GpuSpec
 from pipelines.planner.kv import (
     CPU_BATCHES_IN_FLIGHT,
@@ -117,6 +118,9 @@ class Plan(StrictModel):
     settings: PlanSettings
     rows: list[PlanRow]
     target: str | None = Field(default=None, description="the serve target whose kernels the recipes were checked against")
+    probed: dict[str, ProbedSpeed] = Field(
+        default_factory=dict, description="per recipe: the kernel probe's ratios on this host (docs/hardware.md); when the "
+                                          "recipes were checked against this host's own class")
     attention: str = Field(default="", description="which layers slide, e.g. '15 sliding (window 512) + 3 full'")
 
     def fit_row(self) -> PlanRow:

@@ -76,7 +76,7 @@ def test_every_family_is_quantized_served_scored_and_judged(family_runs, family:
 
     serve = report["inputs"]["serve"]
     shape = model_shape(*load_config(model))
-    planned = vllm_kv_cache(shape, kv_element_bytes(shape)[1], serve["cpu_kv_cache_gib"] * GiB,
+    planned = vllm_kv_cache(shape, kv_element_bytes(shape, served_dtype=serve["dtype"])[1], serve["cpu_kv_cache_gib"] * GiB,
                             block_size=CPU_BLOCK_SIZE, max_model_len=serve["max_model_len"])
     run_dir = Path(outcome["run_dir"])
     for log_name in ("baseline-server.log", "candidate-server.log"):

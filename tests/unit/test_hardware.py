@@ -257,3 +257,18 @@ def test_the_scoring_limit_holds_against_the_measured_pace(monkeypatch: pytest.M
     clock[0] += 11
     with pytest.raises(InputError, match="> max_scoring_time_s 10"):
         over.check(0)
+
+
+def test_doctor_tells_what_each_shipped_recipe_gets_here(fake_probe: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipelines.commands import doctor
+
+    monkeypatch.setattr(doctor, "host_profile", lambda: PROFILE)
+    report = doctor.diagnose(targets.ServeTarget(kind="cpu", isa="avx2", local=True))
+    actions = report.recipe_actions()
+    assert actions["w8a8"] == "runs" and actions["w4a16"] == actions["gptq"] == actions["aggressive"] == "refused"
+    assert report.negative_control == "aggressive-w4a8" and report.ladder.endswith("cpu-avx2.yaml")
+    refused = next(row for row in report.rows if row.source == "w4a16: mlp")
+    assert refused.kernel == "CPUWNA16LinearKernel" and "cpu_gemm_wna16" in refused.why
+    elsewhere = doctor.diagnose(targets.parse_target("cpu"))
+    assert not elsewhere.probed and elsewhere.negative_control == "aggressive"
+    assert set(elsewhere.recipe_actions().values()) == {"runs"}
