@@ -22,6 +22,7 @@ Adding a command is one table entry and a module with `register(subparsers)`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -114,8 +115,14 @@ def _register(name: str, subparsers: argparse._SubParsersAction) -> None:
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
+    """`quantize --recipe ...` is `quantize run --recipe ...`; a first word that is not a command is refused, never
+    read as run's arguments."""
     if argv and (argv[0] in COMMANDS or argv[0] in ("-h", "--help")):
         return argv
+    if argv and not argv[0].startswith("-"):
+        nearest = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" (did you mean {nearest[0]!r}?)" if nearest else ""
+        raise UsageError(f"quantize: unknown command {_one_line(argv[0][:80])!r}{hint}; the commands are: {', '.join(COMMANDS)}")
     return [DEFAULT_COMMAND, *argv]
 
 

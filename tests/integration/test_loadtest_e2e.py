@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import HOST
 
 from pipelines.loadtest.bench import DONE_PREFIX, read_result
 from pipelines.loadtest.config import LoadSettings
@@ -32,7 +33,9 @@ def test_the_promoted_run_was_load_tested_report_only_on_the_cpu_target(run, w8a
     _, report = run
     performance = report["performance"]
     assert performance is not None and report["gate"]["verdict"] == "promoted"
-    assert performance["target"] == "cpu" and performance["enforced"] is False
+    assert performance["target"] == str(HOST) and performance["target"].startswith("cpu:") and performance["enforced"] is False
+    probed = performance["probed"]  # the kernel probe's ratios for the candidate on this host class, beside the measured ones
+    assert probed["host_class"] == str(HOST) and probed["slowest"].startswith("w8i-") and probed["decode_ratio"] > 0
     assert "report-only" in performance["enforcement"] and "CPU target" in performance["enforcement"]
     assert performance["reasons"] == [], "report-only: a failed check is a warning, never a reason"
     failed = [c["text"] for c in performance["checks"] if not c["passed"]]

@@ -491,3 +491,16 @@ def test_registry_output_shows_markup_literally_and_renders_no_link(capsys, monk
     assert "\x1b]8;" not in printed  # no OSC 8 hyperlink
     plain = re.sub(r"\x1b\[[0-9;]*m", "", printed)
     assert plain.count(reason) == 2 and plain.count(model) >= 4 and f"{model}: prod -> v1" in plain
+
+
+def test_an_unknown_command_is_refused_with_the_list_and_the_nearest(capsys: pytest.CaptureFixture) -> None:
+    from pipelines.cli import COMMANDS, main
+
+    assert main(["bogus"]) == 2
+    error = capsys.readouterr().err
+    assert "unknown command 'bogus'" in error and all(name in error for name in COMMANDS) and "--recipe" not in error
+    assert main(["doctr", "--help"]) == 2
+    assert "did you mean 'doctor'?" in capsys.readouterr().err
+    assert main(["\x1b[31m" + "x" * 500]) == 2
+    error = capsys.readouterr().err
+    assert "\x1b" not in error and len(error) < 400
