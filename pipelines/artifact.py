@@ -29,10 +29,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError
-from pipelines.hashing import file_hashes, sha256_file, sha256_json
-from pipelines.safepath import inside, safe_relative
+from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
+from pipelines.files.safepath import inside, safe_relative
+from pipelines.files.yamlio import decode_utf8, read_user_bytes
 from pipelines.schema import StrictModel
-from pipelines.yamlio import decode_utf8, read_user_bytes
 
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "manifest.json"
@@ -192,7 +192,7 @@ class WeightBytes(StrictModel):
 
 class SmoothingRecord(StrictModel):
     """The SmoothQuant mappings a quantization used: derived from the model's forward, checked to be an
-    identity before calibration (pipelines.smoothing)."""
+    identity before calibration (pipelines.quantize.smoothing)."""
 
     mappings: list[tuple[list[str], str]]  # llm-compressor's [[balance regexes], smooth regex]
     layers: list[str]  # each mapping as the layers it reaches
@@ -298,7 +298,7 @@ class ArtifactCheck(BaseModel):
 
     @property
     def folder_hash(self) -> str:
-        """pipelines.hashing.folder_hash of the folder, without reading it again: every file is accounted for."""
+        """pipelines.files.hashing.folder_hash of the folder, without reading it again: every file is accounted for."""
         return sha256_json({**self.files, MANIFEST_NAME: self.manifest_sha256})
 
 

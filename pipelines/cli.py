@@ -36,8 +36,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from pipelines.console.output import printable
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
-from pipelines.output import printable
 from pipelines.settings import current as current_settings
 
 

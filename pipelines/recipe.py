@@ -2,7 +2,7 @@
 
 A recipe says, per layer group, how weights and activations are quantized. It is validated here
 (types, unknown keys, contradictions that need no model), then compiled to an llm-compressor recipe by
-pipelines.compiler, which also checks it against a concrete model and against what vLLM can serve.
+pipelines.quantize.compiler, which also checks it against a concrete model and against what vLLM can serve.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.errors import InputError
-from pipelines.hashing import sha256_text
+from pipelines.files.hashing import sha256_text
+from pipelines.files.yamlio import parse_yaml_model, read_user_text
 from pipelines.paths import RECIPES_DIR
 from pipelines.schema import FrozenModel
-from pipelines.yamlio import parse_yaml_model, read_user_text
 
 # Numeric bounds: far beyond any real recipe, so that a typo or a hostile file is refused at load.
 MAX_GROUP_SIZE = 2**16
@@ -30,7 +30,7 @@ MAX_TAGS = 32
 DEFAULT_AUTO_GROUP_CAP = 128  # `group_size: auto` means `group_size: {auto: 128}`
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # A calibration dataset (recipe, --calibration, a job's `calibration:`) naming no data but the held-out
-# prompts (calibration.jsonl) of the eval sets the run scores: pipelines.calibration.held_out_prompts.
+# prompts (calibration.jsonl) of the eval sets the run scores: pipelines.quantize.calibration.held_out_prompts.
 FROM_EVAL_SETS = "from-eval-sets"
 GROUP_SIZE_HELP = (
     "group_size is an even number of input columns per scale, `auto` (per layer: the largest power of two up to "

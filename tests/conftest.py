@@ -60,7 +60,7 @@ def make_tiny_llama(folder: Path) -> Path:
 
 
 def write_calibration_set(folder: Path, count: int = 64) -> Path:
-    """A calibration set folder as pipelines.evalsets reads it: set.yaml + data.jsonl with a `text` field."""
+    """A calibration set folder as pipelines.evaluation.evalsets reads it: set.yaml + data.jsonl with a `text` field."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "set.yaml").write_text("kind: calibration\ndescription: tiny test calibration lines\n")
     (folder / "data.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in sample_texts(count)))

@@ -16,20 +16,20 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from pipelines import job as job_module
-from pipelines import runner
 from pipelines.artifact import MANIFEST_FILES_KEY
-from pipelines.divergence import Reference
-from pipelines.evalsets import EvalSet, validate_eval_set
-from pipelines.evaluate import ItemScore, SetScore
-from pipelines.gate import FitCheck, GateReport, PairedItem, SetComparison, decide
-from pipelines.hashing import file_hashes
-from pipelines.metrics import make_spec
-from pipelines.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
+from pipelines.evaluation.divergence import Reference
+from pipelines.evaluation.evalsets import EvalSet, validate_eval_set
+from pipelines.evaluation.evaluate import ItemScore, SetScore
+from pipelines.evaluation.metrics import make_spec
+from pipelines.files.hashing import file_hashes
+from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
+from pipelines.gate.verdict import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.jobs import job as job_module
 from pipelines.recipe import LoadedRecipe
-from pipelines.registry import EvalSetRef, NewVersion
-from pipelines.runner import RunOutcome
-from pipelines.serving import ServeSettings
+from pipelines.registry.store import EvalSetRef, NewVersion
+from pipelines.runs import runner
+from pipelines.runs.runner import RunOutcome
+from pipelines.serve.serving import ServeSettings
 
 N_ITEMS = 120
 TOKEN = "token_id:7"
@@ -66,7 +66,7 @@ def write_eval_set(
 
 
 def make_eval_set(root: Path, name: str = "tickets", answers: str = "abc", items: int = N_ITEMS) -> EvalSet:
-    """A real eval set folder (task YAML, data, a `!function` helper), validated by pipelines.evalsets."""
+    """A real eval set folder (task YAML, data, a `!function` helper), validated by pipelines.evaluation.evalsets."""
     task = {**TASK_CONFIG, "task": name, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}"}
     folder = write_eval_set(root, name, task, [{"q": f"q{i}", "a": answers} for i in range(items)])
     (folder / "utils.py").write_text("def process(doc):\n    return doc\n")
@@ -179,7 +179,7 @@ def gate_settings(
 
 
 def make_artifact(folder: Path, weights: bytes = b"weights") -> Path:
-    """A quantized-artifact folder as pipelines.quantize leaves it: files plus manifest.json."""
+    """A quantized-artifact folder as pipelines.quantize.oneshot leaves it: files plus manifest.json."""
     (folder / "sub").mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "config.json").write_text('{"quantization_config": {}}')
@@ -200,7 +200,7 @@ def gate_report(verdict: str = "promoted", created_at: str = "2026-12-01T10:00:0
 
 
 def make_gate(path: Path, verdict: str = "promoted", created_at: str = "2026-12-01T10:00:00+00:00") -> Path:
-    """A gate.json as pipelines.runner writes it (a GateReport); another `created_at` is other evidence."""
+    """A gate.json as pipelines.runs.runner writes it (a GateReport); another `created_at` is other evidence."""
     path.write_text(json.dumps(gate_report(verdict, created_at).model_dump(mode="json")))
     return path
 

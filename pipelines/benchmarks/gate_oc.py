@@ -9,8 +9,8 @@ A candidate is described by the true drop D (points of a pass/fail metric) and t
 (round(score x n) items right: the gate conditions on the baseline it has), so losses are drawn among the
 baseline's right items, Binomial(right, (psi + D) / 2 / score), and gains among its wrong ones,
 Binomial(n - right, (psi - D) / 2 / (1 - score)). P(promote) is summed exactly over those two binomial
-distributions (pipelines.stats.table_probability), each 2x2 table judged by the gate's own rules
-(pipelines.gate.table_rejects, the function judge_set's reasons come from), so the figures are the gate's,
+distributions (pipelines.gate.stats.table_probability), each 2x2 table judged by the gate's own rules
+(pipelines.gate.verdict.table_rejects, the function judge_set's reasons come from), so the figures are the gate's,
 not a model of it. KL is not counted (it has no error rate; by default it only warns).
 
 Printed: P(promote) against D at n = 20, 50, 100, 250, 1000 (the default rules, baseline --baseline-score);
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import binom
 
-from pipelines import stats
-from pipelines.gate import load_report, table_rejects, tolerance
+from pipelines.gate import stats
+from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
+from pipelines.gate.verdict import load_report, table_rejects, tolerance
 from pipelines.paths import DEMO_EVAL_SETS
-from pipelines.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
 
 SIZES = (20, 50, 100, 250, 1000)
 DISCORDANCES = (0.01, 0.02, 0.04, 0.06, 0.08, 0.10)
@@ -104,8 +104,8 @@ def corpus_promote_rate(rules: SetPolicy, n: int, rise: float, *, sims: int, see
     """P(pass) of a word-perplexity set (lm-eval's weighted_perplexity) whose true relative rise is `rise`, simulated
     through judge_set: n items of 20-200 words, per-word loglikelihoods Gamma(4, 0.5) nats, the candidate's per-item
     mean nats/word shifted by ln(1 + rise) plus N(0, noise / sqrt(words / 20))."""
-    from pipelines.gate import PairedItem, SetComparison, judge_set
-    from pipelines.metrics import make_spec
+    from pipelines.evaluation.metrics import make_spec
+    from pipelines.gate.verdict import PairedItem, SetComparison, judge_set
 
     spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
     rng = np.random.default_rng(seed)
@@ -168,7 +168,7 @@ def worst_promote_at_tolerance(rules: SetPolicy, n: int, *, baseline_score: floa
 
 def _shipped_sets(names: list[str] | None = None) -> list[tuple[str, int]]:
     """The named eval sets (default: the demo's three business sets) at their real sizes, from QUANTGATE_EVAL_SETS."""
-    from pipelines.evalsets import discover_eval_sets, select_eval_sets
+    from pipelines.evaluation.evalsets import discover_eval_sets, select_eval_sets
 
     if names is None:
         return [(s.name, s.num_items) for s in discover_eval_sets() if s.name in DEMO_EVAL_SETS]

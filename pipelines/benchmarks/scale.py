@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from pipelines.artifact import artifact_hash
-from pipelines.gate import load_report
+from pipelines.gate.policy import DEFAULT_POLICY
+from pipelines.gate.verdict import load_report
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.policy import DEFAULT_POLICY
 
 CANDIDATE_STAGES = ("quantize_s", "candidate_serve_start_s", "candidate_scoring_s", "gate_s")
 BASELINE_STAGES = ("baseline_serve_start_s", "baseline_scoring_s")

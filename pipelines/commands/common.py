@@ -9,15 +9,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipelines.bounds import MAX_CONTEXT
-from pipelines.capture import add_verbose_option, library_output_to_log
 from pipelines.commands.args import int_arg
-from pipelines.evalsets import select_eval_sets
-from pipelines.output import emit, progress
-from pipelines.policy import check_attainable, load_gate_policy
-from pipelines.registry import default_registry_path
-from pipelines.report import render_console
-from pipelines.runner import GateSettings, RunOutcome
-from pipelines.serving import ServeSettings
+from pipelines.console.capture import add_verbose_option, library_output_to_log
+from pipelines.console.output import emit, progress
+from pipelines.evaluation.evalsets import select_eval_sets
+from pipelines.gate.policy import check_attainable, load_gate_policy
+from pipelines.gate.report import render_console
+from pipelines.registry.store import default_registry_path
+from pipelines.runs.runner import GateSettings, RunOutcome
+from pipelines.serve.serving import ServeSettings
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 Every scheme of the shipped recipes (recipes/*.yaml) and of the host's repair ladder is looked up in the kernel
 probe (pipelines/hardware/kernels.py; probed once per host and cached): the kernel vLLM chose for it or why none
 could, its speed against 16-bit at a decode-like and a prefill-like row count, and what the product does with it
-here. With `--target CLASS` (another machine) the written rules (pipelines/targets.py) answer instead; nothing is
+here. With `--target CLASS` (another machine) the written rules (pipelines/hardware/targets.py) answer instead; nothing is
 probed.
 """
 
@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from pipelines.console.output import emit, say, table
+from pipelines.files.yamlio import parse_yaml_model, read_user_text
 from pipelines.hardware.host import HostProfile, host_profile
 from pipelines.hardware.kernels import (
     DECODE_ROWS,
@@ -25,11 +27,9 @@ from pipelines.hardware.kernels import (
     KernelFact,
     kernel_facts,
 )
-from pipelines.output import emit, say, table
+from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target, serve_problem
 from pipelines.recipe import GroupScheme, load_recipe, shipped_recipes
 from pipelines.repair.ladder import Families, Ladder, default_ladder_path
-from pipelines.targets import TARGET_HELP, ServeTarget, installed_target, parse_target, serve_problem
-from pipelines.yamlio import parse_yaml_model, read_user_text
 
 Action = Literal["runs", "runs slowly", "refused"]
 
@@ -163,7 +163,7 @@ def _render(report: DoctorReport) -> None:
         say(f"kernel probe: a {PROBE_IN_FEATURES}x{PROBE_OUT_FEATURES} Linear, time per call against 16-bit ({host.serve_dtype}) at "
             f"{DECODE_ROWS} rows (decode) and {PREFILL_ROWS} rows (prefill); 'runs slowly' from {SLOW_RATIO:g}x (geometric mean)")
     else:
-        say(f"target {report.target}: written rules (pipelines/targets.py); nothing probed on this machine")
+        say(f"target {report.target}: written rules (pipelines/hardware/targets.py); nothing probed on this machine")
     actions = report.recipe_actions()
     say(f"negative control here: {report.negative_control or 'none of the shipped ones serves here'}")
     say(table("shipped recipes", ["recipe", "here"], [[name, action] for name, action in actions.items()]))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
-from pipelines.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
-from pipelines.output import emit, say, table
+from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
 from pipelines.paths import EVAL_SETS_DIR
 
 POWER_DISCORDANCES = (0.02, 0.04, 0.1)
@@ -97,10 +97,10 @@ def _fractions(text: str, option: str) -> list[float]:
 def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float]) -> list[dict]:
     """Per set, under its rules: the tolerance, the identical-model minimum, and for each discordance psi the smallest
     tolerance its n certifies (an unchanged candidate passing 80% of the time) and the items the tolerance needs
-    (Nam 1997 with Tango's score test: pipelines.stats.items_needed). Pass/fail sets only have the last two; other
+    (Nam 1997 with Tango's score test: pipelines.gate.stats.items_needed). Pass/fail sets only have the last two; other
     metrics' noise is known once scored (each run's report gives them)."""
-    from pipelines import stats
-    from pipelines.policy import unattainable
+    from pipelines.gate import stats
+    from pipelines.gate.policy import unattainable
 
     rows = []
     for eval_set in eval_sets:
@@ -129,8 +129,8 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordance
 
 def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float) -> list[dict]:
     """P(at least one pass/fail set rejects an unchanged candidate) per discordance, each set at `baseline_score`."""
-    from pipelines import stats
-    from pipelines.gate import table_rejects
+    from pipelines.gate import stats
+    from pipelines.gate.verdict import table_rejects
 
     binary = [s for s in eval_sets if s.metric.kind == "binary"]
     rows = []
@@ -152,7 +152,7 @@ def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discord
 
 def power_sets(args: argparse.Namespace) -> int:
     """`quantize eval-sets power`: sizing against the policy, before any model is served (docs/gate-json.md, "Sizing")."""
-    from pipelines.policy import load_gate_policy
+    from pipelines.gate.policy import load_gate_policy
 
     discordances = _fractions(args.discordance, "--discordance")
     if not 0.0 < args.baseline_score < 1.0:

@@ -8,9 +8,9 @@ from pathlib import Path
 from pipelines.artifact import MANIFEST_NAME, manifest_recipe
 from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
 from pipelines.errors import InputError
-from pipelines.policy import check_attainable
-from pipelines.runner import GateJob, run_gate
-from pipelines.safepath import safe_component
+from pipelines.files.safepath import safe_component
+from pipelines.gate.policy import check_attainable
+from pipelines.runs.runner import GateJob, run_gate
 
 
 def recipe_name_for(artifact: Path, option: str | None) -> str:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.capture import add_verbose_option
 from pipelines.commands.common import library_output_on_stderr
+from pipelines.console.capture import add_verbose_option
+from pipelines.console.output import console, emit, table
 from pipelines.errors import InputError
-from pipelines.job import Executor, JobSummary, plan_job, run_locally
-from pipelines.output import console, emit, table
+from pipelines.jobs.job import Executor, JobSummary, plan_job, run_locally
 
 
 def reasons_by_set(reasons: list[str]) -> str:
@@ -37,7 +37,7 @@ def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | 
     """The job by its executor: `executor` (--executor), else the job file's `executor:`."""
     planned = plan_job(path)
     if (executor or planned.job.executor) == "ray":
-        from pipelines.scaleout.driver import run_on_ray  # ray: only for a job that uses it
+        from pipelines.jobs.ray.driver import run_on_ray  # ray: only for a job that uses it
 
         return run_on_ray(planned, address=ray_address)
     if ray_address is not None:

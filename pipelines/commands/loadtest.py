@@ -14,28 +14,28 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, read_model_config, require_model_dir, verify_artifact
-from pipelines.atomic import write_json_atomic, write_text_atomic
 from pipelines.bounds import MAX_CONTEXT
-from pipelines.capture import add_verbose_option
 from pipelines.commands.args import int_arg
 from pipelines.commands.common import library_output_on_stderr
+from pipelines.console.capture import add_verbose_option
+from pipelines.console.output import emit, progress, say, table
 from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError
-from pipelines.evalsets import EvalSet, select_eval_sets
-from pipelines.evaluate import ANSWER_RESERVE_TOKENS, check_prompt_lengths, load_prompts, materialize_tasks
+from pipelines.evaluation.evalsets import EvalSet, select_eval_sets
+from pipelines.evaluation.evaluate import ANSWER_RESERVE_TOKENS, check_prompt_lengths, load_prompts, materialize_tasks
+from pipelines.files.atomic import write_json_atomic, write_text_atomic
+from pipelines.gate.policy import FitRequirement, load_gate_policy
+from pipelines.gate.report import performance_markdown
+from pipelines.hardware.targets import installed_target
 from pipelines.loadtest.config import MAX_LEVEL, PerformancePolicy
 from pipelines.loadtest.gate_hook import ServerPool
 from pipelines.loadtest.render import console_tables
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import StageInputs, check_plan, plan_for, run_loadtest
-from pipelines.output import emit, progress, say, table
-from pipelines.policy import FitRequirement, load_gate_policy
 from pipelines.recipe import RecipeIdentity, identity_from_text
-from pipelines.report import performance_markdown
-from pipelines.runfolder import run_folder
+from pipelines.runs.runfolder import run_folder
 from pipelines.schema import StrictModel
-from pipelines.serving import ServeSettings
+from pipelines.serve.serving import ServeSettings
 from pipelines.settings import current as current_settings
-from pipelines.targets import installed_target
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from pipelines.commands.common import library_output_on_stderr
-from pipelines.models import AddResult, ModelInfo, add_model, list_models
-from pipelines.output import console, emit, progress, table
+from pipelines.console.output import console, emit, progress, table
+from pipelines.models.catalog import AddResult, ModelInfo, add_model, list_models
 from pipelines.paths import MODELS_DIR
 
 

@@ -10,18 +10,12 @@ from pydantic import ValidationError
 
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT, MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
 from pipelines.commands.args import float_arg, int_arg
+from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError, from_validation_error
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.kernels import PROBE_IN_FEATURES, KernelCase
 from pipelines.hardware.speed import ProbedSpeed, probed_speed
-from pipelines.output import emit, say, table
-from pipelines.plan_view import (
-    PLAN_COLUMNS,
-    gib,
-    plan_row_cells,
-    plan_title,
-    vllm_arguments,
-)
+from pipelines.hardware.targets import TARGET_HELP, installed_target, parse_target
 from pipelines.planner import (
     KV_CACHE_DTYPES,
     MAX_BATCHED_TOKENS,
@@ -36,8 +30,14 @@ from pipelines.planner import (
     model_shape,
     plan,
 )
+from pipelines.planner.view import (
+    PLAN_COLUMNS,
+    gib,
+    plan_row_cells,
+    plan_title,
+    vllm_arguments,
+)
 from pipelines.recipe import Recipe, load_recipe
-from pipelines.targets import TARGET_HELP, installed_target, parse_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.compiler import CompiledRecipe, compile_file
-from pipelines.output import console, emit, say, table
+from pipelines.console.output import console, emit, say, table
+from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.quantize.compiler import CompiledRecipe, compile_file
 from pipelines.recipe import load_recipe, shipped_recipes
-from pipelines.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

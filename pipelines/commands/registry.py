@@ -8,11 +8,11 @@ from typing import Any
 
 from pipelines.artifact import read_json_object
 from pipelines.commands.args import int_arg
+from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
-from pipelines.evidence import PromotionCheck
-from pipelines.output import emit, say, table
-from pipelines.registry import AliasTarget, Event, Registry, Version
-from pipelines.yamlio import MAX_JSON_BYTES
+from pipelines.files.yamlio import MAX_JSON_BYTES
+from pipelines.registry.evidence import PromotionCheck
+from pipelines.registry.store import AliasTarget, Event, Registry, Version
 
 MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
 version_number = int_arg(1, MAX_VERSION)
@@ -94,7 +94,7 @@ def _change_status(args: argparse.Namespace) -> int:
     version = registry.show(args.model, args.version)
     evidence = _read_evidence(args.evidence) if args.evidence else None
     if args.registry_command == "promote":
-        from pipelines.promotion import promote_signed
+        from pipelines.registry.promotion import promote_signed
 
         run_dir = Path(version.gate_path).parent if version.gate_path else None
         changed = promote_signed(registry, version, args.reason, evidence, run_dir=run_dir, override_gate=args.override_gate)
@@ -142,7 +142,7 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _export_mlflow(args: argparse.Namespace) -> int:
-    from pipelines.mlflow_export import export_to_mlflow
+    from pipelines.registry.mlflow_export import export_to_mlflow
 
     wanted = version_or_alias(args.version)
     registry = _open(args)

@@ -10,17 +10,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipelines.capture import add_verbose_option
 from pipelines.commands.args import float_arg, int_arg
 from pipelines.commands.common import library_output_on_stderr, print_outcome
-from pipelines.output import console, emit, progress, table
+from pipelines.console.capture import add_verbose_option
+from pipelines.console.output import console, emit, progress, table
 from pipelines.recipe import Recipe
-from pipelines.registry import default_registry_path
+from pipelines.registry.store import default_registry_path
 from pipelines.repair.result import RepairResult
 from pipelines.repair.search import Budget
 from pipelines.repair.sensitivity import SensitivitySettings
 from pipelines.repair.session import RepairOptions
-from pipelines.runner import GateSettings, RunOutcome
+from pipelines.runs.runner import GateSettings, RunOutcome
 
 
 def add_repair_options(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +47,8 @@ def repair_options(args: argparse.Namespace) -> RepairOptions:
 def check_ladder(args: argparse.Namespace, recipe: Recipe | None = None) -> None:
     """A bad ladder file fails before any work (a rung no kernel serves is refused here; with `recipe`, the rejected
     run's, so is a rung that needs calibration data the repair will not have)."""
+    from pipelines.hardware.targets import installed_target
     from pipelines.repair.ladder import calibration_available, load_ladder
-    from pipelines.targets import installed_target
 
     calibrated = recipe is None or calibration_available(recipe, args.calibration)
     load_ladder(args.ladder, installed_target(), calibrated=calibrated)
@@ -106,7 +106,7 @@ def handle(args: argparse.Namespace) -> int:
     parent = load_parent(args.run_id, current().runs_dir, registry_path=registry, calibration=args.calibration, loadtest=not args.no_loadtest,
                          allow_unverified=args.allow_unverified, recorded_in=args.registry)
     if args.calibration is not None:
-        from pipelines.calibration import check_calibration_source
+        from pipelines.quantize.calibration import check_calibration_source
 
         check_calibration_source(args.calibration, parent.settings.eval_sets)  # a bad --calibration fails before any work
     with library_output_on_stderr(verbose=args.verbose):

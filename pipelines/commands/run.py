@@ -10,7 +10,7 @@ from pipelines.commands.repair import add_repair_options
 from pipelines.errors import InputError
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import FROM_EVAL_SETS
-from pipelines.runner import quantize_and_gate
+from pipelines.runs.runner import quantize_and_gate
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -21,7 +21,7 @@ def handle(args: argparse.Namespace) -> int:
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
     extra = {}
     if args.calibration is not None:  # without it, the recipe's own calibration data (the call as it always was)
-        from pipelines.calibration import check_calibration_source
+        from pipelines.quantize.calibration import check_calibration_source
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration

@@ -88,7 +88,7 @@ def task_yaml(name: str, output_type: str, body: str, metric: str, about: str) -
         "  data_files:\n"
         "    test: data.jsonl\n"
         "# data_files relative to this folder wherever lm-eval runs (lm-eval 0.4.13 reads them from the working directory)\n"
-        "custom_dataset: !function pipelines.evalsets.set_data\n"
+        "custom_dataset: !function pipelines.evaluation.evalsets.set_data\n"
         "test_split: test\n"
         f"output_type: {output_type}\n"
         f"{body}"

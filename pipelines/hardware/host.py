@@ -9,7 +9,7 @@ capability. So the host class is read the way vLLM reads it, inside the serve en
     cpu:avx2        x86 without AVX-512 (AMD Zen 2/3, older Intel): vLLM loads _C_AVX2
     cpu:avx512      AVX-512 without BF16: _C_AVX512
     cpu:avx512bf16  AVX-512 with BF16: _C (AMX, when present, is reported unavailable to vLLM: its bf16 AMX
-                    kernels die with SIGILL on these VMs, measured; pipelines/serving.py)
+                    kernels die with SIGILL on these VMs, measured; pipelines/serve/serving.py)
     cpu:arm         aarch64: _C
     cuda:X.Y        vLLM's CUDA build on a GPU of compute capability X.Y
 
@@ -330,7 +330,7 @@ def _profile(emulated: CpuIsa | None, fingerprint: str) -> HostProfile:
 
 
 def _store(path: Path, text: str) -> None:
-    from pipelines.atomic import write_text_atomic
+    from pipelines.files.atomic import write_text_atomic
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

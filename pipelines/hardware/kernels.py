@@ -155,7 +155,7 @@ def kernel_facts(profile: HostProfile, cases: Iterable[KernelCase] = (), dtype: 
     wanted = {case.key: case for case in (*STANDARD_CASES, *cases)}
     missing = [case for key, case in wanted.items() if key not in known]
     if missing:
-        from pipelines.output import progress
+        from pipelines.console.output import progress
 
         progress(f"probing vLLM's kernels on {profile.host_class} ({len(missing)} scheme(s), once per host; "
                  f"about {10 + len(missing)} s)")

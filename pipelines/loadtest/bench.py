@@ -24,13 +24,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipelines.console.progress import Bar
 from pipelines.errors import LoadTestError
 from pipelines.loadtest.config import sweep_levels  # noqa: F401 - re-exported: the levels are part of the plan (config)
 from pipelines.loadtest.vllm_bench_driver import DONE_PREFIX  # stdlib only at import: it never imports vllm here
-from pipelines.progress import Bar
-from pipelines.reclaim import die_with_parent
 from pipelines.schema import FrozenModel
-from pipelines.serving import RunningServer, log_tail
+from pipelines.serve.reclaim import die_with_parent
+from pipelines.serve.serving import RunningServer, log_tail
 from pipelines.settings import current as current_settings
 
 DRIVER = Path(__file__).with_name("vllm_bench_driver.py")

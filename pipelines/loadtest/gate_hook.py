@@ -1,4 +1,4 @@
-"""The load test inside a gate run (pipelines.runner): which servers it reuses, when it runs, what it changes.
+"""The load test inside a gate run (pipelines.runs.runner): which servers it reuses, when it runs, what it changes.
 
 Servers: while the load test is wanted, the runner serves through a ServerPool: a server the quality gate
 starts (the baseline when its scores are not cached, the candidate likewise) is kept up after its scoring
@@ -23,7 +23,7 @@ from pipelines.loadtest import bench
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import LOADTEST_DIR, StageInputs, run_loadtest
 from pipelines.loadtest.verdict import apply_to_gate
-from pipelines.serving import RunningServer, ServeSettings, vllm_server
+from pipelines.serve.serving import RunningServer, ServeSettings, vllm_server
 
 
 class ServerPool:
@@ -32,7 +32,7 @@ class ServerPool:
     def __init__(self, stack: ExitStack, staging: Path, serve: ServeSettings, models: dict[Role, Path], stages: dict[str, float],
                  start: Callable[..., AbstractContextManager[RunningServer]] = vllm_server):
         self._stack, self._staging, self._serve, self._models, self._stages = stack, staging, serve, models, stages
-        self._start = start  # pipelines.serving.vllm_server (the runner hands over its own reference)
+        self._start = start  # pipelines.serve.serving.vllm_server (the runner hands over its own reference)
         self._servers: dict[Role, tuple[RunningServer, str]] = {}
         # The tool's process, started now: vLLM's import (10-40 s) overlaps the servers' start and the scoring.
         self.driver = stack.enter_context(bench.BenchDriver(staging / LOADTEST_DIR))
@@ -68,8 +68,8 @@ def server_pool(wanted: bool, staging: Path, serve: ServeSettings, baseline_dir:
 
 
 def stage_inputs(job, prompts: dict, identity, plan: dict | None, staging: Path) -> StageInputs:
-    """What the stage needs from a gate run (`job`: pipelines.runner.GateJob)."""
-    from pipelines.targets import installed_target
+    """What the stage needs from a gate run (`job`: pipelines.runs.runner.GateJob)."""
+    from pipelines.hardware.targets import installed_target
 
     fit = job.settings.policy.fit_for(identity)
     return StageInputs(

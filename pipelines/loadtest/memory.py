@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from pipelines.planner import GiB, kv_capacity_tokens
-from pipelines.serving import ServeSettings
+from pipelines.serve.serving import ServeSettings
 
 SAMPLE_S = 0.5
 CPU_BLOCK_SIZE = 128  # vLLM's CPU default (vllm/platforms/cpu.py) when --block-size is not given

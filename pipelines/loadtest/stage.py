@@ -3,7 +3,7 @@
     report = run_loadtest(inputs, servers)     # servers(role) -> (RunningServer, "quality gate" | "load test")
 
 `servers` hands out the server of each model: the runner's reuses those the quality gate started and starts
-the missing ones (pipelines.runner); `quantize loadtest` starts both itself. Everything the stage writes goes
+the missing ones (pipelines.runs.runner); `quantize loadtest` starts both itself. Everything the stage writes goes
 to `<run folder>/loadtest/` (the tool's plan, log and result files, the workload) and the plots to the run
 folder itself, beside report.md.
 """
@@ -15,20 +15,20 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
+from pipelines.console.output import progress
+from pipelines.console.progress import track
 from pipelines.errors import InputError
-from pipelines.evalsets import EvalSet
-from pipelines.evaluate import Prompt
+from pipelines.evaluation.evalsets import EvalSet
+from pipelines.evaluation.evaluate import Prompt
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, probed_speed
+from pipelines.hardware.targets import installed_target
 from pipelines.loadtest import bench, figures, memory, plots, tuning, verdict
 from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
 from pipelines.loadtest.workload import build_workload, write_dataset
-from pipelines.output import progress
-from pipelines.progress import track
 from pipelines.schema import StrictModel
-from pipelines.serving import RunningServer, ServeSettings, serve_versions
-from pipelines.targets import installed_target
+from pipelines.serve.serving import RunningServer, ServeSettings, serve_versions
 
 ServerSource = Callable[[Role], tuple[RunningServer, str]]
 LOADTEST_DIR = "loadtest"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipelines.loadtest.config import PerformancePolicy
 from pipelines.loadtest.results import ModelFigures, Tuning
-from pipelines.serving import ServeSettings
+from pipelines.serve.serving import ServeSettings
 
 
 def meets(level, policy: PerformancePolicy) -> bool:

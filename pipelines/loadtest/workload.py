@@ -1,6 +1,6 @@
 """The load's requests: the business eval sets' own prompts, with output lengths from the baseline's answers.
 
-Prompts are the text lm-eval sends per item (pipelines.evaluate.load_prompts: few-shot context, chat template
+Prompts are the text lm-eval sends per item (pipelines.evaluation.evaluate.load_prompts: few-shot context, chat template
 where the set asks), drawn round-robin from every set in a seeded order, so that a run mixes the sets' real
 lengths. Each prompt's output length is, with `output_tokens: baseline`, the length in tokens of the baseline's
 own greedy answer, asked from the baseline server with the set's stop sequences and length limit (a multiple
@@ -20,10 +20,10 @@ import httpx
 from pydantic import Field
 
 from pipelines.errors import LoadTestError
-from pipelines.evalsets import ROLLING, EvalSet
-from pipelines.evaluate import Prompt, load_tokenizer
+from pipelines.evaluation.evalsets import ROLLING, EvalSet
+from pipelines.evaluation.evaluate import Prompt, load_tokenizer
 from pipelines.schema import FrozenModel, StrictModel
-from pipelines.serving import RunningServer
+from pipelines.serve.serving import RunningServer
 
 SEED = 0
 MULTIPLE_CHOICE = "multiple_choice"

@@ -14,9 +14,9 @@ from pydantic import ConfigDict, Field, computed_field
 
 from pipelines.artifact import is_model_dir
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT
-from pipelines.compiler import SIXTEEN_BIT, cannot_apply
 from pipelines.errors import InputError
 from pipelines.hardware.speed import ProbedSpeed
+from pipelines.hardware.targets import CPU, ServeTarget, installed_target, parse_target
 from pipelines.planner.gpus import GiB, GpuSpec
 from pipelines.planner.kv import (
     CPU_BATCHES_IN_FLIGHT,
@@ -32,9 +32,9 @@ from pipelines.planner.kv import (
 )
 from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import WeightBreakdown, predict_weight_bytes, safetensors_bytes, shape_layout
+from pipelines.quantize.compiler import SIXTEEN_BIT, cannot_apply
 from pipelines.recipe import Recipe
 from pipelines.schema import StrictModel
-from pipelines.targets import CPU, ServeTarget, installed_target, parse_target
 
 MAX_BATCHED_TOKENS = 2**24
 MAX_OVERHEAD_GIB = 2**20

@@ -1,6 +1,6 @@
 """Weight bytes: predicted from the shape for a recipe (or 16-bit), or measured from safetensors headers.
 
-Which scheme each Linear gets is the compiler's answer (pipelines.compiler.scheme_for), so the bytes the
+Which scheme each Linear gets is the compiler's answer (pipelines.quantize.compiler.scheme_for), so the bytes the
 planner predicts and the layers the compiler quantizes never disagree.
 """
 
@@ -13,9 +13,9 @@ from typing import NamedTuple
 from pydantic import Field
 
 from pipelines.artifact import tensor_bytes
-from pipelines.compiler import Kind, LinearInfo, ModelLayout, scheme_for
 from pipelines.errors import InputError
 from pipelines.planner.shape import ModelShape
+from pipelines.quantize.compiler import Kind, LinearInfo, ModelLayout, scheme_for
 from pipelines.recipe import AutoGroupSize, GroupScheme, KeptGroup, Recipe
 from pipelines.schema import StrictModel
 
@@ -96,7 +96,7 @@ def linear_schemes(shape: ModelShape, recipe: Recipe | None) -> dict[str, GroupS
 def shape_layout(shape: ModelShape) -> ModelLayout:
     """The compiler's view of the model, built from the shape alone (no torch): the Linear layers the
     planner counts, named as the family's checkpoints name them. A model no recipe can quantize (MoE,
-    multimodal: pipelines.compiler.quantize_refusal) is an InputError, as the compiler's own layout is."""
+    multimodal: pipelines.quantize.compiler.quantize_refusal) is an InputError, as the compiler's own layout is."""
     if shape.not_quantizable:
         raise InputError(shape.not_quantizable, field="model_type")
     linears = [

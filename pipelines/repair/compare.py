@@ -12,12 +12,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from pipelines.compiler import ModelLayout, cannot_apply
 from pipelines.errors import QuantGateError
+from pipelines.hardware.targets import ServeTarget
 from pipelines.planner import ModelShape
+from pipelines.quantize.compiler import ModelLayout, cannot_apply
 from pipelines.recipe import load_recipe, shipped_recipes
 from pipelines.repair.pricing import recipe_bytes
-from pipelines.targets import ServeTarget
 
 
 class ShippedRecipe(BaseModel):
@@ -70,7 +70,7 @@ def registered_versions(registry_path: Path | None, model: str) -> list[Register
     """The model's versions in the registry (none when there is no registry or no such model)."""
     if registry_path is None or not Path(registry_path).is_file():
         return []
-    from pipelines.registry import Registry
+    from pipelines.registry.store import Registry
 
     try:
         versions = Registry(registry_path).list(model)

@@ -3,7 +3,7 @@
 A ladder file (recipes/ladders/<target kind>.yaml, i.e. cpu.yaml or cuda.yaml; `--ladder FILE`) has one ladder
 per family: `weight_only` for modules whose activations stay 16-bit, `w8a8` for modules with int8 activations.
 A rung is a scheme in the recipe vocabulary (pipelines.recipe.GroupScheme) or `16-bit`. Loading checks every
-rung against the serve target's kernels (pipelines.targets.serve_problem): a rung no kernel serves is refused,
+rung against the serve target's kernels (pipelines.hardware.targets.serve_problem): a rung no kernel serves is refused,
 naming file and rung.
 For one module (a Unit), the rungs above its current scheme that its shapes allow are its options; the
 others are listed with the compiler's reason (a group size that does not divide the layer, ...).
@@ -16,16 +16,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.calibration import resolve_calibration_data
-from pipelines.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
 from pipelines.errors import InputError
+from pipelines.files.yamlio import parse_yaml_model, read_user_text
+from pipelines.hardware.targets import ServeTarget, serve_problem
 from pipelines.paths import RECIPES_DIR
+from pipelines.quantize.calibration import resolve_calibration_data
+from pipelines.quantize.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
 from pipelines.recipe import Calibration, GroupScheme, Recipe
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import Unit
 from pipelines.schema import FrozenModel
-from pipelines.targets import ServeTarget, serve_problem
-from pipelines.yamlio import parse_yaml_model, read_user_text
 
 LADDERS_DIR = RECIPES_DIR / "ladders"
 MAX_RUNGS = 32

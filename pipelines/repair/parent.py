@@ -23,20 +23,20 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.artifact import MANIFEST_NAME, Manifest, is_model_dir, read_manifest
-from pipelines.calibration import source_of
+from pipelines.console.output import progress
 from pipelines.errors import InputError, QuantGateError, from_validation_error
-from pipelines.evalsets import select_eval_sets
-from pipelines.gate import GateReport, read_report
-from pipelines.hashing import sha256_file, sha256_json
-from pipelines.output import progress
-from pipelines.policy import Policy, SetPolicy, load_gate_policy
+from pipelines.evaluation.evalsets import select_eval_sets
+from pipelines.files.hashing import sha256_file, sha256_json
+from pipelines.files.safepath import ensure_inside, safe_component
+from pipelines.gate.policy import Policy, SetPolicy, load_gate_policy
+from pipelines.gate.verdict import GateReport, read_report
+from pipelines.quantize.calibration import source_of
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, parse_recipe
-from pipelines.runner import GateSettings
-from pipelines.safepath import ensure_inside, safe_component
-from pipelines.serving import ServeSettings
+from pipelines.runs.runner import GateSettings
+from pipelines.serve.serving import ServeSettings
 
 if TYPE_CHECKING:
-    from pipelines.registry import Version
+    from pipelines.registry.store import Version
 
 GATE_JSON = "gate.json"
 # No real gate (quantize, a vLLM start, scoring, the gate) takes less: the README measures 20-27 s for a vLLM
@@ -152,7 +152,7 @@ def _registered_version(gate_json: Path, registry_path: Path | None) -> Version 
     """The registry's version whose evidence is gate_json, or None (no registry, or not in it)."""
     if registry_path is None or not Path(registry_path).is_file():
         return None
-    from pipelines.registry import Registry
+    from pipelines.registry.store import Registry
 
     target = gate_json.resolve().as_posix()
     try:

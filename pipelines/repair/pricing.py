@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipelines.gate.policy import FitRequirement
 from pipelines.planner import ModelShape, gpu_spec, linear_bytes, load_config, model_shape, plan, predict_weight_bytes
-from pipelines.policy import FitRequirement
 from pipelines.recipe import GroupScheme, Recipe
 from pipelines.repair.units import Unit
 

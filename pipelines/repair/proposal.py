@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from pipelines.atomic import write_text_atomic
-from pipelines.hashing import sha256_json
-from pipelines.policy import Policy
+from pipelines.files.atomic import write_text_atomic
+from pipelines.files.hashing import sha256_json
+from pipelines.gate.policy import Policy
 from pipelines.recipe import Calibration, GroupScheme, LoadedRecipe, Recipe, parse_recipe
 from pipelines.repair.units import Unit
 

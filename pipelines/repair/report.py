@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.atomic import write_text_atomic
+from pipelines.files.atomic import write_text_atomic
+from pipelines.gate.report import md_list, md_table
 from pipelines.repair.result import RepairResult, SetMove
 from pipelines.repair.sensitivity import NEAR_TIE_NATS, Sensitivity
-from pipelines.report import md_list, md_table
 
 REPORT_MD = "report.md"
 PLOT_PNG = "sensitivity.png"

@@ -55,7 +55,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.compiler import scheme_summary
+from pipelines.quantize.compiler import scheme_summary
 from pipelines.recipe import GroupScheme
 from pipelines.repair.units import Assignment
 

@@ -28,20 +28,20 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelines import baseline as baseline_cache
-from pipelines.atomic import write_json_atomic
-from pipelines.calibration import calibration_inputs, draw_prompts, texts_sha256
-from pipelines.compiler import scheme_summary
-from pipelines.divergence import MAX_NEW_TOKENS
+from pipelines.console.output import progress
+from pipelines.console.progress import track
 from pipelines.errors import InputError
-from pipelines.evalsets import EvalSet
-from pipelines.hashing import folder_hash, sha256_json, sha256_text
-from pipelines.output import progress
-from pipelines.progress import track
+from pipelines.evaluation import baseline as baseline_cache
+from pipelines.evaluation.divergence import MAX_NEW_TOKENS
+from pipelines.evaluation.evalsets import EvalSet
+from pipelines.files.atomic import write_json_atomic
+from pipelines.files.hashing import folder_hash, sha256_json, sha256_text
+from pipelines.quantize.calibration import calibration_inputs, draw_prompts, texts_sha256
+from pipelines.quantize.compiler import scheme_summary
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
 from pipelines.repair.units import Assignment, RefPath, Unit
-from pipelines.serving import ServeSettings
+from pipelines.serve.serving import ServeSettings
 
 SENSITIVITY_VERSION = 2  # 2: GPTQ rungs measured with GPTQ applied
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
@@ -163,7 +163,7 @@ def _prompt_ids(model_dir: Path, eval_sets: list[EvalSet]) -> dict[str, dict[int
 
     from transformers import AutoTokenizer
 
-    from pipelines.evaluate import load_prompts, materialize_tasks
+    from pipelines.evaluation.evaluate import load_prompts, materialize_tasks
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory(prefix="quantgate-repair-") as folder:
@@ -266,7 +266,7 @@ class SensitivityModel:
     def _load_simulator(self):
         from transformers import AutoTokenizer
 
-        from pipelines.compiler import gptq_settings
+        from pipelines.quantize.compiler import gptq_settings
         from pipelines.repair.simulate import Simulator
 
         progress(f"repair: loading {self.model_dir.name} in float32 for fake quantization")

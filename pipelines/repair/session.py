@@ -4,7 +4,7 @@ The repair folder is artifacts/runs/<stamp>-repair-<recipe>-<pid>-<hex>/, beside
 creates: repair.json (RepairResult, rewritten after every attempt, so that an interrupted repair keeps its
 evidence), attempt-N.yaml (each proposal, a recipe), repaired.yaml (the passing one, `--recipe FILE`),
 report.md and sensitivity.png. Each attempt is an ordinary run (quantize, vLLM, lm-eval, the same gate,
-pipelines.runner.quantize_and_gate) with its own run folder and registry version; every attempt's version gets
+pipelines.runs.runner.quantize_and_gate) with its own run folder and registry version; every attempt's version gets
 a `lineage` event naming the parent run and version and the overrides added.
 """
 
@@ -18,13 +18,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.atomic import write_json_atomic, write_text_atomic
-from pipelines.compiler import layout_from_model_dir, scheme_summary
+from pipelines.console.output import progress
+from pipelines.console.progress import duration
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
-from pipelines.gate import GateReport
-from pipelines.hashing import sha256_text
-from pipelines.output import progress
-from pipelines.progress import duration
+from pipelines.files.atomic import write_json_atomic, write_text_atomic
+from pipelines.files.hashing import sha256_text
+from pipelines.gate.verdict import GateReport
+from pipelines.hardware.targets import ServeTarget, installed_target
+from pipelines.quantize.compiler import layout_from_model_dir, scheme_summary
 from pipelines.recipe import GroupScheme
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, load_ladder, unit_ladder
@@ -50,9 +51,8 @@ from pipelines.repair.search import (
 )
 from pipelines.repair.sensitivity import SensitivityModel, SensitivitySettings, sensitivity_dir
 from pipelines.repair.units import Unit, quantized_units, recipe_units
-from pipelines.runfolder import run_folder
-from pipelines.runner import GateSettings, RunOutcome, quantize_and_gate
-from pipelines.targets import ServeTarget, installed_target
+from pipelines.runs.runfolder import run_folder
+from pipelines.runs.runner import GateSettings, RunOutcome, quantize_and_gate
 
 REPAIRED_RECIPE = "repaired.yaml"
 RULES = ("max_abs_drop", "max_rel_drop", "rel_margin", "ni_margin", "max_flip_rate", "max_kl", "fit")
@@ -85,7 +85,7 @@ class Repair:
     # ------------------------------------------------------------------------------------ phases
 
     def run(self) -> RepairResult:
-        """The repair, in its own folder under runs/ (evidence written in place as it goes: pipelines.runfolder)."""
+        """The repair, in its own folder under runs/ (evidence written in place as it goes: pipelines.runs.runfolder)."""
         with run_folder(self.parent.settings.runs_dir, f"repair-{self.parent.recipe.name}", staged=False) as folder:
             self.folder = folder.path
             self.result = self._new_result()
@@ -288,7 +288,7 @@ class Repair:
         registry_path = self.parent.settings.registry_path
         if registry_path is None or attempt.registry_version is None:
             return
-        from pipelines.registry import Registry
+        from pipelines.registry.store import Registry
 
         evidence = {
             "repair": self.result.repair_id, "repair_json": str(self.folder / REPAIR_JSON), "attempt": attempt.number,
@@ -408,7 +408,7 @@ def parent_version(parent: ParentRun) -> int | None:
     """The registry version the rejected run registered (its gate.json is the version's evidence), if any."""
     if parent.settings.registry_path is None or not Path(parent.settings.registry_path).exists():
         return None
-    from pipelines.registry import Registry
+    from pipelines.registry.store import Registry
 
     gate = parent.gate_json.resolve().as_posix()
     try:

@@ -68,8 +68,8 @@ class Simulator:
         it changes the weights the schemes then quantize, not what the model computes."""
         from llmcompressor import oneshot
 
-        from pipelines.calibration import calibration_dataset
-        from pipelines.smoothing import checked_smoothing, with_mappings
+        from pipelines.quantize.calibration import calibration_dataset
+        from pipelines.quantize.smoothing import checked_smoothing, with_mappings
 
         dataset = calibration_dataset(tokenizer, texts, max_seq_length)
         # The mappings the quantize step uses: traced from this model's forward and checked, never the library's by name.

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pipelines.compiler import CHECKPOINT_FUSED, FUSED_SHARDS, Kind, LinearInfo, ModelLayout, ModuleScheme, check_recipe
+from pipelines.hardware.targets import ServeTarget
+from pipelines.quantize.compiler import CHECKPOINT_FUSED, FUSED_SHARDS, Kind, LinearInfo, ModelLayout, ModuleScheme, check_recipe
 from pipelines.recipe import GroupScheme, Recipe
-from pipelines.targets import ServeTarget
 
 
 class Unit(BaseModel):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import NEGATIVE_CONTROL, QUANTIZE, CommandRun, Workspace, processes_with_marker
 
-from pipelines.evalsets import discover_eval_sets
+from pipelines.evaluation.evalsets import discover_eval_sets
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR, REPO_ROOT
 
 CI_GATE_SCRIPT = REPO_ROOT / "scripts" / "ci_gate_example.sh"

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import psutil
 
+from pipelines.hardware.targets import installed_target
 from pipelines.paths import REPO_ROOT
-from pipelines.registry import Registry
-from pipelines.targets import installed_target
+from pipelines.registry.store import Registry
 
 MARKER = "QUANTGATE_TEST_COMMAND"
 # The host class the suite runs on (detected in the serve environment, docs/hardware.md): on cpu:avx2 vLLM has no 4-bit

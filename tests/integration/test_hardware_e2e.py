@@ -19,10 +19,10 @@ from helpers import Workspace
 
 from pipelines.errors import ServeError
 from pipelines.hardware.host import EMULATE_ENV, cpuinfo_class
+from pipelines.hardware.targets import parse_target
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.quantize import quantize_model
-from pipelines.serving import ServeSettings, vllm_server
-from pipelines.targets import parse_target
+from pipelines.quantize.oneshot import quantize_model
+from pipelines.serve.serving import ServeSettings, vllm_server
 
 AVX2 = {EMULATE_ENV: "cpu:avx2"}
 NATIVE = cpuinfo_class()

@@ -25,7 +25,7 @@ import pytest
 from helpers import MARKER, QUANTIZE, Workspace, processes_with_marker
 
 from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
-from pipelines.reclaim import SHIM_PREFIX, reclaim_stale
+from pipelines.serve.reclaim import SHIM_PREFIX, reclaim_stale
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def test_sigkill_of_quantize_leaves_no_process_and_reclaim_removes_its_folders(l
     everything = {p.pid: p for p in [*tree, *processes] if p.pid != quantize.pid}
     commands = {pid: _cmdline(p) for pid, p in everything.items()}
     kinds = " ".join(commands.values())
-    for kind in ("vllm.entrypoints.openai.api_server", "VLLM::EngineCore", "VLLM::Worker", "lm_eval", "pipelines.reclaim watchdog"):
+    for kind in ("vllm.entrypoints.openai.api_server", "VLLM::EngineCore", "VLLM::Worker", "lm_eval", "pipelines.serve.reclaim watchdog"):
         assert kind in kinds, f"no {kind} among {commands}"
     server = next(p for p in processes if "vllm.entrypoints.openai.api_server" in _cmdline(p))
     key = server.environ()["VLLM_API_KEY"]

@@ -16,9 +16,9 @@ import pytest
 from helpers import NEGATIVE_CONTROL
 from vllm_util import complete
 
-from pipelines.evalsets import discover_eval_sets
+from pipelines.evaluation.evalsets import discover_eval_sets
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.serving import RunningServer, vllm_server
+from pipelines.serve.serving import RunningServer, vllm_server
 
 pytestmark = pytest.mark.integration
 

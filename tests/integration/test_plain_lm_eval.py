@@ -1,7 +1,7 @@
 """Each shipped eval set's folder runs in plain lm-eval, unchanged, from any working directory.
 
 lm-eval 0.4.13 resolves a task's relative `data_files` against the working directory; the sets name
-`custom_dataset: !function pipelines.evalsets.set_data`, which reads them relative to the YAML's own
+`custom_dataset: !function pipelines.evaluation.evalsets.set_data`, which reads them relative to the YAML's own
 folder. These tests run the `lm_eval` command line itself (no vLLM) from an empty temporary folder: the
 `dummy` model on each set's folder, then the demo model through transformers (`--model hf`) on five items
 of each set (the whole eval_sets/ folder as the include path), which must score as the product's scores
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.evalsets import discover_eval_sets
+from pipelines.evaluation.evalsets import discover_eval_sets
 from pipelines.paths import DEMO_MODEL_DIR, EVAL_SETS_DIR
 
 pytestmark = pytest.mark.integration

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.hardware.targets import parse_target
 from pipelines.paths import DEMO_MODEL_DIR, RECIPES_DIR
 from pipelines.planner import GiB, kv_capacity_tokens, load_config, model_shape, predict_weight_bytes, safetensors_bytes
 from pipelines.planner.kv import CPU_BLOCK_SIZE
 from pipelines.recipe import load_recipe
-from pipelines.targets import parse_target
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def _shipped_recipes() -> list[str]:
 
 @pytest.mark.parametrize("recipe_name", _shipped_recipes())
 def test_predicted_weight_bytes_match_the_quantized_files(workspace, recipe_name: str) -> None:
-    from pipelines.quantize import quantize_model
+    from pipelines.quantize.oneshot import quantize_model
 
     # The session's artifacts root: an artifact another test (or run) already made is reused, not redone. Quantized for
     # a host class that serves every shipped recipe (the bytes do not depend on where it is served).

@@ -16,11 +16,11 @@ from helpers import INT4_WEIGHT_ONLY
 from safetensors import safe_open
 
 from pipelines.artifact import MANIFEST_NAME, artifact_file_hashes
-from pipelines.calibration import calibration_dataset, load_calibration_texts
 from pipelines.errors import InputError
+from pipelines.hardware.targets import parse_target
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
-from pipelines.quantize import QuantizeResult, quantize_model
-from pipelines.targets import parse_target
+from pipelines.quantize.calibration import calibration_dataset, load_calibration_texts
+from pipelines.quantize.oneshot import QuantizeResult, quantize_model
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,8 @@ def test_the_w4a8_control_keeps_the_int4_weights_and_adds_dynamic_int8_activatio
     for target in (ATTENTION, MLP):
         group = group_for(config, target)
         assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (4, "channel")
-        assert (group["input_activations"]["num_bits"], group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == (8, "token", True)
+        activations = group["input_activations"]
+        assert (activations["num_bits"], activations["strategy"], activations["dynamic"]) == (8, "token", True)
     assert_16_bit_embeddings_and_lm_head(artifacts("aggressive-w4a8").artifact_dir)
 
 
@@ -208,7 +209,7 @@ def test_a_failure_mid_quantization_leaves_nothing(tiny_llama_dir: Path, tmp_pat
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise RuntimeError("oneshot died")
 
-    monkeypatch.setattr("pipelines.quantize.run_oneshot", crash)
+    monkeypatch.setattr("pipelines.quantize.oneshot.run_oneshot", crash)
     (tmp_path / "artifacts").mkdir()
     with pytest.raises(RuntimeError, match="oneshot died"):
         quantize_model("w4a16", tiny_llama_dir, artifacts_root=tmp_path / "artifacts", target=parse_target("cpu"))
@@ -222,7 +223,7 @@ def test_a_recipe_mixing_rtn_and_gptq_quantizes_in_one_run_and_vllm_serves_it(de
     checks the weights themselves)."""
     from vllm_util import complete
 
-    from pipelines.serving import vllm_server
+    from pipelines.serve.serving import vllm_server
 
     # int4 weight-only where vLLM has the kernel; int8 W8A8 on AVX2 hosts (no 4-bit weight-only kernel there)
     scheme = "weights: {bits: 4, granularity: group, group_size: 32, symmetric: true}" if INT4_WEIGHT_ONLY else \

@@ -25,8 +25,8 @@ import psutil
 import pytest
 from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL, QUANTIZE, CommandRun, Workspace, processes_with_marker
 
+from pipelines.gate.policy import DEFAULT_POLICY
 from pipelines.paths import DEMO_MODEL_DIR, REPO_ROOT
-from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,7 @@ def _content(entries: dict[str, dict]) -> dict[str, dict]:
 
 def test_the_ledger_and_registry_match_the_local_run(workspace, ray_job, local_job):
     assert _content(ledger(workspace, "ray-demo")) == _content(ledger(workspace, "ray-local"))
-    from pipelines.registry import Registry
+    from pipelines.registry.store import Registry
 
     def versions(name: str) -> list[tuple]:
         registry = Registry(workspace.root / f"{name}-registry.db")

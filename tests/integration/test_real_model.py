@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.demo import real_sets
-from pipelines.evalsets import validate_eval_set
-from pipelines.models import CATALOGUE, PROVENANCE_FILE
+from pipelines.evaluation.evalsets import validate_eval_set
+from pipelines.gate.policy import DEFAULT_POLICY
+from pipelines.models.catalog import CATALOGUE, PROVENANCE_FILE
 from pipelines.paths import EVAL_SETS_DIR, RECIPES_DIR
-from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 

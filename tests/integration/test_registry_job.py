@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL
 
+from pipelines.gate.policy import DEFAULT_POLICY
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.policy import DEFAULT_POLICY
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Ask a running vLLM server (pipelines.serving.vllm_server) for one greedy completion."""
+"""Ask a running vLLM server (pipelines.serve.serving.vllm_server) for one greedy completion."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from pipelines.serving import RunningServer, log_tail
+from pipelines.serve.serving import RunningServer, log_tail
 
 
 def complete(server: RunningServer, prompt: str, *, max_tokens: int = 4) -> dict[str, Any]:

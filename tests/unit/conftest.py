@@ -21,11 +21,14 @@ from types import SimpleNamespace
 import pytest
 from fakes import N_ITEMS, FakeStack, gate_workspace
 
-from pipelines import baseline as baseline_cache
-from pipelines import evalsets, runner, serving, targets
-from pipelines.evaluate import Prompt
+from pipelines.evaluation import baseline as baseline_cache
+from pipelines.evaluation import evalsets
+from pipelines.evaluation.evaluate import Prompt
+from pipelines.hardware import targets
 from pipelines.hardware.host import HostProfile
-from pipelines.targets import TARGET_ENV
+from pipelines.hardware.targets import TARGET_ENV
+from pipelines.runs import runner
+from pipelines.serve import serving
 
 UNIT_DIR = Path(__file__).resolve().parent
 

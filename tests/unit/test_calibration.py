@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 from fakes import make_model
 
-from pipelines import calibration, cli, evalsets
-from pipelines.calibration import (
+from pipelines import cli
+from pipelines.commands import run as run_command
+from pipelines.errors import InputError
+from pipelines.evaluation import evalsets
+from pipelines.evaluation.evalsets import validate_eval_set
+from pipelines.quantize import calibration
+from pipelines.quantize.calibration import (
     calibration_inputs,
     check_calibration_source,
     draw_prompts,
@@ -19,12 +24,9 @@ from pipelines.calibration import (
     is_demo_model,
     warn_if_demo_calibration,
 )
-from pipelines.commands import run as run_command
-from pipelines.errors import InputError
-from pipelines.evalsets import validate_eval_set
-from pipelines.quantize import gather_inputs
+from pipelines.quantize.oneshot import gather_inputs
 from pipelines.recipe import FROM_EVAL_SETS, Calibration
-from pipelines.runner import RunOutcome
+from pipelines.runs.runner import RunOutcome
 
 ROUTING_YAML = """task: routing
 dataset_path: json
@@ -309,7 +311,7 @@ def test_cli_from_eval_sets_uses_the_selected_sets_only(cli_world, tmp_path: Pat
 
 def test_calibration_data_is_read_with_the_data_file_bounds(tmp_path: Path) -> None:
     """A 2 GiB file with no newline is refused by its size before a byte is read; a line past 1 MiB at that line."""
-    from pipelines.calibration import check_calibration_source, load_calibration_texts
+    from pipelines.quantize.calibration import check_calibration_source, load_calibration_texts
 
     huge = tmp_path / "huge.jsonl"
     with huge.open("wb") as handle:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import capture
+from pipelines.console import capture
 
 SCRIPT = """
 import os, sys
 from pathlib import Path
-from pipelines import capture
-from pipelines.output import progress as say
+from pipelines.console import capture
+from pipelines.console.output import progress as say
 
 verbose = sys.argv[2] == "verbose"
 with capture.library_output_to_log(verbose=verbose) as log:

@@ -17,9 +17,9 @@ from pipelines.commands import gate as gate_command
 from pipelines.commands import job as job_command
 from pipelines.commands import run as run_command
 from pipelines.errors import ServeError
-from pipelines.job import CandidateResult, JobSummary
+from pipelines.jobs.job import CandidateResult, JobSummary
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.runner import RunOutcome
+from pipelines.runs.runner import RunOutcome
 
 
 def outcome(tmp_path: Path, verdict: str = "promoted") -> RunOutcome:
@@ -84,10 +84,12 @@ def test_recipe_without_a_command_dispatches_to_run(capsys, recorded):
 NOISY_RUN = """
 import os, sys
 from pathlib import Path
-from pipelines import cli, evalsets, runner
+from pipelines import cli
+from pipelines.evaluation import evalsets
+from pipelines.runs import runner
 from pipelines.commands import run as run_command
-from pipelines.output import progress
-from pipelines.runner import RunOutcome
+from pipelines.console.output import progress
+from pipelines.runs.runner import RunOutcome
 
 def noisy(*args, **kwargs):
     os.write(1, b"2026 | get_main_device | WARNING - No accelerator available!\\n")  # like llm-compressor's logger
@@ -427,7 +429,7 @@ def test_only_the_chosen_command_is_imported(tmp_path):
 
 @pytest.mark.parametrize(("module", "words"), [
     ("pipelines.commands.no_such_module", "command 'broken' cannot be loaded from pipelines.commands.no_such_module: ModuleNotFoundError"),
-    ("pipelines.output", "command 'broken': pipelines.output has no register(subparsers)"),
+    ("pipelines.console.output", "command 'broken': pipelines.console.output has no register(subparsers)"),
 ])
 def test_a_command_that_cannot_load_is_an_internal_error_not_a_missing_command(capsys, monkeypatch, logs_root, module, words):
     monkeypatch.setitem(cli.COMMANDS, "broken", cli.Command(module, "a command whose module is broken"))
@@ -474,8 +476,8 @@ def test_registry_output_shows_markup_literally_and_renders_no_link(capsys, monk
     from fakes import make_artifact, make_gate, new_version
     from rich.console import Console
 
-    from pipelines import output
-    from pipelines.registry import Registry
+    from pipelines.console import output
+    from pipelines.registry.store import Registry
 
     model, reason = "m[/x]", "[/x] see [link=http://evil.example]here[/link]"
     registry = Registry(tmp_path / "r.db")

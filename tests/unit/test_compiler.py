@@ -11,7 +11,9 @@ from compressed_tensors.utils.match import match_name
 from families import FAMILIES, family_config
 
 from pipelines.cli import main
-from pipelines.compiler import (
+from pipelines.errors import InputError
+from pipelines.hardware.targets import parse_target
+from pipelines.quantize.compiler import (
     CompiledRecipe,
     LinearInfo,
     ModelLayout,
@@ -19,9 +21,7 @@ from pipelines.compiler import (
     compile_recipe,
     layout_from_config,
 )
-from pipelines.errors import InputError
 from pipelines.recipe import load_recipe, parse_recipe
-from pipelines.targets import parse_target
 
 W8_DYNAMIC = {"weights": {"bits": 8}, "activations": {"granularity": "token", "dynamic": True}}
 W4_GROUP = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}

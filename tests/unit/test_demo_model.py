@@ -13,8 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pipelines import evalsets  # noqa: E402
 from pipelines.demo.scoring import multiple_choice_accuracy  # noqa: E402
+from pipelines.evaluation import evalsets  # noqa: E402
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR, EVAL_SETS_DIR  # noqa: E402
 
 

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from pipelines.divergence import TOP_K, Reference, coarse_kl, item_kl
+from pipelines.evaluation.divergence import TOP_K, Reference, coarse_kl, item_kl
 
 
 def _log(probabilities: dict[str, float]) -> dict[str, float]:

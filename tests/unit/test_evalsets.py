@@ -11,12 +11,12 @@ import pytest
 import yaml
 from fakes import TASK_CONFIG, write_eval_set
 
-from pipelines import evalsets
-from pipelines.calibration import load_calibration_texts
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.metrics import make_spec
+from pipelines.evaluation import evalsets
+from pipelines.evaluation.metrics import make_spec
 from pipelines.paths import EVAL_SETS_DIR
+from pipelines.quantize.calibration import load_calibration_texts
 
 GOOD_YAML = {**TASK_CONFIG, "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8}, "metric_list": [{"metric": "exact_match"}]}
 GOOD_ITEMS = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)]
@@ -682,7 +682,7 @@ def counted_task_yaml_parses(monkeypatch, names: tuple[str, ...]) -> Counter:
     import lm_eval.tasks._factory as lm_factory
     import lm_eval.tasks._index as lm_index
 
-    from pipelines import yamlio
+    from pipelines.files import yamlio
 
     counts: Counter = Counter()
 
@@ -704,7 +704,8 @@ def counted_task_yaml_parses(monkeypatch, names: tuple[str, ...]) -> Counter:
 def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) -> None:
     from fakes import gate_settings, make_eval_set
 
-    from pipelines import evaluate, runner
+    from pipelines.evaluation import evaluate
+    from pipelines.runs import runner
 
     names = ("alpha", "beta", "gamma")
     for name in names:
@@ -722,7 +723,7 @@ def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) ->
 def test_a_job_discovers_the_eval_sets_once_for_all_its_candidates(tmp_path: Path, monkeypatch) -> None:
     from fakes import make_model
 
-    from pipelines import job
+    from pipelines.jobs import job
 
     names = ("alpha", "beta")
     for name in names:  # 60 items: enough for the default policy's tolerance (fewer are refused at planning)
@@ -782,7 +783,7 @@ def test_a_template_is_stopped_while_rendering_naming_set_field_and_item(tmp_pat
 
 
 def test_the_set_budget_spans_its_items() -> None:
-    from pipelines.templates import RenderBudget, TemplateBudgetError, compile_template
+    from pipelines.evaluation.templates import RenderBudget, TemplateBudgetError, compile_template
 
     budget = RenderBudget(seconds=0.3)
     with pytest.raises(TemplateBudgetError, match=r"the set's templates took more than 0.3 s to render in all"):
@@ -805,7 +806,7 @@ def test_ordinary_templates_render_as_lm_eval_renders_them() -> None:
 
 
 def test_a_data_file_is_refused_before_it_is_read_when_too_large(tmp_path: Path) -> None:
-    from pipelines import jsonl
+    from pipelines.files import jsonl
 
     huge = tmp_path / "data.jsonl"
     with huge.open("wb") as handle:
@@ -825,7 +826,7 @@ def test_a_data_file_is_refused_before_it_is_read_when_too_large(tmp_path: Path)
 def test_a_data_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path: Path) -> None:
     import os
 
-    from pipelines import jsonl
+    from pipelines.files import jsonl
 
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)

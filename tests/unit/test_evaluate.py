@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from fakes import TASK_CONFIG, write_eval_set
 
-from pipelines import evalsets
 from pipelines.errors import EvalError
-from pipelines.evalsets import EvalSet
-from pipelines.evaluate import (
+from pipelines.evaluation import evalsets
+from pipelines.evaluation.evalsets import EvalSet
+from pipelines.evaluation.evaluate import (
     LmEvalRun,
     load_all_prompts,
     load_prompts,
@@ -26,8 +26,8 @@ from pipelines.evaluate import (
     read_lm_eval_run,
     read_set_score,
 )
-from pipelines.metrics import make_spec
-from pipelines.pairing import pair_set
+from pipelines.evaluation.metrics import make_spec
+from pipelines.gate.pairing import pair_set
 
 DATE_ID = "2026-12-01T01-57-25.202473"
 GENERATIVE = {
@@ -242,9 +242,9 @@ def test_a_rolling_set_s_prompt_is_the_text_it_scores(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- chat template, system instruction, lm-eval runs
 
-from pipelines import evaluate  # noqa: E402
+from pipelines.evaluation import evaluate  # noqa: E402
 from pipelines.paths import DEMO_MODEL_DIR  # noqa: E402
-from pipelines.serving import RunningServer  # noqa: E402
+from pipelines.serve.serving import RunningServer  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -18,11 +18,11 @@ import yaml
 from families import FAMILIES, family_config, make_family_model, tokenizer_texts
 
 from pipelines.cli import main
-from pipelines.compiler import SIXTEEN_BIT, compile_file
+from pipelines.hardware.targets import CPU
 from pipelines.planner import load_config, model_shape, predict_weight_bytes, safetensors_bytes
-from pipelines.quantize import quantize_model
+from pipelines.quantize.compiler import SIXTEEN_BIT, compile_file
+from pipelines.quantize.oneshot import quantize_model
 from pipelines.recipe import load_recipe, shipped_recipes
-from pipelines.targets import CPU
 
 
 def write_config(folder: Path, config: dict[str, Any]) -> Path:

@@ -28,7 +28,7 @@ import yaml
 from fakes import TASK_CONFIG, write_eval_set
 
 from pipelines import cli
-from pipelines.evalsets import discover_eval_sets as DISCOVER_EVAL_SETS  # the real one: the `quantize` fixture replaces it
+from pipelines.evaluation.evalsets import discover_eval_sets as DISCOVER_EVAL_SETS  # the real one: the `quantize` fixture replaces it
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = ROOT / "models" / "demo-llama"
@@ -228,7 +228,7 @@ TEMPLATE_PAYLOADS: dict[str, bytes] = {
     "jinja-huge-range": task_with(doc_to_text="{% for i in range(10**9) %}x{% endfor %}"),
     "jinja-huge-repeat": task_with(doc_to_text="{{ 'x' * 10**10 }}"),
     "jinja-huge-power": task_with(doc_to_text="{{ 9 ** 99999999 }}"),
-    # Stopped while rendering by the template budgets (pipelines.templates), each within seconds and megabytes.
+    # Stopped while rendering by the template budgets (pipelines.evaluation.templates), each within seconds and megabytes.
     "jinja-nested-range-loops": task_with(doc_to_text="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
     "jinja-center-2e9": task_with(doc_to_text="{{ question|center(2000000000) }}"),
     "jinja-ljust-2e9": task_with(doc_to_text="{{ question.ljust(2000000000) }}"),
@@ -314,7 +314,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     """A private artifacts root with a registry holding one promoted version, and a folder of inputs."""
     from fakes import make_artifact, make_gate, new_version
 
-    from pipelines.registry import Registry
+    from pipelines.registry.store import Registry
 
     base = tmp_path_factory.mktemp("fuzz")
     artifacts = base / "artifacts"
@@ -322,7 +322,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     registry = Registry(artifacts / "registry.db")
     version = registry.register(new_version(make_artifact(base / "artifact"), make_gate(base / "gate.json")))
     registry.promote(version.id, "gate passed")
-    from pipelines.signing import load_signer
+    from pipelines.registry.signing import load_signer
 
     load_signer(artifacts / "registry.db")  # the project's signing key beside the registry, as after a first real run
     inputs = base / "inputs"
@@ -333,10 +333,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
 @pytest.fixture
 def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> Callable[..., tuple[int, str, str]]:
     """Run the CLI in-process against the private artifacts root, with every heavy step a tripwire."""
-    import pipelines.evalsets
-    import pipelines.job
-    import pipelines.quantize
-    import pipelines.runner
+    import pipelines.evaluation.evalsets
+    import pipelines.jobs.job
+    import pipelines.quantize.oneshot
+    import pipelines.runs.runner
     from pipelines.commands import gate as gate_command
 
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(world.artifacts))
@@ -345,13 +345,14 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     def tripwire(*args, **kwargs):
         raise HeavyWorkStarted("a fuzz case reached heavy work")
 
-    for module, name in ((pipelines.quantize, "run_oneshot"), (pipelines.runner, "vllm_server"), (pipelines.runner, "score_eval_sets"),
-                         (pipelines.job, "run_candidate"), (gate_command, "run_gate")):
+    for module, name in ((pipelines.quantize.oneshot, "run_oneshot"), (pipelines.runs.runner, "vllm_server"),
+                         (pipelines.runs.runner, "score_eval_sets"), (pipelines.jobs.job, "run_candidate"),
+                         (gate_command, "run_gate")):
         monkeypatch.setattr(module, name, tripwire)
-    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
+    monkeypatch.setattr(pipelines.evaluation.evalsets, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
     # A job compiles each recipe against its model's layout, built by importing torch and transformers
     # (10 s); the demo model is valid and no case here is about it.
-    monkeypatch.setattr(pipelines.job, "_model_layout", lambda model, field: None, raising=False)
+    monkeypatch.setattr(pipelines.jobs.job, "_model_layout", lambda model, field: None, raising=False)
 
     def run(*argv: str) -> tuple[int, str, str]:
         before = listing(world.artifacts)
@@ -565,7 +566,7 @@ def test_registry_database_path_refuses(quantize, path: str) -> None:
 ])
 def test_the_loader_refuses(text: str, words: str) -> None:
     from pipelines.errors import InputError
-    from pipelines.yamlio import load_yaml_text
+    from pipelines.files.yamlio import load_yaml_text
 
     with pytest.raises(InputError, match=re.escape(words)) as caught:
         load_yaml_text(text, "x.yaml")
@@ -573,7 +574,7 @@ def test_the_loader_refuses(text: str, words: str) -> None:
 
 
 def test_the_loader_keeps_function_tags_and_accepts_what_it_should() -> None:
-    from pipelines.yamlio import MAX_DEPTH, FunctionRef, dump_yaml, load_yaml_text
+    from pipelines.files.yamlio import MAX_DEPTH, FunctionRef, dump_yaml, load_yaml_text
 
     data = load_yaml_text("a: !function helpers.score\nb: [" + "[" * (MAX_DEPTH - 3) + "1" + "]" * (MAX_DEPTH - 3) + "]\n", "x.yaml")
     assert isinstance(data["a"], FunctionRef) and data["a"] == "helpers.score"
@@ -711,7 +712,7 @@ def test_a_2_gib_data_file_without_a_newline_is_refused_before_reading(world, qu
 
 def test_a_run_never_touches_a_hanging_sibling_set(world, quantize, monkeypatch: pytest.MonkeyPatch) -> None:
     """`quantize gate ... --eval-sets good` beside a set whose template loops: only `good` is read."""
-    import pipelines.evalsets
+    import pipelines.evaluation.evalsets
     from pipelines.commands import gate as gate_command
     from pipelines.errors import InputError
 
@@ -719,10 +720,10 @@ def test_a_run_never_touches_a_hanging_sibling_set(world, quantize, monkeypatch:
     write_eval_set(root, "good", task_with(task="good"), [{"question": f"q{i}", "answer": f"a{i}"} for i in range(60)])  # enough for the policy
     write_eval_set(root, "hanging", task_with(task="hanging", doc_to_text=NESTED_LOOPS), ITEMS)
     monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(root))
-    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
+    monkeypatch.setattr(pipelines.evaluation.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
     validated: list[str] = []
-    real = pipelines.evalsets.validate_eval_set
-    monkeypatch.setattr(pipelines.evalsets, "validate_eval_set", lambda folder: validated.append(Path(folder).name) or real(folder))
+    real = pipelines.evaluation.evalsets.validate_eval_set
+    monkeypatch.setattr(pipelines.evaluation.evalsets, "validate_eval_set", lambda folder: validated.append(Path(folder).name) or real(folder))
 
     def reached(job):
         raise InputError(f"reached the gate with {[s.name for s in job.settings.eval_sets]}")
@@ -808,13 +809,13 @@ def rejected_run(world, name: str, *, register: bool = True, verdict_registered:
     from fakes import make_artifact, make_eval_set
 
     from pipelines.artifact import Manifest, PeakMemory, WeightBytes
-    from pipelines.gate import GateReport, decide
-    from pipelines.hashing import file_hashes, sha256_file
-    from pipelines.metrics import make_spec
-    from pipelines.pairing import PairedItem, SetComparison
-    from pipelines.policy import load_policy
+    from pipelines.evaluation.metrics import make_spec
+    from pipelines.files.hashing import file_hashes, sha256_file
+    from pipelines.gate.pairing import PairedItem, SetComparison
+    from pipelines.gate.policy import load_policy
+    from pipelines.gate.verdict import GateReport, decide
     from pipelines.recipe import load_recipe
-    from pipelines.registry import NewVersion, Registry
+    from pipelines.registry.store import NewVersion, Registry
 
     eval_root = world.inputs / "repair-eval-sets"
     eval_set = make_eval_set(eval_root, "tickets")
@@ -855,9 +856,9 @@ def rejected_run(world, name: str, *, register: bool = True, verdict_registered:
 @pytest.fixture
 def repair_world(world, quantize, monkeypatch: pytest.MonkeyPatch):
     """Eval sets discovered for real (the repair reads the run's recorded set) from the runs' own eval-set folder."""
-    import pipelines.evalsets
+    import pipelines.evaluation.evalsets
 
-    monkeypatch.setattr(pipelines.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
+    monkeypatch.setattr(pipelines.evaluation.evalsets, "discover_eval_sets", DISCOVER_EVAL_SETS)
     monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(world.inputs / "repair-eval-sets"))
     return world
 
@@ -997,7 +998,7 @@ def test_a_malformed_registry_row_is_named(world, quantize, tmp_path: Path) -> N
 
 def test_a_half_written_model_folder_is_not_taken_as_complete(tmp_path: Path) -> None:
     from pipelines.errors import InputError
-    from pipelines.models import add_model, is_complete
+    from pipelines.models.catalog import add_model, is_complete
 
     folder = tmp_path / "smollm2-135m"
     folder.mkdir()

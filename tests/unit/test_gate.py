@@ -6,7 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from pipelines.errors import InputError
-from pipelines.gate import (
+from pipelines.evaluation.metrics import make_spec
+from pipelines.gate.policy import DEFAULT_POLICY, Policy, RuleOverrides, SetPolicy, load_policy
+from pipelines.gate.verdict import (
     FitCheck,
     GateReport,
     PairedItem,
@@ -15,8 +17,6 @@ from pipelines.gate import (
     load_report,
     save_report,
 )
-from pipelines.metrics import make_spec
-from pipelines.policy import DEFAULT_POLICY, Policy, RuleOverrides, SetPolicy, load_policy
 
 GIB = 1024**3
 EXACT_MATCH = make_spec("exact_match")
@@ -402,7 +402,7 @@ def test_the_real_model_against_itself_on_60_items_passes():
 
 def test_every_set_reports_its_tolerance_what_it_can_certify_and_the_items_it_needs():
     verdict = decide([pass_fail_set("tickets", right_to_wrong=5, wrong_to_right=5, both_right=195, both_wrong=45)], policy(), "w8a8").sets[0]
-    from pipelines import stats
+    from pipelines.gate import stats
 
     assert verdict.tolerance == 5.0 and verdict.bound_confidence == 0.95
     assert verdict.worsening_bound == pytest.approx(-100 * stats.tango_lower_bound(5, 5, 250), abs=1e-5)

@@ -8,9 +8,9 @@ import pytest
 from scipy.stats import binom
 
 from pipelines.benchmarks import gate_oc
-from pipelines.gate import PairedItem, SetComparison, judge_set
-from pipelines.metrics import make_spec
-from pipelines.policy import DEFAULT_POLICY, SetPolicy, load_policy
+from pipelines.evaluation.metrics import make_spec
+from pipelines.gate.policy import DEFAULT_POLICY, SetPolicy, load_policy
+from pipelines.gate.verdict import PairedItem, SetComparison, judge_set
 
 POINT_RULE_ONLY = SetPolicy(
     max_abs_drop=3.0, max_rel_drop=None, non_inferiority=False, ni_margin=5.0, max_flip_rate=None, max_kl=None, min_items=1
@@ -84,7 +84,7 @@ def test_tango_coverage_is_exact_over_the_tables():
 
 
 def test_bench_gate_prints_the_oc_of_the_user_s_own_sets(capsys, tmp_path):
-    from pipelines.gate import GateReport, decide
+    from pipelines.gate.verdict import GateReport, decide
 
     cells = [(1.0, 0.0)] * 3 + [(0.0, 1.0)] * 2 + [(1.0, 1.0)] * 100 + [(0.0, 0.0)] * 15
     items = [PairedItem(item_id=str(i), baseline=b, candidate=c) for i, (b, c) in enumerate(cells)]

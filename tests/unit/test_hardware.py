@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import targets
 from pipelines.errors import InputError
-from pipelines.hardware import host, kernels, probe_rules
+from pipelines.hardware import host, kernels, probe_rules, targets
 from pipelines.hardware.host import HostFacts, HostProfile, classify, emulated_class, emulation_env, serve_dtype_for, shim_source
 from pipelines.hardware.kernels import STANDARD_CASES, KernelCase, KernelFact, kernel_facts
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, estimate_scoring, probed_speed
 from pipelines.recipe import GroupScheme, load_recipe
-from pipelines.serving import log_cause
+from pipelines.serve.serving import log_cause
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "serving"
 MISSING_WNA16 = "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
@@ -236,8 +235,8 @@ def test_a_forced_target_that_is_not_this_hosts_class_cannot_serve_here(monkeypa
 
 
 def test_the_scoring_limit_holds_against_the_measured_pace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from pipelines import evaluate
-    from pipelines.evaluate import ScoringDeadline
+    from pipelines.evaluation import evaluate
+    from pipelines.evaluation.evaluate import ScoringDeadline
 
     clock = [1000.0]
     monkeypatch.setattr(evaluate.time, "monotonic", lambda: clock[0])

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from fakes import FakeRunner, demo_job, install, make_artifact, make_eval_set, make_gate, make_model, new_version
 
-from pipelines import evalsets, runner
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.hashing import sha256_file
-from pipelines.job import run_job
-from pipelines.registry import Registry
+from pipelines.evaluation import evalsets
+from pipelines.files.hashing import sha256_file
+from pipelines.jobs.job import run_job
+from pipelines.registry.store import Registry
+from pipelines.runs import runner
 
 
 def snapshot(db: Path) -> list[str] | None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fakes import JOB_RECIPES, LLAMA_CONFIG, FakeRunner, demo_job, install, make_eval_set, make_model, write_job
 
-from pipelines import evalsets
-from pipelines import job as job_module
 from pipelines.errors import InputError, ServeError
-from pipelines.job import JobSummary, load_job, plan_candidates, run_job
+from pipelines.evaluation import evalsets
+from pipelines.jobs import job as job_module
+from pipelines.jobs.job import JobSummary, load_job, plan_candidates, run_job
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from fakes import make_eval_set
 from scipy import stats
 
 from pipelines.errors import InputError, LoadTestError
-from pipelines.evaluate import Prompt
+from pipelines.evaluation.evaluate import Prompt
+from pipelines.gate.policy import DEFAULT_POLICY, load_policy
 from pipelines.loadtest import bench, figures, memory, render, tuning, verdict
 from pipelines.loadtest.bench import BenchResult, PlannedRun
 from pipelines.loadtest.config import LoadSettings, PerformanceOverrides, PerformancePolicy
@@ -21,8 +22,7 @@ from pipelines.loadtest.plots import write_plots
 from pipelines.loadtest.results import LevelFigures, LevelRatio, ModelFigures, Percentiles, PerformanceReport, RatioInterval
 from pipelines.loadtest.workload import Workload, WorkloadItem, answer_limit, select_prompts, write_dataset
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.policy import DEFAULT_POLICY, load_policy
-from pipelines.serving import ServeSettings
+from pipelines.serve.serving import ServeSettings
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "loadtest"
 RESULT = DATA / "vllm-bench-serve-result.json"  # a real `vllm bench serve --save-result` file (demo model, concurrency 16)
@@ -211,7 +211,7 @@ def test_an_impossible_slo_rejects_on_a_gpu_target_and_only_warns_on_a_cpu_targe
     found, _ = verdict.checks(policy, 16, level(16, good=0.0), ratio)
     assert [(c.name, c.passed) for c in found] == [
         ("throughput_ratio", True), ("ttft_p95_ratio", True), ("slo_good_fraction", False), ("errors", True)]
-    from pipelines.gate import GateResult, StatsSettings
+    from pipelines.gate.verdict import GateResult, StatsSettings
 
     promoted = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
     reasons, warnings = verdict.outcome(found, *verdict.enforcement(policy, "cuda:9.0")[:1], "cuda:9.0")
@@ -266,8 +266,8 @@ def test_tuning_without_a_plan_deploys_with_the_servers_utilization(tmp_path):
 
 
 def test_tuning_with_a_plan_asks_the_planner_for_the_measured_concurrency():
+    from pipelines.gate.policy import FitRequirement
     from pipelines.loadtest.stage import plan_for
-    from pipelines.policy import FitRequirement
 
     plan = plan_for(FitRequirement(gpu="L4-24GB", max_model_len=512, concurrency=16), DEMO_MODEL_DIR)
     measured = tuning.measured_tuning(model([level(1), level(2), level(4)]), PerformancePolicy(), ServeSettings(), swept_up_to=4,
@@ -297,7 +297,8 @@ def test_answer_limits_follow_the_sets_own_generation_settings(tmp_path):
     assert answer_limit(generate, Tokenizer()).model_dump() == {"max_tokens": 256, "stop": ["\n\n"]}
     choice = generate.model_copy(update={"output_type": "multiple_choice", "config": {"doc_to_choice": ["a b c", "d"]}})
     assert answer_limit(choice, Tokenizer()).model_dump() == {"max_tokens": 3, "stop": ["\n"]}
-    demo = [s for s in __import__("pipelines.evalsets", fromlist=["discover_eval_sets"]).discover_eval_sets() if s.name == "payment_reference"]
+    evalsets = __import__("pipelines.evaluation.evalsets", fromlist=["discover_eval_sets"])
+    demo = [s for s in evalsets.discover_eval_sets() if s.name == "payment_reference"]
     if demo:
         assert answer_limit(demo[0], Tokenizer()).model_dump() == {"max_tokens": 24, "stop": ["\n"]}
 
@@ -351,7 +352,7 @@ def report(tmp_path: Path) -> PerformanceReport:
 
 
 def test_plots_are_pngs_in_the_run_folder_and_report_md_links_them(tmp_path):
-    from pipelines.report import performance_markdown
+    from pipelines.gate.report import performance_markdown
 
     performance = report(tmp_path)
     assert performance.plots == {"throughput": "loadtest-throughput.png", "ttft_p95": "loadtest-ttft-p95.png"}
@@ -370,7 +371,7 @@ def test_the_summary_carries_the_deployment_concurrencys_ratios(tmp_path):
 
 
 def test_gate_json_stays_schema_2_and_reads_back_with_or_without_performance(tmp_path):
-    from pipelines.gate import GateReport, GateResult, StatsSettings
+    from pipelines.gate.verdict import GateReport, GateResult, StatsSettings
 
     gate = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
     with_it = GateReport(gate=gate, performance=report(tmp_path))
@@ -389,7 +390,7 @@ def test_the_driver_module_imports_without_vllm():
 
 def test_the_cost_benchmark_splits_stage_times_and_summarises_a_run(tmp_path):
     from pipelines.benchmarks.loadtest_cost import stage_cost, summary
-    from pipelines.gate import GateReport, GateResult, StatsSettings
+    from pipelines.gate.verdict import GateReport, GateResult, StatsSettings
 
     stages = {"quantize_s": 5.0, "baseline_serve_start_s": 25.0, "baseline_scoring_s": 60.0, "candidate_serve_start_s": 24.0,
               "candidate_scoring_s": 50.0, "gate_s": 1.0, "loadtest_baseline_serve_start_s": 26.0, "loadtest_s": 30.0}

@@ -17,14 +17,15 @@ from types import SimpleNamespace
 import pytest
 from fakes import gate_settings
 
-from pipelines import evalsets, runner
 from pipelines.errors import LoadTestError
+from pipelines.evaluation import evalsets
+from pipelines.gate.policy import DEFAULT_POLICY, load_policy
+from pipelines.hardware.targets import TARGET_ENV
 from pipelines.loadtest import bench, gate_hook, stage
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.loadtest.workload import Workload, WorkloadItem
-from pipelines.policy import DEFAULT_POLICY, load_policy
-from pipelines.registry import Registry
-from pipelines.targets import TARGET_ENV
+from pipelines.registry.store import Registry
+from pipelines.runs import runner
 
 RESULT = Path(__file__).resolve().parent.parent / "data" / "loadtest" / "vllm-bench-serve-result.json"
 KV_LINE = "CPU KV cache size: 524,288 tokens, Maximum concurrency for 512 tokens per request: 1024.00x\n"
@@ -217,7 +218,7 @@ def test_no_loadtest_on_the_command_line(tool, servers, cli, workspace):
 def test_a_job_result_and_its_ledger_carry_the_load_tests_headline(tmp_path, monkeypatch):
     from fakes import FakeRunner, demo_job, install, make_eval_set, make_model
 
-    from pipelines import job as job_module
+    from pipelines.jobs import job as job_module
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
     monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)

@@ -12,12 +12,12 @@ import pytest
 
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.gate import GateReport, PairedItem, SetComparison, decide
-from pipelines.hashing import file_hashes
-from pipelines.metrics import make_spec
-from pipelines.mlflow_export import export_to_mlflow, gate_tags
-from pipelines.policy import DEFAULT_POLICY, load_policy
-from pipelines.registry import MANIFEST_FILES_KEY, NewVersion, Registry, Version
+from pipelines.evaluation.metrics import make_spec
+from pipelines.files.hashing import file_hashes
+from pipelines.gate.policy import DEFAULT_POLICY, load_policy
+from pipelines.gate.verdict import GateReport, PairedItem, SetComparison, decide
+from pipelines.registry.mlflow_export import export_to_mlflow, gate_tags
+from pipelines.registry.store import MANIFEST_FILES_KEY, NewVersion, Registry, Version
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None,
@@ -73,8 +73,8 @@ def test_only_promoted_versions_are_exported(tmp_path: Path) -> None:
 
 
 def test_version_tags_carry_the_manifest_hash(tmp_path: Path) -> None:
-    from pipelines.hashing import sha256_file
-    from pipelines.mlflow_export import version_tags
+    from pipelines.files.hashing import sha256_file
+    from pipelines.registry.mlflow_export import version_tags
 
     _, version = make_promoted(tmp_path)
     tags = version_tags(version)

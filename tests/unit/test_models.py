@@ -18,9 +18,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from pipelines import models  # noqa: E402
 from pipelines.cli import main  # noqa: E402
 from pipelines.errors import InputError  # noqa: E402
+from pipelines.models import catalog as models  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -505,7 +505,7 @@ def test_a_tiny_model_of_each_family_converts_to_the_same_logits_with_a_verified
     from families import make_family_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.gguf_tokenizer import VERIFY_TEXTS
+    from pipelines.models.tokenizer import VERIFY_TEXTS
 
     source = make_family_model(family, tmp_path / "source")
     gguf_file = write_family_gguf(family, source, tmp_path / f"{family}.gguf")
@@ -550,7 +550,7 @@ def test_merges_ranked_by_score_reproduce_the_sentencepiece_bpe_the_scores_came_
     vocabulary and must tokenize as the BPE that was trained (plus the BOS the file asks for)."""
     from families import tokenizer_texts
 
-    from pipelines import gguf_tokenizer
+    from pipelines.models import tokenizer as gguf_tokenizer
 
     fields, core = _spm_fields(space_prefix=space_prefix)
     reference = gguf_tokenizer.reference_tokenizer(gguf_tokenizer.read_vocab(fields))
@@ -572,7 +572,7 @@ def test_a_unigram_reading_of_gemma_scores_is_repaired_with_the_reference(tmp_pa
     from transformers import AutoTokenizer
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
-    from pipelines import gguf_tokenizer
+    from pipelines.models import tokenizer as gguf_tokenizer
 
     fields, _ = _spm_fields()
     vocab = gguf_tokenizer.read_vocab(fields)
@@ -591,7 +591,7 @@ def test_a_unigram_reading_of_gemma_scores_is_repaired_with_the_reference(tmp_pa
 
 
 def test_a_tokenizer_that_verifies_is_kept_as_converted(tmp_path: Path) -> None:
-    from pipelines import gguf_tokenizer
+    from pipelines.models import tokenizer as gguf_tokenizer
 
     fields, _ = _spm_fields()
     reference = gguf_tokenizer.reference_tokenizer(gguf_tokenizer.read_vocab(fields))
@@ -604,7 +604,7 @@ def test_a_tokenizer_that_verifies_is_kept_as_converted(tmp_path: Path) -> None:
 def test_what_cannot_be_verified_either_way_is_refused_with_one_line(tmp_path: Path) -> None:
     """Without byte tokens the emoji in the fixed text has no tokens: the reference cannot round-trip it, and the
     saved tokenizer (BOS missing) fails too; nothing is trusted."""
-    from pipelines import gguf_tokenizer
+    from pipelines.models import tokenizer as gguf_tokenizer
 
     fields, _ = _spm_fields(byte_tokens=False)
     reference = gguf_tokenizer.reference_tokenizer(gguf_tokenizer.read_vocab({**fields, "tokenizer.ggml.add_bos_token": False}))
@@ -618,7 +618,7 @@ def test_what_cannot_be_verified_either_way_is_refused_with_one_line(tmp_path: P
 @pytest.mark.parametrize("name", ["smol\n", "smol\r", "\nsmol", "sm\u043el", "SMOL", "../smol", ".smol", "a" * 65])
 def test_a_model_name_must_match_whole(name: str) -> None:
     """The name becomes a folder: a trailing newline (which `$` accepts) or a lookalike letter is refused."""
-    from pipelines.models import check_name
+    from pipelines.models.catalog import check_name
 
     with pytest.raises(InputError, match="lower-case letters"):
         check_name(name)

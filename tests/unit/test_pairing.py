@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.errors import EvalError, InputError
-from pipelines.evalsets import EvalSet
-from pipelines.evaluate import ItemScore, SetScore
-from pipelines.metrics import MetricSpec, make_spec
-from pipelines.pairing import pair_set
+from pipelines.evaluation.evalsets import EvalSet
+from pipelines.evaluation.evaluate import ItemScore, SetScore
+from pipelines.evaluation.metrics import MetricSpec, make_spec
+from pipelines.gate.pairing import pair_set
 
 EXACT_MATCH = make_spec("exact_match", "mean", True)
 

@@ -10,7 +10,7 @@ import pytest
 
 from pipelines import cli
 from pipelines.errors import InputError
-from pipelines.plan_view import plan_title
+from pipelines.hardware.targets import parse_target
 from pipelines.planner import (
     GiB,
     PlanSettings,
@@ -27,8 +27,8 @@ from pipelines.planner import (
     safetensors_bytes,
 )
 from pipelines.planner.kv import attention_summary, vllm_kv_cache
+from pipelines.planner.view import plan_title
 from pipelines.recipe import GroupScheme, Recipe
-from pipelines.targets import parse_target
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 LLAMA2_7B = CONFIGS / "llama-2-7b" / "config.json"

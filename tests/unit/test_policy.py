@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipelines.errors import InputError
-from pipelines.policy import DEFAULT_POLICY, RuleOverrides, SetPolicy, load_policy
+from pipelines.gate.policy import DEFAULT_POLICY, RuleOverrides, SetPolicy, load_policy
 
 DEFAULTS = {
     "max_abs_drop": 2.0,
@@ -271,13 +271,13 @@ def test_shipped_recipes_identities_match_the_default_policy():
 def sized(name: str, n: int, metric: str = "exact_match", aggregation: str = "mean", higher_is_better: bool = True):
     from types import SimpleNamespace
 
-    from pipelines.metrics import make_spec
+    from pipelines.evaluation.metrics import make_spec
 
     return SimpleNamespace(name=name, num_items=n, metric=make_spec(metric, aggregation, higher_is_better))
 
 
 def test_a_set_too_small_for_its_tolerance_is_refused_at_load_naming_file_field_set_and_n(tmp_path):
-    from pipelines.policy import check_attainable, load_gate_policy
+    from pipelines.gate.policy import check_attainable, load_gate_policy
 
     path = write_policy(tmp_path, eval_sets={"tiny": {"ni_margin": 3.0}})
     policy = load_policy(path)
@@ -295,7 +295,7 @@ def test_a_set_too_small_for_its_tolerance_is_refused_at_load_naming_file_field_
 
 
 def test_the_recipe_override_that_sets_the_tolerance_is_named(tmp_path):
-    from pipelines.policy import check_attainable
+    from pipelines.gate.policy import check_attainable
 
     policy = load_policy(write_policy(tmp_path, recipes={"w4a16": {"ni_margin": 8.0, "confidence": 0.99}}))
     check_attainable(policy, [sized("tickets", 80)], "w8a8")
@@ -306,7 +306,7 @@ def test_the_recipe_override_that_sets_the_tolerance_is_named(tmp_path):
 
 
 def test_the_shipped_policy_accepts_the_demo_and_the_cut_real_sets(tmp_path):
-    from pipelines.policy import check_attainable, load_gate_policy
+    from pipelines.gate.policy import check_attainable, load_gate_policy
 
     policy, path = load_gate_policy(None)
     check_attainable(policy, [sized(name, 250) for name in ("ticket_routing", "payment_reference", "date_normalisation")], file=path)
@@ -316,7 +316,7 @@ def test_the_shipped_policy_accepts_the_demo_and_the_cut_real_sets(tmp_path):
 
 
 def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
-    from pipelines.policy import check_attainable
+    from pipelines.gate.policy import check_attainable
 
     path = write_policy(tmp_path)  # no rel_margin, max_rel_drop 0.05
     wiki = sized("wiki", 400, "word_perplexity", "weighted_perplexity", False)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from pipelines import output, progress
-from pipelines.progress import Bar, duration, track
+from pipelines.console import output, progress
+from pipelines.console.progress import Bar, duration, track
 
 
 class Clock:

@@ -5,7 +5,7 @@ Real oneshot runs on tiny random models of several families (tests/families.py),
 of two passes (SmoothQuant, then int8 weights with static per-tensor activation scales: oneshot's
 independent pipeline gives each its own sequential pass) and with GPTQ. What llm-compressor finished is
 recorded at its modifiers (Modifier.update_event, where SmoothQuant smooths and GPTQ quantizes a subgraph's
-layers), independently of how pipelines.quantize_progress listens.
+layers), independently of how pipelines.quantize.progress listens.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from families import make_family_model, tokenizer_texts
 
-from pipelines.calibration import calibration_dataset
-from pipelines.progress import Bar
-from pipelines.quantize_progress import following_llmcompressor
+from pipelines.console.progress import Bar
+from pipelines.quantize.calibration import calibration_dataset
+from pipelines.quantize.progress import following_llmcompressor
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("llmcompressor")
@@ -65,7 +65,7 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def run(model_dir: Path, recipe: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Bar, list[tuple[Any, ...]]]:
-    """oneshot as pipelines.quantize.run_oneshot runs it, inside following_llmcompressor; returns the bar and
+    """oneshot as pipelines.quantize.oneshot.run_oneshot runs it, inside following_llmcompressor; returns the bar and
     the timeline: ("done", modifier, modules) when a modifier has handled a SEQUENTIAL_EPOCH_END, ("bar", k, n)
     at each change of the bar."""
     from llmcompressor import oneshot

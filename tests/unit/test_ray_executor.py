@@ -14,21 +14,21 @@ from pathlib import Path
 import pytest
 from fakes import LLAMA_CONFIG, FakeRunner, demo_job, install, make_artifact, make_eval_set, make_model, write_job
 
-from pipelines import evalsets
 from pipelines.commands import job as job_command
 from pipelines.errors import InputError
-from pipelines.job import CandidateResult, Ledger, load_job, plan_candidates, plan_job
+from pipelines.evaluation import evalsets
+from pipelines.gate.policy import FitRequirement
+from pipelines.hardware.targets import CPU, parse_target
+from pipelines.jobs.job import CandidateResult, Ledger, load_job, plan_candidates, plan_job
+from pipelines.jobs.ray import driver
+from pipelines.jobs.ray.cluster import check_address
+from pipelines.jobs.ray.graph import baseline_groups, submit_graph
+from pipelines.jobs.ray.probe import ProbeWritten, check_probes, write_probe
+from pipelines.jobs.ray.resources import GiB, TaskResources, check_some_node_fits, task_resources, tensor_parallel_size
+from pipelines.jobs.ray.tracker import Tracker
+from pipelines.jobs.ray.worker import TaskStatus, candidate_task, read_status, status_path
 from pipelines.planner import gpu_spec, plan
-from pipelines.policy import FitRequirement
 from pipelines.recipe import load_recipe
-from pipelines.scaleout import driver
-from pipelines.scaleout.cluster import check_address
-from pipelines.scaleout.graph import baseline_groups, submit_graph
-from pipelines.scaleout.probe import ProbeWritten, check_probes, write_probe
-from pipelines.scaleout.resources import GiB, TaskResources, check_some_node_fits, task_resources, tensor_parallel_size
-from pipelines.scaleout.tracker import Tracker
-from pipelines.scaleout.worker import TaskStatus, candidate_task, read_status, status_path
-from pipelines.targets import CPU, parse_target
 
 pytestmark = pytest.mark.unit
 
@@ -137,9 +137,9 @@ def test_candidates_sharing_a_baseline_depend_on_one_baseline_task_submitted_fir
 def test_a_worker_gates_without_the_registry_and_counts_its_attempts(workspace, monkeypatch):
     fake = install(monkeypatch, FakeRunner(workspace, {}))
     seen: list = []
-    monkeypatch.setattr("pipelines.job.quantize_and_gate",
+    monkeypatch.setattr("pipelines.jobs.job.quantize_and_gate",
                         lambda loaded, model, settings, **kw: seen.append(settings.registry_path) or fake(loaded, model, settings, **kw))
-    monkeypatch.setattr("pipelines.scaleout.worker._stdout_to_stderr", lambda: None)
+    monkeypatch.setattr("pipelines.jobs.ray.worker._stdout_to_stderr", lambda: None)
     path = demo_job(workspace, ["w8a8"])
     (candidate,) = plan_candidates(load_job(path), path)
     assert candidate.settings.registry_path is not None

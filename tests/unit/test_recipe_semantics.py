@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from families import FAMILIES, family_config
 
-from pipelines.compiler import FUSED_SHARDS, ModelLayout, check_recipe, layout_from_config, resolve_schemes
+from pipelines.hardware.targets import CPU
 from pipelines.planner import ModelShape, linear_bytes, linear_schemes, model_shape, predict_weight_bytes, shape_layout
+from pipelines.quantize.compiler import FUSED_SHARDS, ModelLayout, check_recipe, layout_from_config, resolve_schemes
 from pipelines.recipe import Recipe, load_recipe, shipped_recipes
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import units_of
-from pipelines.targets import CPU
 
 W4 = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
 W4_64 = {"weights": {"bits": 4, "granularity": "group", "group_size": 64}}

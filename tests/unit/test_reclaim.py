@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import reclaim
+from pipelines.serve import reclaim
 
 OLD = 3600.0  # seconds: well past the one-minute guard
 
@@ -140,7 +140,7 @@ def test_the_command_line_removes_stale_folders(tmp_path, dead_pid):
     runs, tmp_root = tmp_path / "runs", tmp_path / "tmp"
     folder = staging(runs, dead_pid, made_ago=OLD)
     result = subprocess.run(
-        [sys.executable, "-m", "pipelines.reclaim", "stale", str(runs), "--tmp-root", str(tmp_root)],
-        capture_output=True, text=True, check=True, cwd=Path(reclaim.__file__).resolve().parents[1],
+        [sys.executable, "-m", "pipelines.serve.reclaim", "stale", str(runs), "--tmp-root", str(tmp_root)],
+        capture_output=True, text=True, check=True, cwd=Path(reclaim.__file__).resolve().parents[2],
     )
     assert result.stdout.split() == [str(folder)]

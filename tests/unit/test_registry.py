@@ -16,9 +16,9 @@ from fakes import gate_report, make_artifact, make_gate, new_version
 from pipelines.artifact import artifact_hash
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.gate import load_report
-from pipelines.hashing import sha256_file, sha256_json
-from pipelines.registry import (
+from pipelines.files.hashing import sha256_file, sha256_json
+from pipelines.gate.verdict import load_report
+from pipelines.registry.store import (
     MANIFEST_FILES_KEY,
     EvalSetRef,
     Registry,
@@ -426,7 +426,7 @@ V1_VERSIONS = """CREATE TABLE versions (
 
 def make_v1_registry(path: Path, artifact: Path) -> None:
     """A registry file as schema 1 wrote it (no manifest_hash / fingerprint), with one candidate row."""
-    from pipelines import registry as registry_module
+    from pipelines.registry import store as registry_module
 
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode = WAL")
@@ -497,7 +497,7 @@ def test_a_registry_on_a_read_only_disk_can_be_listed_not_changed(read_only_regi
 
 
 def test_a_registry_opened_read_only_uses_a_read_only_connection(registry: Registry, tmp_path: Path, monkeypatch) -> None:
-    from pipelines import registry as registry_module
+    from pipelines.registry import store as registry_module
 
     promoted(registry, tmp_path, "a")
     monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # as for a file the user may not write

@@ -13,15 +13,16 @@ from fakes import make_artifact, make_eval_set
 
 from pipelines.artifact import CalibrationRecord, Manifest, PeakMemory, WeightBytes
 from pipelines.cli import main
-from pipelines.compiler import check_recipe, layout_from_config, layout_from_model_dir, scheme_summary
 from pipelines.errors import InputError, ServeError
-from pipelines.gate import GateReport, PairedItem, SetComparison, decide
-from pipelines.hashing import sha256_file
-from pipelines.metrics import make_spec
+from pipelines.evaluation.metrics import make_spec
+from pipelines.files.hashing import sha256_file
+from pipelines.gate.policy import load_policy
+from pipelines.gate.verdict import GateReport, PairedItem, SetComparison, decide
+from pipelines.hardware.targets import CPU, parse_target
 from pipelines.planner import gpu_spec, model_shape, predict_weight_bytes
-from pipelines.policy import load_policy
+from pipelines.quantize.compiler import check_recipe, layout_from_config, layout_from_model_dir, scheme_summary
 from pipelines.recipe import LoadedRecipe, load_recipe, parse_recipe
-from pipelines.registry import EvalSetRef, NewVersion, Registry
+from pipelines.registry.store import EvalSetRef, NewVersion, Registry
 from pipelines.repair import sensitivity as sensitivity_module
 from pipelines.repair.ladder import LADDERS_DIR, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
@@ -42,8 +43,7 @@ from pipelines.repair.sensitivity import SensitivitySettings
 from pipelines.repair.session import REPAIRED_RECIPE, RepairOptions, repair
 from pipelines.repair.simulate import RefPath
 from pipelines.repair.units import quantized_units, recipe_units
-from pipelines.runner import GateSettings, RunOutcome
-from pipelines.targets import CPU, parse_target
+from pipelines.runs.runner import GateSettings, RunOutcome
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -549,7 +549,7 @@ def test_parent_runs_are_read_back_with_their_gate(tmp_path, monkeypatch, tiny_l
     """A rejected run folder as the runner writes it: model, artifact (manifest with the recipe), sets, policy."""
     pytest.importorskip("safetensors")
     eval_set = make_eval_set(tmp_path / "eval_sets", "tickets")
-    from pipelines import evalsets
+    from pipelines.evaluation import evalsets
 
     monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: [eval_set])
     loaded = load_recipe("aggressive")
@@ -583,8 +583,8 @@ def test_parent_runs_are_read_back_with_their_gate(tmp_path, monkeypatch, tiny_l
 def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, monkeypatch):
     from fakes import FakeRunner, make_model
 
-    from pipelines import evalsets
-    from pipelines import job as job_module
+    from pipelines.evaluation import evalsets
+    from pipelines.jobs import job as job_module
     from pipelines.repair import session
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
@@ -614,7 +614,7 @@ def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, mo
 
 
 def test_a_policy_edit_is_accepted_unless_it_changes_the_rules_that_judged_the_run(tmp_path):
-    from pipelines.policy import RecipeOverrides
+    from pipelines.gate.policy import RecipeOverrides
     from pipelines.recipe import RecipeIdentity
     from pipelines.repair.parent import check_same_rules
 
@@ -670,8 +670,8 @@ def test_the_quantize_cost_adds_the_calibration_pipeline_and_the_gptq_solves_a_p
 
 
 def test_near_ties_are_items_whose_baseline_answer_starts_on_two_close_tokens():
-    from pipelines.baseline import BaselineEntry
-    from pipelines.divergence import Reference
+    from pipelines.evaluation.baseline import BaselineEntry
+    from pipelines.evaluation.divergence import Reference
 
     def reference(first: dict[str, float]) -> Reference:
         return Reference(doc_id=0, prompt_ids=[1], generated_ids=[2], baseline_topk=[first])

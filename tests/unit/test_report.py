@@ -7,9 +7,9 @@ from pathlib import Path
 from fakes import REPORT_POLICY, make_report, set_comparison
 from rich.console import Console
 
-from pipelines.gate import GateReport, decide
+from pipelines.gate.report import plan_tables, render_console, render_markdown
+from pipelines.gate.verdict import GateReport, decide
 from pipelines.planner import gpu_spec, plan
-from pipelines.report import plan_tables, render_console, render_markdown
 
 
 def test_markdown_has_header_sets_reasons_warnings_and_stage_times():

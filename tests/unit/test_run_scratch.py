@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from fakes import write_serve_python
 
-from pipelines import evaluate, serving
 from pipelines.errors import ServeError
+from pipelines.evaluation import evaluate
+from pipelines.serve import serving
 
 # A stand-in for vLLM: writes a rendezvous file where vLLM writes its own (tempfile.gettempdir(): TMPDIR), records
 # where, and fails its start (a started server's temporary folder goes the same way: the block's finally).

@@ -18,13 +18,14 @@ from types import SimpleNamespace
 import pytest
 from fakes import gate_settings, make_eval_set, make_model
 
-from pipelines import baseline as baseline_cache
-from pipelines import evalsets, evaluate, runner
 from pipelines.errors import EvalError, InputError, ServeError
-from pipelines.hashing import sha256_file
-from pipelines.registry import Registry
-from pipelines.report import UNVERIFIED_NOTE
-from pipelines.serving import ServeSettings
+from pipelines.evaluation import baseline as baseline_cache
+from pipelines.evaluation import evalsets, evaluate
+from pipelines.files.hashing import sha256_file
+from pipelines.gate.report import UNVERIFIED_NOTE
+from pipelines.registry.store import Registry
+from pipelines.runs import runner
+from pipelines.serve.serving import ServeSettings
 
 
 def gate(ws: SimpleNamespace, settings: runner.GateSettings | None = None) -> runner.RunOutcome:
@@ -250,7 +251,7 @@ def test_a_folder_without_config_is_refused_naming_the_option(stack, workspace):
 
 
 def test_quantize_and_gate_records_the_quantize_step(stack, workspace, monkeypatch):
-    import pipelines.quantize
+    import pipelines.quantize.oneshot
 
     manifest = SimpleNamespace(recipe="w8a8", recipe_text="name: w8a8\n", input_key="k" * 64, wall_time_s=4.25)
     calls = []
@@ -259,7 +260,7 @@ def test_quantize_and_gate_records_the_quantize_step(stack, workspace, monkeypat
         calls.append((recipe, model_dir, force))
         return SimpleNamespace(artifact_dir=workspace.artifact, manifest=manifest, reused=bool(calls[1:]))
 
-    monkeypatch.setattr(pipelines.quantize, "quantize_model", fake_quantize)
+    monkeypatch.setattr(pipelines.quantize.oneshot, "quantize_model", fake_quantize)
     first = runner.quantize_and_gate("w8a8", workspace.baseline, gate_settings(workspace), force=True)
     second = runner.quantize_and_gate("w8a8", workspace.baseline, gate_settings(workspace))
     assert calls == [("w8a8", workspace.baseline, True), ("w8a8", workspace.baseline, False)]
@@ -299,7 +300,7 @@ def test_run_files_and_folders_get_the_umask_permissions(stack, workspace, umask
 
 @pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
 def test_atomic_writes_use_the_umask_not_mkstemp_private_modes(tmp_path, umask, mask, file_mode, dir_mode):
-    from pipelines.atomic import atomic_dir, write_text_atomic
+    from pipelines.files.atomic import atomic_dir, write_text_atomic
 
     umask(mask)
     write_text_atomic(tmp_path / "a.txt", "x")
@@ -409,7 +410,7 @@ def test_a_run_reclaims_staging_folders_left_by_dead_runs(stack, workspace):
 
 
 def test_a_registry_that_cannot_be_written_fails_the_run_before_serving(stack, workspace, monkeypatch):
-    from pipelines import registry as registry_module
+    from pipelines.registry import store as registry_module
 
     Registry(workspace.registry)
     monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # an existing registry ...

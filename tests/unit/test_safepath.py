@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from fakes import FakeRunner, gate_settings, install, make_model
 
-from pipelines import evalsets, runfolder, runner
 from pipelines.errors import InputError
-from pipelines.job import run_job
-from pipelines.safepath import MAX_COMPONENT, ensure_inside, inside, safe_component, safe_relative
+from pipelines.evaluation import evalsets
+from pipelines.files.safepath import MAX_COMPONENT, ensure_inside, inside, safe_component, safe_relative
+from pipelines.jobs.job import run_job
+from pipelines.runs import runfolder, runner
 
 HOSTILE = {
     "traversal": "x/../../..",
@@ -196,7 +197,7 @@ def test_a_job_model_folder_that_cannot_name_an_artifact_folder_is_refused_at_pl
 
 
 def test_quantize_refuses_a_model_folder_name_before_any_work(tmp_path, monkeypatch):
-    import pipelines.quantize as quantize
+    import pipelines.quantize.oneshot as quantize
 
     model = make_model(tmp_path / "models" / "tiny \u0142lama")
     monkeypatch.setattr(quantize, "gather_inputs", lambda *a: pytest.fail("heavy work started"))

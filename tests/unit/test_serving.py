@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from fakes import write_serve_python
 
-from pipelines import divergence, evaluate, serving
 from pipelines.errors import InputError, ServeError
+from pipelines.evaluation import divergence, evaluate
+from pipelines.serve import serving
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,7 @@ def _cmdlines() -> dict[int, bytes]:
 
 
 def _watchdogs_of(pid: int) -> list[int]:
-    """Live watchdogs started by process `pid` (`python -m pipelines.reclaim watchdog --parent PID ...`)."""
+    """Live watchdogs started by process `pid` (`python -m pipelines.serve.reclaim watchdog --parent PID ...`)."""
     needle = f"watchdog\0--parent\0{pid}\0".encode()
     return [p for p, cmdline in _cmdlines().items() if needle in cmdline and _alive(p)]
 
@@ -280,7 +281,7 @@ PARENT = textwrap.dedent(
     # Stands in for `quantize`: starts a process group through serving's own start function, then waits to be killed.
     import json, os, sys, time
     from pathlib import Path
-    from pipelines.serving import start_process_group
+    from pipelines.serve.serving import start_process_group
 
     out = Path(sys.argv[1])
     process, watchdog = start_process_group(
@@ -343,7 +344,7 @@ def test_a_grandchild_that_honours_sigterm_dies_at_once(tmp_path):
 
 
 def test_the_server_gets_a_parent_death_signal(tmp_path):
-    script = "from pipelines.reclaim import current_parent_death_signal as c; print(c(), flush=True)"
+    script = "from pipelines.serve.reclaim import current_parent_death_signal as c; print(c(), flush=True)"
     process, watchdog = serving.start_process_group([sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "log")
     process.wait(timeout=30)
     watchdog.stop()
@@ -356,7 +357,7 @@ def test_die_with_parent_kills_a_direct_child_when_the_parent_is_sigkilled(tmp_p
         [
             sys.executable, "-c",
             "import signal, subprocess, sys, time\n"
-            "from pipelines.reclaim import die_with_parent\n"
+            "from pipelines.serve.reclaim import die_with_parent\n"
             "child = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent(signal.SIGKILL))\n"
             f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
             "time.sleep(300)\n",

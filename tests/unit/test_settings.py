@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import paths, runner, settings
-from pipelines.capture import library_logs_dir
-from pipelines.job import default_jobs_dir, load_job
-from pipelines.policy import load_gate_policy
-from pipelines.registry import default_registry_path
+from pipelines import paths, settings
+from pipelines.console.capture import library_logs_dir
+from pipelines.gate.policy import load_gate_policy
+from pipelines.jobs.job import default_jobs_dir, load_job
+from pipelines.registry.store import default_registry_path
+from pipelines.runs import runner
 
 
 @pytest.fixture(autouse=True)

@@ -23,14 +23,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
-from pipelines import job as job_module
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.evidence import EVIDENCE_DIR
-from pipelines.job import CandidateResult
-from pipelines.mlflow_export import export_to_mlflow
-from pipelines.registry import Registry, Version
-from pipelines.signing import CERT_ENV, CHAIN_ENV, KEY_ENV, SIGNATURE_NAME, TRUSTED_ENV, project_key_path
+from pipelines.jobs import job as job_module
+from pipelines.jobs.job import CandidateResult
+from pipelines.registry.evidence import EVIDENCE_DIR
+from pipelines.registry.mlflow_export import export_to_mlflow
+from pipelines.registry.signing import CERT_ENV, CHAIN_ENV, KEY_ENV, SIGNATURE_NAME, TRUSTED_ENV, project_key_path
+from pipelines.registry.store import Registry, Version
 
 MODEL = "demo-llama"
 # The files a flipped byte must be caught in: a weight file, the gate's evidence, the per-item outputs.
@@ -235,7 +235,7 @@ def test_hand_promotion_signs_and_a_failed_one_leaves_no_bundle(cli, workspace, 
 
 def version_like(version: Version, tmp_path: Path, stamp: str = "2026-12-02T10:00:00+00:00"):
     """A new candidate of the same artifact with fresh gate evidence (another gate run)."""
-    from pipelines.registry import NewVersion
+    from pipelines.registry.store import NewVersion
 
     gate = json.loads(Path(version.gate_path or "").read_text())
     gate["created_at"] = stamp

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from families import FAMILIES, make_family_model, tokenizer_texts
 
-from pipelines import smoothing
-from pipelines.calibration import calibration_dataset
 from pipelines.errors import InputError
+from pipelines.quantize import smoothing
+from pipelines.quantize.calibration import calibration_dataset
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("llmcompressor")
@@ -96,7 +96,7 @@ def test_a_gemma_style_wrong_mapping_is_refused_before_calibration(family_dir, t
     derived mapping goes: quantize refuses it with one line naming the layers, before any calibration."""
     import llmcompressor
 
-    from pipelines.quantize import quantize_model
+    from pipelines.quantize.oneshot import quantize_model
 
     folder = family_dir("gemma3")
     monkeypatch.setattr(smoothing, "derive_mappings", lambda model, ids: smoothing.Derivation(GEMMA_STYLE_WRONG, []))
@@ -171,7 +171,7 @@ def test_a_norm_that_cannot_absorb_the_scale_is_not_smoothed(family_dir) -> None
 def test_the_compiled_recipe_says_where_the_mappings_come_from_and_quantize_fills_them_in(family_dir) -> None:
     import yaml
 
-    from pipelines.compiler import compile_file
+    from pipelines.quantize.compiler import compile_file
 
     compiled = compile_file("w8a8", family_dir("gemma3"))
     modifier = compiled.llmcompressor["quant_stage"]["quant_modifiers"]["SmoothQuantModifier"]
@@ -201,7 +201,7 @@ groups:
 def test_quantize_smooths_gemma_by_the_traced_mapping_and_the_manifest_records_it(family_dir, tmp_path: Path) -> None:
     import yaml
 
-    from pipelines.quantize import quantize_model
+    from pipelines.quantize.oneshot import quantize_model
 
     recipe = tmp_path / "smooth-int8.yaml"
     recipe.write_text(SMOOTH_RTN)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipelines import stats
+from pipelines.gate import stats
 
 
 def pass_fail(right_to_wrong: int, wrong_to_right: int, both_right: int, both_wrong: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +117,7 @@ def test_items_needed_is_nam_s_formula_and_has_the_stated_power():
     assert stats.certifiable_tolerance(126, 0.04) <= 0.055 < stats.certifiable_tolerance(125, 0.04)
     # Power by exact summation over the binomial tables: Tango's bound within 5.5 points for an unchanged candidate.
     from pipelines.benchmarks import gate_oc
-    from pipelines.policy import SetPolicy
+    from pipelines.gate.policy import SetPolicy
 
     rules = SetPolicy(max_abs_drop=None, max_rel_drop=None, non_inferiority=True, ni_margin=5.5, max_flip_rate=None, max_kl=None, min_items=1)
     for discordance in (0.04, 0.1):

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import targets
 from pipelines.errors import InputError, ServeError
+from pipelines.hardware import targets
 from pipelines.hardware.host import HostProfile
+from pipelines.hardware.targets import CPU, TARGET_ENV, Layer, ServeTarget, installed_target, parse_target, serve_problem
 from pipelines.recipe import GroupScheme
-from pipelines.targets import CPU, TARGET_ENV, Layer, ServeTarget, installed_target, parse_target, serve_problem
 
 
 def scheme(bits: int = 4, granularity: str = "group", group_size: int | None = 128, symmetric: bool = True,

@@ -1,0 +1,101 @@
+"""JSON Lines files read with bounds: the one reader of eval-set data, held-out prompts and calibration data.
+
+A data file is the user's: it is read line by line, never whole, and refused before it is read when it is
+larger than MAX_FILE_BYTES, and at the first line longer than MAX_LINE_BYTES (a 2 GiB file with no newline
+costs one stat, a 60 MiB line 1 MiB of reading). Every problem is an InputError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipelines.errors import InputError
+
+MiB = 1024 * 1024
+MAX_LINE_BYTES = MiB  # one item: a rendered template is held to 1,000,000 characters (pipelines.evaluation.templates)
+MAX_FILE_BYTES = 64 * MiB  # one data file: about 60,000 items of 1 KiB; calibration keeps every text in memory
+
+
+def display_path(path: Path | str) -> str:
+    """A path as a message shows it: relative to the working directory when under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError, RuntimeError):
+        return str(path)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _open_bounded(path: Path, where: str, max_file_bytes: int) -> int:
+    """A descriptor of the regular file at path, no larger than max_file_bytes (a FIFO does not block the open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError("data file not found", file=where) from None
+    except OSError as error:
+        raise InputError(f"cannot read the data file: {error.strerror or error}", file=where) from None
+    status = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(status.st_mode):
+        problem = "not a regular file"
+    elif status.st_size > max_file_bytes:
+        problem = f"{status.st_size} bytes: data files are limited to {max_file_bytes} bytes"
+    if problem:
+        os.close(fd)
+        raise InputError(problem, file=where)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def iter_jsonl(
+    path: Path, *, max_line_bytes: int = MAX_LINE_BYTES, max_file_bytes: int = MAX_FILE_BYTES,
+) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a line that is not a JSON object is an InputError.
+
+    Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused, as is
+    nesting too deep for the JSON parser. The file is checked to be a regular file no larger than
+    `max_file_bytes` once open, and no line is read past `max_line_bytes` (nor the file past its limit, should
+    it grow while being read)."""
+    where = display_path(path)
+    with os.fdopen(_open_bounded(Path(path), where, max_file_bytes), "rb") as handle:
+        read = 0
+        number = 0
+        while raw := handle.readline(max_line_bytes + 1):
+            number += 1
+            read += len(raw)
+            if len(raw) > max_line_bytes and not (len(raw) == max_line_bytes + 1 and raw.endswith(b"\n")):
+                raise InputError(f"line longer than {max_line_bytes} bytes", file=where, field=f"line {number}")
+            if read > max_file_bytes:
+                raise InputError(f"more than {max_file_bytes} bytes: data files are limited to that", file=where, field=f"line {number}")
+            value = _parse_line(raw, number, where)
+            if value is not None:
+                yield number, value
+
+
+def _parse_line(raw: bytes, number: int, where: str) -> dict | None:
+    """The object on one line, None for a blank line."""
+    field = f"line {number}"
+    try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as error:
+        byte = raw[error.start:error.start + 1].hex()
+        raise InputError(f"not UTF-8 text (byte 0x{byte} at column {error.start + 1})", file=where, field=field) from None
+    if not line.strip():
+        return None
+    try:
+        value = json.loads(line, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=where, field=field) from None
+    except ValueError as error:
+        raise InputError(f"invalid JSON: {error}", file=where, field=field) from None
+    except RecursionError:
+        raise InputError("invalid JSON: nested too deep", file=where, field=field) from None
+    if not isinstance(value, dict):
+        raise InputError(f"expected a JSON object, got {type(value).__name__}", file=where, field=field)
+    return value

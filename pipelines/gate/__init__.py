@@ -1,0 +1,1 @@
+"""The gate: paired statistics, the policy, the verdict per eval set and its report."""

@@ -1,0 +1,93 @@
+"""Pairing a set's baseline and candidate items, refusing anything that would make the comparison unsound.
+
+Items pair by doc_id, their position in the set: two identical items (same doc_hash) are two pairs,
+never one. Both runs must hold exactly the set's items, each once, and each item's doc_hash must agree
+(lm-eval hashes the item it loaded, so a differing hash means the two runs scored different data).
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from pipelines.errors import EvalError, InputError, from_validation_error
+from pipelines.evaluation.evalsets import EvalSet
+from pipelines.evaluation.evaluate import ItemScore, SetScore
+from pipelines.gate.verdict import PairedItem, SetComparison
+
+_SHOWN = 5  # doc ids named in an error before "..."
+
+
+def pair_set(
+    eval_set: EvalSet, baseline: SetScore, candidate: SetScore, kl_by_doc: dict[int, float | None], kl_method: str | None,
+) -> SetComparison:
+    """The set's paired items; EvalError (exit 2) naming the set if the two runs do not hold the same items."""
+    for role, score in (("baseline", baseline), ("candidate", candidate)):
+        _check_scored_on(eval_set, role, score)
+    base, cand = _by_doc(eval_set, "baseline", baseline), _by_doc(eval_set, "candidate", candidate)
+    _check_same_items(eval_set, base, cand)
+    _check_same_docs(eval_set, base, cand)
+    stray = sorted(set(kl_by_doc) - set(base))
+    if stray:
+        raise EvalError(f"eval set {eval_set.name}: KL measured for items not in the set: {_docs(stray)}")
+    items = [_paired(eval_set, base[doc], cand[doc], kl_by_doc.get(doc)) for doc in sorted(base)]
+    try:
+        return SetComparison(eval_set=eval_set.name, metric=eval_set.metric, items=items, kl_method=kl_method)
+    except ValidationError as error:  # the gate's checks of the whole set: their message, not the input echoed
+        raise InputError(error.errors()[0]["msg"].removeprefix("Value error, "), field=f"eval set {eval_set.name}") from None
+
+
+def _paired(eval_set: EvalSet, base: ItemScore, cand: ItemScore, kl: float | None) -> PairedItem:
+    try:
+        return PairedItem(item_id=base.item_id, baseline=base.value, candidate=cand.value, kl=kl)
+    except ValidationError as error:
+        raise from_validation_error(error, f"eval set {eval_set.name}: item {base.item_id}") from None
+
+
+def _check_scored_on(eval_set: EvalSet, role: str, score: SetScore) -> None:
+    """A score of another set, another version of it or another metric is never paired."""
+    if (score.eval_set, score.eval_set_sha256) != (eval_set.name, eval_set.sha256):
+        raise EvalError(
+            f"eval set {eval_set.name}: the {role} was scored on set {score.eval_set!r} "
+            f"(hash {score.eval_set_sha256[:12]}), not this one (hash {eval_set.sha256[:12]})"
+        )
+    if score.metric != eval_set.metric:
+        raise EvalError(f"eval set {eval_set.name}: the {role} was scored with {score.metric!r}, the set says {eval_set.metric!r}")
+
+
+def _by_doc(eval_set: EvalSet, role: str, score: SetScore) -> dict[int, ItemScore]:
+    items: dict[int, ItemScore] = {}
+    for item in score.items:
+        if item.doc_id in items:
+            raise EvalError(f"eval set {eval_set.name}: the {role} holds doc {item.doc_id} more than once")
+        items[item.doc_id] = item
+    return items
+
+
+def _check_same_items(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore]) -> None:
+    expected = set(range(eval_set.num_items))
+    if set(base) == set(cand) == expected:
+        return
+    gaps = {
+        "missing from baseline": expected - set(base),
+        "missing from candidate": expected - set(cand),
+        "not in the set": (set(base) | set(cand)) - expected,
+    }
+    detail = "; ".join(f"{label}: {_docs(sorted(docs))}" for label, docs in gaps.items() if docs)
+    raise EvalError(
+        f"eval set {eval_set.name}: baseline has {len(base)} items, candidate {len(cand)}, the set {eval_set.num_items}; {detail}"
+    )
+
+
+def _check_same_docs(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore]) -> None:
+    differing = [doc for doc in sorted(base) if base[doc].doc_hash != cand[doc].doc_hash]
+    if differing:
+        raise EvalError(
+            f"eval set {eval_set.name}: {len(differing)} item(s) differ between the baseline and candidate runs "
+            f"(doc_hash): {_docs(differing)}"
+        )
+
+
+def _docs(doc_ids: list[int]) -> str:
+    shown = ", ".join(str(doc) for doc in doc_ids[:_SHOWN])
+    more = f", ... ({len(doc_ids)} in all)" if len(doc_ids) > _SHOWN else ""
+    return f"doc{'s' if len(doc_ids) > 1 else ''} {shown}{more}"

@@ -1,0 +1,1 @@
+"""Many candidates: the job file, run locally or on a Ray cluster (jobs.ray)."""

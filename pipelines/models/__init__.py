@@ -1,0 +1,1 @@
+"""Real pretrained models, offline: the GGUF catalogue and conversion, and the GGUF tokenizer."""

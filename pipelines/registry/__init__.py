@@ -1,0 +1,1 @@
+"""The model registry: the store, the evidence bundle, signatures, promotion and the MLflow export."""

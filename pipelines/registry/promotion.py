@@ -1,0 +1,60 @@
+"""Promotion with a signed bundle (pipelines.registry.evidence assembles it, pipelines.registry.signing signs it), used by the
+runner and `quantize registry promote`; and the signature check for a consumer that knows a version only by
+its number (the job ledger's cached skip)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.errors import InputError
+from pipelines.files.hashing import sha256_file
+from pipelines.registry.evidence import bundle_path, staged_bundle
+from pipelines.registry.signing import SIGNATURE_NAME, load_signer, sign_folder, signature_record
+from pipelines.registry.store import Registry, Version
+
+
+def promote_signed(registry: Registry, version: Version, reason: str, evidence: dict[str, Any] | None = None, *,
+                   run_dir: Path | None = None, override_gate: bool = False) -> Version:
+    """Promote `version` with its promotion bundle signed. The key is checked first, the bundle assembled and
+    signed, and only then is the version marked promoted, with the signature record (public key included) in
+    the same `promoted` event: no version is promoted unsigned, and a failed promotion leaves no bundle."""
+    signer = load_signer(registry.path)
+    if version.status != "candidate" or (version.verdict == "rejected" and not override_gate):
+        return registry.promote(version.id, reason, evidence, override_gate=override_gate)  # unchanged, or refused, as before
+    final = bundle_path(registry.path, version)
+    with staged_bundle(version, final, run_dir) as folder:
+        started = time.monotonic()
+        sign_folder(folder, signer)
+        sign_s = time.monotonic() - started
+        ours = sha256_file(folder / SIGNATURE_NAME)
+    if _signature_sha(final) != ours:  # a concurrent promotion of the same version replaced the bundle: its own, not ours
+        raise InputError("another promotion of this version replaced its bundle while it was signed", file=final)
+    record = signature_record(final, signer, sign_s)
+    try:
+        return registry.promote(version.id, reason, {**(evidence or {}), "signature": record.model_dump()}, override_gate=override_gate)
+    except BaseException:
+        if _signature_sha(final) == ours:  # never remove a bundle another promotion's record points to
+            shutil.rmtree(final, ignore_errors=True)
+        raise
+
+
+def _signature_sha(bundle: Path) -> str | None:
+    try:
+        return sha256_file(bundle / SIGNATURE_NAME)
+    except OSError:
+        return None
+
+
+def verify_recorded(registry_path: Path, model: str, number: int) -> None:
+    """Version `number` of `model`'s signed bundle. A ledger entry that names a registry version the registry
+    cannot show (the registry gone, moved, or without that version) is not trusted: an InputError, so the job
+    runs the candidate again instead of skipping it on an unverifiable promotion."""
+    if not Path(registry_path).is_file():
+        raise InputError(f"the ledger names registry version {number} of {model}, and there is no registry to verify it in",
+                         file=registry_path)
+    registry = Registry(registry_path)
+    version = registry.show(model, number)  # an InputError naming the registry when it has no such version
+    registry.verify_signature(version)

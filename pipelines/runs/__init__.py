@@ -1,0 +1,1 @@
+"""One gate run: the runner (quantize -> serve -> score -> gate -> promote) and its run folder."""

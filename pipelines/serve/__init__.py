@@ -1,0 +1,1 @@
+"""vLLM servers: started, probed and stopped, and whatever they leave behind reclaimed."""

@@ -1,0 +1,385 @@
+"""vLLM's OpenAI-compatible server, run from the serve environment as a subprocess on loopback.
+
+The project never imports vllm (its pins conflict with llm-compressor's); it starts
+`python -m vllm.entrypoints.openai.api_server` from .venv-serve in a new process session, waits for
+/health, confirms with its API key that the server answering is ours, and always stops the whole process
+group on the way out (exception, Ctrl-C, SIGTERM). If `quantize` itself dies without clean-up (SIGKILL,
+the OOM killer), the server's parent-death signal and its watchdog stop the group (pipelines/serve/reclaim.py).
+
+Every server gets a fresh random API key, handed over in the environment (VLLM_API_KEY), never on a
+command line (`ps` shows those to every user) nor in a log; clients send it as `Authorization: Bearer`.
+docs/serving.md has the details and the limits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.artifact import require_model_dir
+from pipelines.bounds import MAX_CONTEXT
+from pipelines.console.output import progress
+from pipelines.console.progress import track
+from pipelines.errors import ServeError
+from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
+from pipelines.hardware.targets import installed_target, require_local_target
+from pipelines.serve.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
+from pipelines.settings import current as current_settings
+
+LOOPBACK = "127.0.0.1"
+MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
+_LOG_TAIL_LINES = 8
+_STOP_GRACE_S = 10.0
+_CAUSE_SCAN_BYTES = 8 * 1024 * 1024  # a log is read from its end, at most this much
+# vLLM's log prefix: "(Worker pid=5533) ERROR 12-03 11:50:43 [multiproc_executor.py:1063] "
+_VLLM_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\) +[A-Z]+ +\S+ +\S+ +\[[^\]]*\] ?")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)(: .*)?$")
+MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_CPU_KV_CACHE_GIB = 4096
+HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
+
+
+class ServeSettings(BaseModel):
+    """How vLLM is started. Part of the baseline cache key: changing any of these re-scores the baseline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Every field is bounded: these settings are also read back from a run's gate.json (a repair), a file a user can edit.
+    memory_fraction: float = Field(default=0.2, gt=0, le=1, allow_inf_nan=False,
+                                   description="--gpu-memory-utilization (on CPU: fraction of host memory)")
+    cpu_kv_cache_gib: int = Field(default=1, gt=0, le=MAX_CPU_KV_CACHE_GIB, description="VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB)")
+    max_model_len: int = Field(default=512, gt=0, le=MAX_CONTEXT)
+    # `host`: the host class's serve dtype, bfloat16 where the CPU or GPU computes it natively, float32 on other CPUs
+    # (on AVX2 vLLM's int8 kernel falls to oneDNN's reference kernel with a bfloat16 output: docs/hardware.md).
+    # vLLM CPU's int8 W8A8 kernel refuses float16 ("scale_C: scalar path not implemented", measured). bf16 would
+    # pick AMX kernels that die with SIGILL on these VMs, so the server runs with AMX reported unavailable (the
+    # shim, pipelines/hardware/host.py) and uses its AVX-512 kernels instead.
+    dtype: Literal["host", "auto", "bfloat16", "float16", "half", "float32", "float"] = "host"  # and vLLM's --dtype choices
+    enforce_eager: bool = True
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    max_num_seqs: int = Field(default=16, gt=0, le=MAX_NUM_SEQS)
+    startup_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    request_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+
+    def cache_fields(self) -> dict:
+        """The settings that can change scores (timeouts cannot), with the dtype this host serves."""
+        return {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
+
+    def served_dtype(self) -> str:
+        """--dtype as passed to vLLM: `host` made concrete by this host's class."""
+        if self.dtype != HOST_DTYPE:
+            return self.dtype
+        target = installed_target()
+        return host_profile().serve_dtype if target.local else serve_dtype_for(str(target))[0]
+
+
+class RunningServer(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model_dir: Path
+    served_name: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen
+    startup_s: float
+    request_timeout_s: float = 120.0
+    # The server's API key: never printed (repr) nor written (model_dump, JSON).
+    api_key: str | None = Field(default=None, repr=False, exclude=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/v1"
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The header every request to /v1/... needs (vLLM answers 401 without it)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def check_engine(self) -> None:
+        """After a failed request: a server whose engine died (it answers 500 to everything, and may still be
+        running) is reported by the exception in its log, not by the request that met it."""
+        self.check_alive()
+        cause = log_cause(self.log_path)
+        if cause:
+            raise ServeError(f"vLLM's engine for {self.model_dir} failed: {cause} (log: {self.log_path})", file=self.log_path)
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise ServeError(
+                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): {failure_line(self.log_path)}",
+                file=self.log_path,
+            )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
+
+
+def log_cause(log_path: Path) -> str | None:
+    """The root cause of a vLLM failure in its log: the exception that ends the first traceback (a worker's
+    `AttributeError: ... 'cpu_gemm_wna16'`), not the wrappers the engine and API server log after it."""
+    in_traceback = False
+    for line in _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines():
+        line = _VLLM_PREFIX.sub("", line).strip()
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and _EXCEPTION_LINE.match(line):
+            return _shorten(line)
+    return None
+
+
+def failure_line(log_path: Path) -> str:
+    """What a failed server's error line says: its root cause when the log has one, else the log's last errors;
+    with the log's path."""
+    cause = log_cause(log_path)
+    return f"{cause} (log: {log_path})" if cause else f"{log_tail(log_path)} (log: {log_path})"
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - limit))
+            return handle.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(log_path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last meaningful error lines of a server log, folded onto one line."""
+    if not log_path.exists():
+        return "(no log)"
+    text = _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines()
+    errors = [line for line in text if "Error" in line or "error" in line]
+    picked = (errors or text)[-lines:]
+    return " | ".join(_shorten(line.strip()) for line in picked) or "(empty log)"
+
+
+def _shorten(line: str, head: int = 200, tail: int = 80) -> str:
+    # Both ends: vLLM puts the cause first ("Model architectures ['X'] are not supported ...") and may
+    # follow it with a very long list, while other lines put it after a long prefix.
+    return line if len(line) <= head + tail + 5 else f"{line[:head]} ... {line[-tail:]}"
+
+
+@lru_cache(maxsize=1)
+def serve_versions() -> dict[str, str]:
+    """Versions of the serve environment's vLLM and torch (part of cache keys)."""
+    require_serve_env()
+    code = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "import json\nout={}\n"
+        "for name in ('vllm-cpu','vllm','torch','transformers','compressed-tensors'):\n"
+        "    try: out[name]=version(name)\n"
+        "    except PackageNotFoundError: pass\n"
+        "print(json.dumps(out))"
+    )
+    import json
+
+    result = subprocess.run([str(current_settings().serve_python), "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettings) -> list[str]:
+    command = [
+        str(current_settings().serve_python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_name,
+        "--host", LOOPBACK,
+        "--port", str(port),
+        "--dtype", settings.served_dtype(),
+        "--max-model-len", str(settings.max_model_len),
+        "--gpu-memory-utilization", str(settings.memory_fraction),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--seed", str(settings.seed),
+        "--max-logprobs", str(MAX_LOGPROBS),
+        "--disable-log-stats",
+    ]
+    if settings.enforce_eager:
+        command.append("--enforce-eager")
+    return command
+
+
+def new_api_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
+    """The server's environment: the serve environment's (pipelines/hardware/host.py serve_process_env: the shim,
+    temporary files under shim_dir/tmp, inside the run folder and removed with it, the emulated host class's ISA
+    caps) plus the key and the KV space. vLLM's ZeroMQ sockets stay in the system's temporary folder
+    (VLLM_RPC_BASE_PATH), whose short path keeps them under the 107-byte limit of a socket's name."""
+    rpc_base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    env = serve_process_env(shim_dir, emulated_class())
+    env.update(
+        VLLM_RPC_BASE_PATH=rpc_base,
+        VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
+        VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
+    )
+    return env
+
+
+def _wait_until_healthy(
+    server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise ServeError(
+                    f"vLLM exited during start-up (exit code {server.returncode}): {failure_line(log_path)}", file=log_path
+                )
+            try:
+                healthy = client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if healthy:
+                _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
+                return
+            time.sleep(0.5)
+    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {failure_line(log_path)}", file=log_path)
+
+
+def _confirm_ours(
+    client: httpx.Client, server: subprocess.Popen, port: int, log_path: Path, *, served_name: str, api_key: str,
+) -> None:
+    """/health answers without a key, so a foreign process on the port could pass it: our server is the one that
+    lists `served_name` on /v1/models when asked with our key (a vLLM started with another key answers 401)."""
+    url = f"http://{LOOPBACK}:{port}/v1/models"
+    problem = ""
+    try:
+        response = client.get(url, headers={"Authorization": f"Bearer {api_key}"})
+        if response.status_code != 200:
+            problem = f"GET /v1/models with our key answered HTTP {response.status_code}"
+        else:
+            names = [model.get("id") for model in response.json().get("data", [])]
+            if served_name not in names:
+                problem = f"GET /v1/models lists {names}, not {served_name!r}"
+    except (httpx.HTTPError, ValueError, AttributeError) as error:
+        problem = f"GET /v1/models failed ({type(error).__name__}: {error})"
+    if server.poll() is not None:
+        problem = problem or "our server exited"
+        raise ServeError(
+            f"vLLM exited during start-up (exit code {server.returncode}) while {LOOPBACK}:{port} answered /health: "
+            f"{problem}; {log_tail(log_path)}",
+            file=log_path,
+        )
+    if problem:
+        raise ServeError(
+            f"the process answering on {LOOPBACK}:{port} is not the vLLM server started for this run: {problem}",
+            file=log_path, field="port",
+        )
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM the server's whole process group, then SIGKILL whatever is left after the grace period."""
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (the engine core) can outlive the parent: always sweep the group.
+    _signal_group(process, signal.SIGKILL)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start_process_group(
+    command: list[str], *, env: dict[str, str], log_path: Path, grace_s: float = _STOP_GRACE_S,
+) -> tuple[subprocess.Popen, Watchdog]:
+    """Start `command` as the leader of a new session and process group, output to `log_path`, with a
+    parent-death signal (SIGTERM) and a watchdog that stops the group (SIGTERM, `grace_s`, SIGKILL) once this
+    process is gone. Stop it with `stop_process_group(process)` and then `watchdog.stop()`."""
+    log_path.write_text("")
+    with log_path.open("a") as log:  # append mode: the server and its watchdog share the file
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        try:
+            watchdog = start_watchdog(process.pid, grace_s=grace_s, log=log)
+        except BaseException:
+            stop_process_group(process)
+            raise
+    return process, watchdog
+
+
+@contextmanager
+def vllm_server(
+    model_dir: Path,
+    *,
+    log_path: Path,
+    settings: ServeSettings | None = None,
+    served_name: str = "model",
+    port: int | None = None,
+) -> Iterator[RunningServer]:
+    """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
+    including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py)."""
+    settings = settings or ServeSettings()
+    require_model_dir(model_dir, "model")
+    if port is None:
+        port = free_port()
+    elif not port_is_free(port):
+        raise ServeError(f"port {port} on {LOOPBACK} is already in use", field="port")
+    require_serve_env()  # after the caller's own input: a bad model folder is reported as such on any machine
+    require_local_target()  # a forced target that is not this host's class cannot serve here
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
+    started = time.monotonic()
+    api_key = new_api_key()
+    # Beside the server's log, in the run folder (removed with a dead run's staging folder too); the owner's pid
+    # in the name lets reclaim_stale remove it once this process is gone without clean-up.
+    shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
+    try:
+        env = _environment(settings, Path(shim.name), api_key)
+        process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
+        try:
+            with track(f"starting vLLM ({served_name})", total=None, unit="s"):
+                _wait_until_healthy(
+                    process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
+                )
+            startup_s = time.monotonic() - started
+            yield RunningServer(
+                model_dir=model_dir, served_name=served_name, port=port,
+                log_path=log_path, process=process, startup_s=startup_s,
+                request_timeout_s=settings.request_timeout_s, api_key=api_key,
+            )
+        finally:
+            stop_process_group(process)
+            watchdog.stop()
+    finally:
+        shim.cleanup()
