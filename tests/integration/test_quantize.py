@@ -121,7 +121,8 @@ def test_the_w4a8_control_keeps_the_int4_weights_and_adds_dynamic_int8_activatio
     for target in (ATTENTION, MLP):
         group = group_for(config, target)
         assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (4, "channel")
-        assert (group["input_activations"]["num_bits"], group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == (8, "token", True)
+        activations = group["input_activations"]
+        assert (activations["num_bits"], activations["strategy"], activations["dynamic"]) == (8, "token", True)
     assert_16_bit_embeddings_and_lm_head(artifacts("aggressive-w4a8").artifact_dir)
 
 
