@@ -10,9 +10,11 @@ DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
 .PHONY: setup demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate
 
-# The two environments are built side by side (each pip is mostly one core; CI has two).
+# The two environments are built side by side (each pip is mostly one core; CI has two); then the Debian packages
+# the product drives (Prometheus, nginx: scripts/setup_system.sh).
 setup:
-	@scripts/setup_env.sh project & project=$$!; scripts/setup_env.sh serve; serve=$$?; wait $$project && exit $$serve
+	@scripts/setup_env.sh project & project=$$!; scripts/setup_env.sh serve; serve=$$?; wait $$project && test $$serve -eq 0
+	@scripts/setup_system.sh
 
 ## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote with a
 ## signed bundle (docs/registry.md, "Signed promotion"); the promoted version becomes `champion`, which is verified.

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The Debian packages the product drives as real parts (docs/deploy.md): Prometheus (and its promtool) for the
+# deployment files and `quantize watch`, nginx for `quantize serve`. Installs what is missing, once; a second run
+# checks and returns in milliseconds. Needs root (apt-get) the first time; without it, says what to run.
+set -euo pipefail
+want=()
+command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || want+=(prometheus)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || want+=(nginx)
+[ ${#want[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "setup: the system packages ${want[*]} are missing; install them as root: apt-get install -y ${want[*]}" >&2
+  exit 2
+fi
+echo "setup: installing Debian packages ${want[*]} (first run only)"
+start=$(date +%s)
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp)
+if ! { apt-get install -y -q --no-install-recommends "${want[@]}" >"$log" 2>&1 || { apt-get update -q >>"$log" 2>&1 && apt-get install -y -q --no-install-recommends "${want[@]}" >>"$log" 2>&1; }; }; then
+  echo "setup: apt-get could not install ${want[*]}: $(grep -iE 'E:|error' "$log" | tail -n1)" >&2
+  rm -f "$log"
+  exit 2
+fi
+rm -f "$log"
+# The packages' own services are not used (the product starts its own processes, on loopback, per command).
+for service in prometheus nginx; do
+  if command -v service >/dev/null 2>&1; then service "$service" stop >/dev/null 2>&1 || true; fi
+done
+echo "setup: ${want[*]} installed in $(( $(date +%s) - start )) s"
