@@ -46,9 +46,10 @@ test: lint
 test-unit: setup
 	$(PY) -m pytest tests/unit
 
-## The fast tier while developing: the tests marked `unit` (all of tests/unit/; no lint, no real vLLM server; about 2 min).
+## The fast tier while developing: the unit tests (tests/unit/, no lint, no real vLLM server) but those marked `slow`
+## (a repair search, a real subprocess under load, a simulation: `make test` runs them).
 test-fast: setup
-	$(PY) -m pytest -m "unit and not integration" tests/unit
+	$(PY) -m pytest -m "unit and not integration and not slow" tests/unit
 
 test-integration: setup
 	$(PY) -m pytest tests/integration

@@ -21,7 +21,7 @@ moves d = c - q_j of candidate mass from the rest bucket to j, as if taken from 
 the rest bucket can only raise the value (data processing), and p_j log(c / q_j) >= p_m log(q_m / (q_m - d))
 (x / (x - d) decreases in x), so the value is at most the KL on the partition {baseline's top-k, each
 m, the rest}, itself at most the full KL. Hence c is the k-th entry, not the smaller extra one, and
-the baseline's partition is its k largest entries only (tests/unit/test_divergence.py: 20,000 random cases).
+the baseline's partition is its k largest entries only (tests/unit/evaluation/test_divergence.py: 20,000 random cases).
 """
 
 from __future__ import annotations

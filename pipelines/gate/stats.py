@@ -280,7 +280,7 @@ def mean_difference_interval(
     """(delta, low, high) of mean(candidate - baseline): paired_score_interval widened to width_floor.
 
     It replaced a paired BCa bootstrap that covered 0.918 at n = 250 with 10% of items changed; this one
-    covers >= 0.94 from n = 50 on (tests/unit/test_stats.py simulates it)."""
+    covers >= 0.94 from n = 50 on (tests/unit/gate/test_stats.py simulates it)."""
     base, cand = _paired(baseline, candidate)
     diffs = cand - base
     delta = float(diffs.mean())

@@ -4,7 +4,7 @@ identity, then GPTQ with static MLP activations), served by vLLM's CPU build bes
 by lm-eval on one demo set (its first 60 items: the fewest the default policy accepts is 47) and judged by the
 gate. One `quantize` run per family, two vLLM servers each (about two minutes a family on this machine); Llama
 itself runs end to end on the demo model in every other file of this suite, and vLLM serves Mistral with its Llama
-implementation (its all-sliding KV layout is pinned by tests/unit/test_planner.py, measured against vLLM), so the
+implementation (its all-sliding KV layout is pinned by tests/unit/planner/test_planner.py, measured against vLLM), so the
 families here are the other five.
 
 Random weights mean the verdict itself says nothing about quality: the test asks that the job decides (exit 0

@@ -219,7 +219,7 @@ def test_a_failure_mid_quantization_leaves_nothing(tiny_llama_dir: Path, tmp_pat
 def test_a_recipe_mixing_rtn_and_gptq_quantizes_in_one_run_and_vllm_serves_it(demo_or_tiny_model: Path, calibration_set_dir: Path,
                                                                                tmp_path: Path) -> None:
     """The repair's proposals mix algorithms by module (RTN groups, GPTQ overrides): one llm-compressor run with a
-    QuantizationModifier and a GPTQModifier, and the artifact loads and answers in vLLM (tests/unit/test_mixed_algorithms.py
+    QuantizationModifier and a GPTQModifier, and the artifact loads and answers in vLLM (tests/unit/quantize/test_mixed_algorithms.py
     checks the weights themselves)."""
     from vllm_util import complete
 

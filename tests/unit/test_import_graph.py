@@ -142,3 +142,54 @@ def test_an_arrow_to_the_package_above_is_found(tmp_path: Path) -> None:
     (package / "__init__.py").write_text("from pkg.sub.leaf import x\n")
     (package / "leaf.py").write_text("from pkg.sub import y\n")
     assert upward_arrows(import_graph(tmp_path / "pkg")) == [("pkg.sub.leaf", "pkg.sub")]
+
+
+# --- floors: which room may import which -------------------------------------------------------------------------------
+# A room is a subpackage of pipelines/ or a module at its root. A room imports only rooms on lower floors (or its own):
+# the house is read bottom up, and a new room says where it stands here. Bottom first.
+FLOORS: list[set[str]] = [
+    {"errors", "schema", "settings"},
+    {"bounds", "console", "files", "paths"},
+    {"artifact", "recipe"},
+    {"hardware", "models"},
+    {"serve"},
+    {"evaluation"},
+    {"demo", "quantize"},
+    {"planner"},
+    {"loadtest"},
+    {"gate"},
+    {"benchmarks", "registry"},
+    {"runs"},
+    {"repair"},
+    {"jobs"},
+    {"commands", "cli"},
+]
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(package)"
+
+
+def floor_of(name: str) -> int:
+    return next(level for level, rooms in enumerate(FLOORS) if name in rooms)
+
+
+def test_every_room_has_a_floor() -> None:
+    rooms = {room(module) for module in import_graph(PACKAGE)} - {"(package)"}
+    assert rooms <= set().union(*FLOORS), f"rooms without a floor (add them to FLOORS): {sorted(rooms - set().union(*FLOORS))}"
+
+
+def test_no_room_imports_a_room_on_a_higher_floor() -> None:
+    graph = import_graph(PACKAGE)
+    upward = sorted(
+        (source, target) for source, targets in graph.items() for target in targets
+        if room(source) != "(package)" and room(target) != "(package)" and room(source) != room(target)
+        and floor_of(room(target)) > floor_of(room(source))
+    )
+    assert upward == [], f"imports up the floors: {upward}"
+
+
+def test_the_root_holds_few_modules() -> None:
+    root = [path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"]
+    assert len(root) <= 12, root

@@ -24,7 +24,7 @@ from pipelines.loadtest.workload import Workload, WorkloadItem, answer_limit, se
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.serve.serving import ServeSettings
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "loadtest"
+DATA = Path(__file__).resolve().parents[2] / "data" / "loadtest"
 RESULT = DATA / "vllm-bench-serve-result.json"  # a real `vllm bench serve --save-result` file (demo model, concurrency 16)
 
 

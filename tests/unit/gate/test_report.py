@@ -46,7 +46,7 @@ def test_markdown_promoted_report_says_no_reasons():
 
 
 def llama_2_7b_plan() -> dict:
-    config = Path(__file__).resolve().parent.parent / "data" / "configs" / "llama-2-7b" / "config.json"
+    config = Path(__file__).resolve().parents[2] / "data" / "configs" / "llama-2-7b" / "config.json"
     return plan(config, [None], gpu_spec("L4-24GB"), 2048, 1).model_dump(mode="json")
 
 

@@ -30,7 +30,7 @@ from pipelines.planner.kv import attention_summary, vllm_kv_cache
 from pipelines.planner.view import plan_title
 from pipelines.recipe import GroupScheme, Recipe
 
-CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "data" / "configs"
 LLAMA2_7B = CONFIGS / "llama-2-7b" / "config.json"
 LLAMA3_8B = CONFIGS / "llama-3-8b" / "config.json"
 LLAMA3_70B = CONFIGS / "llama-3-70b" / "config.json"

@@ -65,6 +65,7 @@ def test_tokenizer_adds_nothing_and_splits_answers_consistently(tokenizer) -> No
                 assert tokenizer.unk_token_id is None or tokenizer.unk_token_id not in whole
 
 
+@pytest.mark.slow
 def test_scores_on_the_multiple_choice_set(model, tokenizer) -> None:
     (found,) = [s for s in demo_sets() if s.output_type == "multiple_choice"]
     config = evalsets.load_task_config(found.task_yaml)

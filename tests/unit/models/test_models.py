@@ -260,7 +260,7 @@ def test_list_shows_folders_and_catalogue_models_not_added(models_dir: Path, cap
 
 
 def test_catalogue_pins_are_what_the_set_up_installs() -> None:
-    requirements = (Path(__file__).resolve().parents[2] / "requirements" / "project.txt").read_text()
+    requirements = (Path(__file__).resolve().parents[3] / "requirements" / "project.txt").read_text()
     no_deps = {line.split(":", 1)[1].strip() for line in requirements.splitlines() if line.startswith("# no-deps:")}
     for entry in models.CATALOGUE.values():
         assert set(entry.pins()) <= no_deps, entry.name

@@ -19,7 +19,7 @@ from pipelines.hardware.speed import ProbedSpeed, artifact_cases, estimate_scori
 from pipelines.recipe import GroupScheme, load_recipe
 from pipelines.serve.serving import log_cause
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "serving"
+DATA = Path(__file__).resolve().parents[2] / "data" / "serving"
 MISSING_WNA16 = "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
 
 

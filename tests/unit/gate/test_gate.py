@@ -255,6 +255,7 @@ def test_lower_is_better_metric_that_got_worse_is_rejected():
     assert better.verdict == "promoted" and better.sets[0].worsening == pytest.approx(-10.0)
 
 
+@pytest.mark.slow
 def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
     # f1 over (gold, prediction) pairs: baseline perfect, candidate misses 30 of 100 positives.
     pairs = [(1, 1)] * 100 + [(0, 0)] * 100

@@ -413,6 +413,7 @@ def parent(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
                      artifact_dir=artifact, manifest=manifest, recipe=loaded, calibration=None, settings=settings)
 
 
+@pytest.mark.slow
 def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: ParentRun, tmp_path: Path):
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(3))
     result = repair(parent, RepairOptions(budget=Budget(max_gates=12), sensitivity=FAST), gate_fn=fake, target=CPU)
@@ -448,6 +449,7 @@ def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: Pa
     assert "tickets: scores spread over more than 10 points" in report
 
 
+@pytest.mark.slow
 def test_a_repair_that_runs_out_of_gates_exits_1_with_the_closest_attempt(parent: ParentRun, tmp_path: Path):
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, lambda recipe: False)
     result = repair(parent, RepairOptions(budget=Budget(max_gates=2), sensitivity=FAST), gate_fn=fake, target=CPU)
@@ -456,6 +458,7 @@ def test_a_repair_that_runs_out_of_gates_exits_1_with_the_closest_attempt(parent
     assert "## Closest attempt" in (Path(result.repair_dir) / "report.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails_at, status", [(1, None), (2, "repaired")])
 def test_a_gate_that_cannot_decide_is_an_error_unless_a_pass_is_in_hand(parent: ParentRun, tmp_path: Path, fails_at, status):
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(1), server_fails_at=fails_at)
@@ -472,6 +475,7 @@ def test_a_gate_that_cannot_decide_is_an_error_unless_a_pass_is_in_hand(parent: 
     assert result.attempts[-1].error and result.attempts[-1].verdict is None and result.found is not None
 
 
+@pytest.mark.slow
 def test_the_sensitivity_pass_is_cached(parent: ParentRun, tmp_path: Path):
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(1))
     # round-to-nearest rungs only: nothing reads calibration data
@@ -489,6 +493,7 @@ def test_the_sensitivity_pass_is_cached(parent: ParentRun, tmp_path: Path):
     assert third.sensitivity.cached and third.sensitivity.key == first.sensitivity.key
 
 
+@pytest.mark.slow
 def test_w8a8_sensitivity_smooths_first_and_calibrates_static_scales(parent: ParentRun, tmp_path: Path):
     """SmoothQuant by llm-compressor's modifier, static input scales from the calibration texts, the dynamic rung priced."""
     from pipelines.repair.sensitivity import SensitivityModel

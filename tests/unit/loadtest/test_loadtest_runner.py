@@ -27,7 +27,7 @@ from pipelines.loadtest.workload import Workload, WorkloadItem
 from pipelines.registry.store import Registry
 from pipelines.runs import runner
 
-RESULT = Path(__file__).resolve().parent.parent / "data" / "loadtest" / "vllm-bench-serve-result.json"
+RESULT = Path(__file__).resolve().parents[2] / "data" / "loadtest" / "vllm-bench-serve-result.json"
 KV_LINE = "CPU KV cache size: 524,288 tokens, Maximum concurrency for 512 tokens per request: 1024.00x\n"
 
 

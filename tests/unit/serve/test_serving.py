@@ -18,7 +18,7 @@ from pipelines.errors import InputError, ServeError
 from pipelines.evaluation import divergence, evaluate
 from pipelines.serve import serving
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # A stand-in for vLLM's api_server (stdlib only): /health without a key, /v1/models only with the key from
 # VLLM_API_KEY, as vLLM 0.32 does (vllm/entrypoints/serve/middleware/authenticate.py guards /v1 only).

@@ -98,6 +98,7 @@ def test_bench_gate_prints_the_oc_of_the_user_s_own_sets(capsys, tmp_path):
     assert "at each set's observed discordance:" in out and "Targets (n = 250)" in out
 
 
+@pytest.mark.slow
 def test_rel_margin_on_a_simulated_word_perplexity_set():
     # docs/gate-json.md: at n = 250 an unchanged candidate passed 150 of 150 simulated sets and a true 5% rise (the
     # tolerance) 4.5% of 650. A coarse seeded check of the same simulation (each set is a 2,000-resample bootstrap).
