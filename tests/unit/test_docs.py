@@ -12,7 +12,8 @@ from pipelines.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "eval_sets" / "README.md"]
-PATH = re.compile(r"(?<![\w./-])((?:pipelines|docs|scripts|tests)/[\w./-]*[\w/])")  # what the product ships (recipes/ and eval_sets/ paths are often a user's examples)
+# What the product ships (recipes/ and eval_sets/ paths in the pages are often a user's examples).
+PATH = re.compile(r"(?<![\w./-])((?:pipelines|docs|scripts|tests)/[\w./-]*[\w/])")
 MODULE = re.compile(r"python -m (pipelines(?:\.\w+)+)")
 COMMAND = re.compile(r"`(?:\.venv/bin/)?quantize ([a-z][a-z-]*)")
 MAKE = re.compile(r"`make ([a-z][a-z-]*)")
