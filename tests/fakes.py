@@ -19,7 +19,7 @@ import yaml
 from pipelines.artifact import MANIFEST_FILES_KEY
 from pipelines.evaluation.divergence import Reference
 from pipelines.evaluation.evalsets import EvalSet, validate_eval_set
-from pipelines.evaluation.evaluate import ItemScore, SetScore
+from pipelines.evaluation.evaluate import ItemScore, Prompt, SetScore
 from pipelines.evaluation.metrics import make_spec
 from pipelines.files.hashing import file_hashes
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
@@ -29,6 +29,7 @@ from pipelines.recipe import LoadedRecipe
 from pipelines.registry.store import EvalSetRef, NewVersion
 from pipelines.runs import runner
 from pipelines.runs.runner import RunOutcome
+from pipelines.runs.stack import GateStack
 from pipelines.serve.serving import ServeSettings
 
 N_ITEMS = 120
@@ -151,6 +152,17 @@ class FakeStack:
     @staticmethod
     def topk(server, references) -> list[list[dict[str, float]]]:
         return [[{TOKEN: math.log(0.9)}] for _ in references]
+
+    @staticmethod
+    def prompts(sets, include_dir, tokenizer_dir=None) -> dict[str, list[Prompt]]:
+        return {s.name: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)] for s in sets}
+
+    def stack(self, **real: object) -> GateStack:
+        """The runner's stack with these fakes; the load test after a promoted gate is off (it has tests of its own:
+        tests/unit/loadtest/test_loadtest_runner.py). `real`: parts to keep or replace (e.g. load_test=after_quality_gate)."""
+        fakes = {"serve": self.server, "score": self.score, "references": self.references, "topk": self.topk, "prompts": self.prompts,
+                 "check_lengths": lambda *args: None, "load_test": lambda gate, pool, inputs, stages: (gate, None)}
+        return GateStack(**{**fakes, **real})  # type: ignore[arg-type]
 
 
 def gate_workspace(root: Path) -> SimpleNamespace:

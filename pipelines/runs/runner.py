@@ -31,17 +31,9 @@ from pipelines.artifact import CONFIG_NAME, ArtifactCheck, require_model_dir, ve
 from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
-from pipelines.evaluation.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
+from pipelines.evaluation.divergence import KL_METHOD, item_kl
 from pipelines.evaluation.evalsets import EvalSet
-from pipelines.evaluation.evaluate import (
-    ANSWER_RESERVE_TOKENS,
-    ScoringDeadline,
-    SetScore,
-    check_prompt_lengths,
-    load_all_prompts,
-    materialize_tasks,
-    score_eval_sets,
-)
+from pipelines.evaluation.evaluate import ANSWER_RESERVE_TOKENS, ScoringDeadline, SetScore, materialize_tasks
 from pipelines.files.atomic import write_json_atomic, write_text_atomic
 from pipelines.files.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.files.safepath import safe_component
@@ -53,15 +45,19 @@ from pipelines.hardware.host import host_profile
 from pipelines.hardware.probe_rules import probe_problem
 from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed
 from pipelines.hardware.targets import host_record, installed_target
-from pipelines.loadtest.gate_hook import ServerPool, after_quality_gate, server_pool, stage_inputs
+from pipelines.loadtest.gate_hook import ServerPool, server_pool, stage_inputs
 from pipelines.loadtest.render import summary as performance_summary
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
 from pipelines.registry.evidence import write_run_evidence
 from pipelines.registry.signing import load_signer
 from pipelines.runs.runfolder import run_folder
-from pipelines.serve.serving import RunningServer, ServeSettings, vllm_server
+from pipelines.runs.stack import REAL_STACK, GateStack
+from pipelines.serve.serving import RunningServer, ServeSettings
 from pipelines.settings import current as current_settings
+
+# What every run drives unless it is handed another stack (tests hand it a fake: tests/fakes.py).
+STACK: GateStack = REAL_STACK
 
 
 def default_runs_dir() -> Path:
@@ -136,7 +132,8 @@ def timed(stages: dict[str, float], name: str) -> Iterator[None]:
 
 
 def quantize_and_gate(
-    recipe: str | LoadedRecipe, model_dir: Path, settings: GateSettings, *, force: bool = False, calibration: str | None = None
+    recipe: str | LoadedRecipe, model_dir: Path, settings: GateSettings, *, force: bool = False, calibration: str | None = None,
+    stack: GateStack | None = None,
 ) -> RunOutcome:
     """The whole job for one (model, recipe): quantize (or reuse the identical artifact), then gate."""
     from pipelines.quantize.oneshot import quantize_model  # heavy (torch, llm-compressor): only when quantizing
@@ -151,11 +148,13 @@ def quantize_and_gate(
         stages={"quantize_s": 0.0 if result.reused else manifest.wall_time_s},
         inputs={"recipe_sha256": sha256_text(manifest.recipe_text), "quantize_input_key": manifest.input_key, "quantize_reused": result.reused},
     )
-    return run_gate(job)
+    return run_gate(job, stack)
 
 
-def run_gate(job: GateJob) -> RunOutcome:
-    """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register."""
+def run_gate(job: GateJob, stack: GateStack | None = None) -> RunOutcome:
+    """Serve baseline (unless cached) and candidate, score, compare, decide, write the evidence, register. `stack`:
+    what it drives (servers, scorer, KL, prompts, load test); STACK unless given."""
+    stack = stack or STACK
     safe_component(job.recipe_name, "recipe")  # it becomes part of the run folder's name
     require_model_dir(job.baseline_dir, "--baseline")
     require_model_dir(job.artifact_dir, "--artifact")
@@ -163,7 +162,7 @@ def run_gate(job: GateJob) -> RunOutcome:
     check_served_here(job.artifact_dir)
     register = _registrable(job, check)
     with run_folder(job.settings.runs_dir, job.recipe_name) as folder:
-        report = _gate_in(folder.path, job, check)
+        report = _gate_in(folder.path, job, check, stack)
     final = folder.final
     outcome = RunOutcome(
         verdict=report.gate.verdict, exit_code=report.gate.exit_code, run_dir=final,
@@ -195,18 +194,18 @@ def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
     return False
 
 
-def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateReport:
+def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: GateStack) -> GateReport:
     stages = dict(job.stages)
     include_dir = materialize_tasks(job.settings.eval_sets, staging / "tasks")
-    prompts = load_all_prompts(job.settings.eval_sets, include_dir, job.baseline_dir)
+    prompts = stack.prompts(job.settings.eval_sets, include_dir, job.baseline_dir)
     for eval_set in job.settings.eval_sets:
-        check_prompt_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
+        stack.check_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
     identity = recipe_identity(job, check)
     loadtest = job.settings.loadtest and job.settings.policy.performance_for(identity).enabled
     # With the load test on, servers the scoring starts stay up for it (pipelines/loadtest/gate_hook.py).
-    with server_pool(loadtest, staging, job.settings.serve, job.baseline_dir, job.artifact_dir, stages, vllm_server) as pool:
-        baseline = _baseline_entries(staging, job, include_dir, prompts, stages, pool)
-        candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, pool)
+    with server_pool(loadtest, staging, job.settings.serve, job.baseline_dir, job.artifact_dir, stages, stack.serve) as pool:
+        baseline = _baseline_entries(staging, job, include_dir, prompts, stages, stack, pool)
+        candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, stack, pool)
         with timed(stages, "gate_s"):
             comparisons = [
                 pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
@@ -214,7 +213,7 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
             ]
             fit, plan = _fit_and_plan(job, identity)
             gate = decide(comparisons, job.settings.policy, identity, fit)
-        gate, performance = after_quality_gate(gate, pool, lambda: stage_inputs(job, prompts, identity, plan, staging), stages)
+        gate, performance = stack.load_test(gate, pool, lambda: stage_inputs(job, prompts, identity, plan, staging), stages)
     with timed(stages, "gate_s"):
         if check is not None:  # nothing changed while it was served: the verdict is about these bytes
             verify_artifact(job.artifact_dir, manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint)
@@ -236,21 +235,23 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None) -> GateRe
     return report
 
 
-def _baseline_entries(staging, job: GateJob, include_dir, prompts, stages, pool: ServerPool | None = None) -> dict[str, baseline_cache.BaselineEntry]:
+def _baseline_entries(
+    staging, job: GateJob, include_dir, prompts, stages, stack: GateStack, pool: ServerPool | None = None,
+) -> dict[str, baseline_cache.BaselineEntry]:
     model_hash = folder_hash(job.baseline_dir)
     keys = {s.name: baseline_cache.cache_key(model_hash, s, job.settings.serve) for s in job.settings.eval_sets}
 
     def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.BaselineEntry:
-        references = baseline_references(
+        references = stack.references(
             server, [(p.doc_id, p.text) for p in prompts[eval_set.name]], add_special_tokens=not eval_set.chat_template
         )
         return baseline_cache.BaselineEntry(key=keys[eval_set.name], model_hash=model_hash, score=score, references=references)
 
-    return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages, pool)
+    return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages, stack, pool)
 
 
 def _candidate_entries(
-    staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None, pool: ServerPool | None = None,
+    staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None, stack: GateStack, pool: ServerPool | None = None,
 ) -> dict[str, baseline_cache.CandidateEntry]:
     # A verified artifact's folder hash comes from its check (every file accounted for): not read again.
     artifact_hash = check.folder_hash if check is not None else folder_hash(job.artifact_dir)
@@ -260,14 +261,14 @@ def _candidate_entries(
 
     def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.CandidateEntry:
         references = baseline[eval_set.name].references
-        kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, candidate_topk(server, references), strict=True)}
+        kl_by_doc = {ref.doc_id: item_kl(ref, top) for ref, top in zip(references, stack.topk(server, references), strict=True)}
         return baseline_cache.CandidateEntry(key=keys[eval_set.name], model_hash=artifact_hash, score=score, kl_by_doc=kl_by_doc)
 
     def check_speed(missing: list[EvalSet]) -> ScoringDeadline | None:
         return scoring_deadline(job, {s.name: baseline[s.name] for s in missing}, missing, stages)
 
     return _cached_or_served("candidate", job.artifact_dir, keys, baseline_cache.CandidateEntry, entry, staging, job, include_dir,
-                             stages, pool, before_serving=check_speed)
+                             stages, stack, pool, before_serving=check_speed)
 
 
 def check_served_here(artifact_dir: Path) -> None:
@@ -312,7 +313,7 @@ def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, base
 def _cached_or_served(
     role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
     make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
-    stages: dict[str, float], pool: ServerPool | None = None,
+    stages: dict[str, float], stack: GateStack, pool: ServerPool | None = None,
     before_serving: Callable[[list[EvalSet]], ScoringDeadline | None] | None = None,
 ) -> dict[str, baseline_cache.Entry]:
     """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached
@@ -324,11 +325,11 @@ def _cached_or_served(
         return _complete(entries)
     deadline = before_serving(missing) if before_serving is not None else None
     progress(f"{role}: scoring {', '.join(s.name for s in missing)} on {model_dir}")
-    serve = pool.serve if pool is not None else vllm_server
+    serve = pool.serve if pool is not None else stack.serve
     with serve(model_dir, log_path=staging / f"{role}-server.log", settings=job.settings.serve, served_name=role) as server:
         stages[f"{role}_serve_start_s"] = round(server.startup_s, 2)
         with timed(stages, f"{role}_scoring_s"):
-            scores = score_eval_sets(server, model_dir, missing, include_dir, staging / role, deadline)
+            scores = stack.score(server, model_dir, missing, include_dir, staging / role, deadline)
             for eval_set in missing:
                 fresh = make_entry(server, eval_set, scores[eval_set.name])
                 baseline_cache.store(fresh, job.settings.cache_dir)
@@ -373,7 +374,7 @@ def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
     }
 
 
-def score_baseline(model_dir: Path, settings: GateSettings) -> list[str]:
+def score_baseline(model_dir: Path, settings: GateSettings, stack: GateStack | None = None) -> list[str]:
     """Score and cache the 16-bit baseline of `model_dir` on every set of `settings` that is not cached yet
     (the Ray executor's baseline task, run once before the candidates that need it); the sets it scored.
     The server's and lm-eval's logs go to a run folder `<id>-baseline` only when something was scored."""
@@ -383,8 +384,9 @@ def score_baseline(model_dir: Path, settings: GateSettings) -> list[str]:
     if missing:
         with run_folder(settings.runs_dir, "baseline") as folder:
             include_dir = materialize_tasks(settings.eval_sets, folder.path / "tasks")
-            prompts = load_all_prompts(settings.eval_sets, include_dir, model_dir)
-            _baseline_entries(folder.path, job, include_dir, prompts, {})
+            stack = stack or STACK
+            prompts = stack.prompts(settings.eval_sets, include_dir, model_dir)
+            _baseline_entries(folder.path, job, include_dir, prompts, {}, stack)
     return missing
 
 

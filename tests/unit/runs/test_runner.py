@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -166,7 +167,7 @@ def test_an_error_run_does_not_block_the_next_run(stack, workspace):
 
 
 def test_two_failures_of_one_recipe_in_the_same_second_keep_both_folders(stack, workspace, monkeypatch):
-    monkeypatch.setattr(runner, "check_prompt_lengths", lambda *args: (_ for _ in ()).throw(EvalError("too long")))
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, check_lengths=lambda *args: (_ for _ in ()).throw(EvalError("too long"))))
     for _ in range(2):
         with pytest.raises(EvalError):
             gate(workspace)
@@ -177,7 +178,7 @@ def test_a_too_long_item_fails_before_any_server_starts(stack, workspace, monkey
     def too_long(eval_set, prompts, tokenizer_dir, max_model_len, reserve):
         raise EvalError(f"item 3 is 900 tokens; exceeds max_model_len {max_model_len}", file=eval_set.data, field=f"eval set {eval_set.name}")
 
-    monkeypatch.setattr(runner, "check_prompt_lengths", too_long)
+    monkeypatch.setattr(runner, "STACK", replace(runner.STACK, check_lengths=too_long))
     with pytest.raises(EvalError, match="eval set tickets.*item 3"):
         gate(workspace)
     assert stack.starts == []
