@@ -26,7 +26,9 @@ from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
 from pipelines.gate.verdict import FitCheck, GateReport, PairedItem, SetComparison, decide
 from pipelines.jobs import job as job_module
 from pipelines.recipe import LoadedRecipe
-from pipelines.registry.store import EvalSetRef, NewVersion
+from pipelines.registry.promotion import promote_signed
+from pipelines.registry.signing import SignatureRecord
+from pipelines.registry.store import EvalSetRef, NewVersion, Registry, Version
 from pipelines.runs import runner
 from pipelines.runs.runner import RunOutcome
 from pipelines.runs.stack import GateStack
@@ -163,6 +165,17 @@ class FakeStack:
         fakes = {"serve": self.server, "score": self.score, "references": self.references, "topk": self.topk, "prompts": self.prompts,
                  "check_lengths": lambda *args: None, "load_test": lambda gate, pool, inputs, stages: (gate, None)}
         return GateStack(**{**fakes, **real})  # type: ignore[arg-type]
+
+
+# A signature record no bundle holds: Registry.promote refuses it (the one door is promote_signed).
+UNSIGNED = SignatureRecord(method="key", bundle="/nonexistent", signature_sha256="0" * 64, key_id="0" * 64, public_key="", key_source="test",
+                           signed_at="2026-12-03T00:00:00+00:00", files=0, bytes=0, sign_s=0.0)
+
+
+def promote(registry: Registry, version: Version, reason: str = "gate passed", evidence: dict | None = None, **options) -> Version:
+    """Promote through the registry's one door, as the runner and `quantize registry promote` do: the promotion bundle
+    assembled and signed (a project key beside the registry), then the version marked promoted with its signature."""
+    return promote_signed(registry, version, reason, evidence, **options)
 
 
 def gate_workspace(root: Path) -> SimpleNamespace:

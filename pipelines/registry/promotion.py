@@ -22,8 +22,8 @@ def promote_signed(registry: Registry, version: Version, reason: str, evidence: 
     signed, and only then is the version marked promoted, with the signature record (public key included) in
     the same `promoted` event: no version is promoted unsigned, and a failed promotion leaves no bundle."""
     signer = load_signer(registry.path)
-    if version.status != "candidate" or (version.verdict == "rejected" and not override_gate):
-        return registry.promote(version.id, reason, evidence, override_gate=override_gate)  # unchanged, or refused, as before
+    if not registry.promotable(version, override_gate=override_gate):
+        return registry.get(version.id)  # promoted already: unchanged
     final = bundle_path(registry.path, version)
     with staged_bundle(version, final, run_dir) as folder:
         started = time.monotonic()
@@ -34,7 +34,7 @@ def promote_signed(registry: Registry, version: Version, reason: str, evidence: 
         raise InputError("another promotion of this version replaced its bundle while it was signed", file=final)
     record = signature_record(final, signer, sign_s)
     try:
-        return registry.promote(version.id, reason, {**(evidence or {}), "signature": record.model_dump()}, override_gate=override_gate)
+        return registry.promote(version.id, reason, record, evidence, override_gate=override_gate)
     except BaseException:
         if _signature_sha(final) == ours:  # never remove a bundle another promotion's record points to
             shutil.rmtree(final, ignore_errors=True)

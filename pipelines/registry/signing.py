@@ -54,6 +54,18 @@ MAX_SIGNATURE_BYTES = 64 * 1024 * 1024  # the statement lists one digest per fil
 SUPPORTED_CURVES = ("secp256r1", "secp384r1", "secp521r1")  # what model-signing accepts (Sigstore's key specs)
 
 
+def require_signed_bundle(record: SignatureRecord) -> None:
+    """The bundle a promotion record names holds the signature it records (the registry's one door to `promoted`)."""
+    signature = Path(record.bundle) / SIGNATURE_NAME
+    try:
+        found = sha256_file(signature)
+    except OSError:
+        found = None
+    if found != record.signature_sha256:
+        raise InputError(f"no signed promotion bundle: {signature} is {'missing' if found is None else 'not the signature recorded'}",
+                         file=signature, field="signature")
+
+
 class SignatureRecord(BaseModel):
     """What the registry keeps about a signed promotion (the `promoted` event's evidence, key `signature`)."""
 

@@ -39,6 +39,7 @@ from pipelines.artifact import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck,
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_json
 from pipelines.gate.verdict import GateReport, read_report
+from pipelines.registry.signing import SignatureRecord, require_signed_bundle
 from pipelines.settings import current as current_settings
 
 if TYPE_CHECKING:
@@ -478,23 +479,39 @@ class Registry:
             assert cursor.lastrowid is not None  # an INSERT into a table with an INTEGER PRIMARY KEY
             return self._version_by_id(db, cursor.lastrowid)
 
-    def promote(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None, *,
-                override_gate: bool = False) -> Version:
-        """Mark a version promoted, after verifying its artifact files against the manifest.
-
-        A version whose own gate evidence says `rejected` is only promoted with override_gate=True,
-        which is recorded in the event's evidence.
-        """
-        version = self.get(version_id)
+    def promotable(self, version: Version, *, override_gate: bool = False) -> bool:
+        """Whether `version` is still to be promoted: False when it is promoted already; an InputError when it cannot be
+        (its own gate evidence says rejected and there is no explicit override, or its status cannot become promoted)."""
         if version.verdict == "rejected" and not override_gate:
             raise InputError(
                 f"the gate rejected version {version.version} of {version.model!r} ({version.gate_path});"
                 " promoting it needs an explicit gate override",
                 file=self.path, field="status",
             )
+        current = self.get(version.id)
+        if current.status == "promoted":
+            return False
+        if "promoted" not in _TRANSITIONS[current.status]:
+            raise InputError(f"version {current.version} of {current.model!r} is {current.status} and cannot become promoted",
+                             file=self.path, field="status")
+        return True
+
+    def promote(self, version_id: int, reason: str, signature: SignatureRecord, evidence: dict[str, Any] | None = None, *,
+                override_gate: bool = False) -> Version:
+        """Mark a version promoted: only with the record of its signed promotion bundle, whose signature file must be
+        the one recorded (pipelines.registry.promotion.promote_signed assembles, signs and calls this: the one door),
+        and after verifying its artifact files against the manifest. A version whose own gate evidence says `rejected`
+        is only promoted with override_gate=True, which is recorded in the event's evidence."""
+        version = self.get(version_id)
+        if self.read_only:
+            with self._transaction():  # the read-only refusal, before any check
+                pass
+        self.promotable(version, override_gate=override_gate)
+        require_signed_bundle(signature)
         check = verify_version(version)
+        evidence = {**(evidence or {}), "signature": signature.model_dump()}
         if override_gate:
-            evidence = {**(evidence or {}), "override_gate": True}
+            evidence["override_gate"] = True
         return self._set_status(version_id, "promoted", reason, evidence, check=check)
 
     def reject(self, version_id: int, reason: str, evidence: dict[str, Any] | None = None) -> Version:

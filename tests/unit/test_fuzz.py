@@ -312,7 +312,7 @@ class HeavyWorkStarted(AssertionError):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     """A private artifacts root with a registry holding one promoted version, and a folder of inputs."""
-    from fakes import make_artifact, make_gate, new_version
+    from fakes import make_artifact, make_gate, new_version, promote
 
     from pipelines.registry.store import Registry
 
@@ -321,7 +321,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     artifacts.mkdir()
     registry = Registry(artifacts / "registry.db")
     version = registry.register(new_version(make_artifact(base / "artifact"), make_gate(base / "gate.json")))
-    registry.promote(version.id, "gate passed")
+    promote(registry, version)
     from pipelines.registry.signing import load_signer
 
     load_signer(artifacts / "registry.db")  # the project's signing key beside the registry, as after a first real run
@@ -337,6 +337,7 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     import pipelines.jobs.job
     import pipelines.quantize.oneshot
     import pipelines.runs.runner
+    from pipelines.runs.stack import GateStack
     from pipelines.commands import gate as gate_command
 
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(world.artifacts))
@@ -345,10 +346,9 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     def tripwire(*args, **kwargs):
         raise HeavyWorkStarted("a fuzz case reached heavy work")
 
-    for module, name in ((pipelines.quantize.oneshot, "run_oneshot"), (pipelines.runs.runner, "vllm_server"),
-                         (pipelines.runs.runner, "score_eval_sets"), (pipelines.jobs.job, "run_candidate"),
-                         (gate_command, "run_gate")):
+    for module, name in ((pipelines.quantize.oneshot, "run_oneshot"), (pipelines.jobs.job, "run_candidate"), (gate_command, "run_gate")):
         monkeypatch.setattr(module, name, tripwire)
+    monkeypatch.setattr(pipelines.runs.runner, "STACK", GateStack(serve=tripwire, score=tripwire))
     monkeypatch.setattr(pipelines.evaluation.evalsets, "discover_eval_sets", lambda root=None: [])  # eval sets have their own cases
     # A job compiles each recipe against its model's layout, built by importing torch and transformers
     # (10 s); the demo model is valid and no case here is about it.

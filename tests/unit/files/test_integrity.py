@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import FakeRunner, demo_job, install, make_artifact, make_eval_set, make_gate, make_model, new_version
+from fakes import FakeRunner, demo_job, install, make_artifact, make_eval_set, make_gate, make_model, new_version, promote
 
 from pipelines.cli import main
 from pipelines.errors import InputError
@@ -49,7 +49,7 @@ def two_promoted(tmp_path: Path) -> tuple[Registry, Path, Path]:
     for name in ("one", "two"):
         artifact = make_artifact(tmp_path / name, weights=name.encode())
         version = registry.register(new_version(artifact, make_gate(tmp_path / f"{name}-gate.json")))
-        registry.promote(version.id, "gate passed")
+        promote(registry, version)
         artifacts.append(artifact)
     registry.set_alias("demo-llama", "production", 1)
     registry.set_alias("demo-llama", "production", 2)

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from fakes import promote
 
 from pipelines.cli import main
 from pipelines.errors import InputError
@@ -48,7 +49,7 @@ def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, 
         source_model=model, source_hash="src", artifact_path=artifact, recipe_name="w8a8", recipe_hash="rh",
         gate_path=tmp_path / "gate.json",
     ))
-    return registry, registry.promote(version.id, "gate passed")
+    return registry, promote(registry, version)
 
 
 def test_gate_tags_carry_verdict_and_per_set_numbers() -> None:

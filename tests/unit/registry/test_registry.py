@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import gate_report, make_artifact, make_gate, new_version
+from fakes import UNSIGNED, gate_report, make_artifact, make_gate, new_version, promote
 
 from pipelines.artifact import artifact_hash
 from pipelines.cli import main
@@ -35,7 +35,7 @@ def promoted(registry: Registry, tmp_path: Path, name: str) -> int:
     """Register and promote a fresh artifact; returns its version number."""
     artifact = make_artifact(tmp_path / name, weights=name.encode())
     version = registry.register(new_version(artifact, make_gate(tmp_path / f"{name}-gate.json")))
-    return registry.promote(version.id, "gate passed").version
+    return promote(registry, version).version
 
 
 # --- integrity ----------------------------------------------------------------------------------------
@@ -118,19 +118,20 @@ def test_evidence_stored_before_gate_json_schema_2_reads_back_without_its_report
 def test_promote_and_reject_are_recorded_with_reason_and_evidence(registry: Registry, tmp_path: Path) -> None:
     one = registry.register(new_version(make_artifact(tmp_path / "a")))
     two = registry.register(new_version(make_artifact(tmp_path / "b", b"b")))
-    assert registry.promote(one.id, "gate passed", {"gate": "g.json"}).status == "promoted"
+    assert promote(registry, one, "gate passed", {"gate": "g.json"}).status == "promoted"
     rejected = registry.reject(two.id, "tickets dropped 3 points")
     assert (rejected.status, rejected.reason) == ("rejected", "tickets dropped 3 points")
     events = registry.history("demo-llama")
     assert [(e.kind, e.version) for e in events] == [("registered", 1), ("registered", 2), ("promoted", 1), ("rejected", 2)]
-    assert events[2].evidence == {"gate": "g.json"} and events[3].reason == "tickets dropped 3 points"
+    assert events[2].evidence is not None and events[2].evidence["gate"] == "g.json" and "signature" in events[2].evidence
+    assert events[3].reason == "tickets dropped 3 points"
 
 
 def test_promote_verifies_the_artifact_first(registry: Registry, tmp_path: Path) -> None:
     version = registry.register(new_version(make_artifact(tmp_path / "a")))
     (tmp_path / "a" / "model.safetensors").write_bytes(b"swapped after registration")
     with pytest.raises(InputError, match=r"model\.safetensors"):
-        registry.promote(version.id, "gate passed")
+        promote(registry, version, "gate passed")
     assert registry.show("demo-llama", 1).status == "candidate"
 
 
@@ -138,16 +139,17 @@ def test_promote_refuses_a_gate_rejected_version_without_override(registry: Regi
     gate = make_gate(tmp_path / "gate.json", verdict="rejected")
     version = registry.register(new_version(make_artifact(tmp_path / "a"), gate))
     with pytest.raises(InputError, match="gate rejected"):
-        registry.promote(version.id, "I like it")
-    assert registry.promote(version.id, "accepted risk", override_gate=True).status == "promoted"
-    assert registry.history("demo-llama")[-1].evidence == {"override_gate": True}
+        promote(registry, version, "I like it")
+    assert promote(registry, version, "accepted risk", override_gate=True).status == "promoted"
+    evidence = registry.history("demo-llama")[-1].evidence
+    assert evidence is not None and evidence["override_gate"] is True and "signature" in evidence
 
 
 def test_illegal_transitions_are_refused(registry: Registry, tmp_path: Path) -> None:
     version = registry.register(new_version(make_artifact(tmp_path / "a")))
     registry.reject(version.id, "bad")
     with pytest.raises(InputError, match="rejected and cannot become promoted"):
-        registry.promote(version.id, "changed my mind")
+        promote(registry, version, "changed my mind")
     broken = registry.register(new_version(make_artifact(tmp_path / "b", b"b")))
     registry.mark_error(broken.id, "server died")
     with pytest.raises(InputError, match="error and cannot become rejected"):
@@ -229,7 +231,7 @@ def test_resolve_verifies_the_artifact_for_serving(registry: Registry, tmp_path:
         (lambda r: r.resolve("demo-llama", "staging"), "alias"),
         (lambda r: r.rollback("demo-llama", "staging"), "alias"),
         (lambda r: r.set_alias("demo-llama", "production", 9), "version"),
-        (lambda r: r.promote(999, "x"), "version_id"),
+        (lambda r: r.promote(999, "x", UNSIGNED), "version_id"),
         (lambda r: r.list("unknown-model"), "model"),
     ],
 )
@@ -271,8 +273,8 @@ def _worker(db_path: str, artifacts: list[str], barrier) -> list[tuple[int, int]
     barrier.wait()
     done = []
     for artifact in artifacts:
-        version = registry.register(new_version(Path(artifact)))
-        registry.promote(version.id, f"promoted by {artifact}")
+        version = registry.register(new_version(Path(artifact), make_gate(Path(f"{artifact}-gate.json"))))
+        promote(registry, version, f"promoted by {artifact}")
         registry.set_alias("demo-llama", "production", version.version)
         done.append((version.id, version.version))
     return done
@@ -395,7 +397,7 @@ def test_the_manifest_hash_and_fingerprint_are_recorded_and_make_later_checks_ch
     hashed: list[str] = []
     real = artifact_module.sha256_file
     monkeypatch.setattr(artifact_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
-    registry.promote(version.id, "gate passed")
+    promote(registry, version, "gate passed")
     registry.set_alias("demo-llama", "production", 1)
     registry.resolve("demo-llama", "production")
     assert hashed == []  # nothing changed: stat compared, no file re-read
@@ -455,7 +457,7 @@ def test_a_schema_1_registry_is_migrated_in_place(tmp_path: Path) -> None:
     (old,) = registry.list()
     assert (old.version, old.manifest_hash, old.fingerprint) == (1, None, None)
     # An old row is verified in full (no fingerprint); a successful check records what it saw.
-    promoted_old = registry.promote(old.id, "gate passed")
+    promoted_old = promote(registry, old, "gate passed")
     assert promoted_old.manifest_hash == sha256_file(artifact / "manifest.json") and promoted_old.fingerprint
     assert Registry(tmp_path / "registry.db").show("demo-llama", 1).status == "promoted"  # reopening is a no-op
 
@@ -508,7 +510,7 @@ def test_a_registry_opened_read_only_uses_a_read_only_connection(registry: Regis
     assert readonly.read_only and [v.version for v in readonly.list()] == [1]
     assert opened and all(target.startswith("file:") and "mode=ro" in target for target in opened)
     with pytest.raises(InputError, match="read-only"):
-        readonly.promote(1, "x")
+        readonly.promote(1, "x", UNSIGNED)
 
 
 @pytest.mark.parametrize("target", ["empty-file", "dangling"])
@@ -539,3 +541,18 @@ def test_evidence_with_a_non_finite_number_is_refused_and_not_stored(registry: R
     with pytest.raises(InputError, match="finite numbers"):
         registry.record_lineage("demo-llama", number, "probe", {"a": value})
     assert len(registry.history("demo-llama")) == before
+
+
+def test_the_only_door_to_promoted_is_a_signed_bundle(registry: Registry, tmp_path: Path) -> None:
+    """Registry.promote takes the record of a signed promotion bundle, and checks the bundle holds that signature."""
+    artifact = make_artifact(tmp_path / "a", weights=b"a")
+    version = registry.register(new_version(artifact, make_gate(tmp_path / "a-gate.json")))
+    with pytest.raises(TypeError):
+        registry.promote(version.id, "no signature")  # type: ignore[call-arg]
+    with pytest.raises(InputError) as refused:
+        registry.promote(version.id, "a forged record", UNSIGNED)
+    assert refused.value.field == "signature" and registry.get(version.id).status == "candidate"
+    signed = promote(registry, version)
+    (event,) = [e for e in registry.history("demo-llama") if e.kind == "promoted"]
+    assert signed.status == "promoted" and event.evidence is not None and event.evidence["signature"]["signature_sha256"]
+    assert promote(registry, signed).status == "promoted"  # promoted already: unchanged
