@@ -337,8 +337,8 @@ def quantize(world, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     import pipelines.jobs.job
     import pipelines.quantize.oneshot
     import pipelines.runs.runner
-    from pipelines.runs.stack import GateStack
     from pipelines.commands import gate as gate_command
+    from pipelines.runs.stack import GateStack
 
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(world.artifacts))
     monkeypatch.setenv("QUANTGATE_REGISTRY", str(world.registry))  # pipelines.settings: read when used, not at import
