@@ -206,7 +206,7 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
 
 def _model_layout(model: Path, field: str) -> Any:
     """What `quantize` checks of a model before loading it, and its layout for the compiler."""
-    from pipelines.quantize.compiler import layout_from_model_dir  # torch + transformers: only when a job is planned
+    from pipelines.quantize.layout import layout_from_model_dir
 
     safe_component(model.name, field, file=model)
     check_model_dir(model)

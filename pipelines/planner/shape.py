@@ -18,7 +18,7 @@ from pydantic import Field
 from pipelines.artifact import CONFIG_NAME, read_config_json
 from pipelines.bounds import bounded_size
 from pipelines.errors import InputError
-from pipelines.quantize.compiler import architecture_name, quantize_refusal
+from pipelines.quantize.layout import architecture_name, quantize_refusal
 from pipelines.schema import StrictModel
 
 
@@ -46,7 +46,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": _GEMMA._replace(norms=4, qk_norm=True),
     "gemma3": _GEMMA._replace(norms=4, qk_norm=True),  # a multimodal config's text model (planned at 16 bits only)
     "phi3": Family(fused_qkv=True, fused_gate_up=True),
-    # Mixture-of-experts: planned at 16 bits; no recipe applies (pipelines.quantize.compiler.quantize_refusal).
+    # Mixture-of-experts: planned at 16 bits; no recipe applies (pipelines.quantize.layout.quantize_refusal).
     "mixtral": Family(),
     "qwen2_moe": Family(qkv_bias=True),
     "qwen3_moe": Family(qk_norm=True),

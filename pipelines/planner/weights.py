@@ -15,7 +15,8 @@ from pydantic import Field
 from pipelines.artifact import tensor_bytes
 from pipelines.errors import InputError
 from pipelines.planner.shape import ModelShape
-from pipelines.quantize.compiler import Kind, LinearInfo, ModelLayout, scheme_for
+from pipelines.quantize.compiler import scheme_for
+from pipelines.quantize.layout import Kind, LinearInfo, ModelLayout
 from pipelines.recipe import AutoGroupSize, GroupScheme, KeptGroup, Recipe
 from pipelines.schema import StrictModel
 
@@ -96,7 +97,7 @@ def linear_schemes(shape: ModelShape, recipe: Recipe | None) -> dict[str, GroupS
 def shape_layout(shape: ModelShape) -> ModelLayout:
     """The compiler's view of the model, built from the shape alone (no torch): the Linear layers the
     planner counts, named as the family's checkpoints name them. A model no recipe can quantize (MoE,
-    multimodal: pipelines.quantize.compiler.quantize_refusal) is an InputError, as the compiler's own layout is."""
+    multimodal: pipelines.quantize.layout.quantize_refusal) is an InputError, as the compiler's own layout is."""
     if shape.not_quantizable:
         raise InputError(shape.not_quantizable, field="model_type")
     linears = [

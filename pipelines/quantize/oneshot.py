@@ -41,7 +41,8 @@ from pipelines.files.hashing import file_hashes, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.hardware.targets import ServeTarget, host_record, installed_target
 from pipelines.quantize.calibration import calibration_dataset, calibration_inputs
-from pipelines.quantize.compiler import CompiledRecipe, compile_recipe, layout_from_model_dir
+from pipelines.quantize.compiler import CompiledRecipe, compile_recipe
+from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.quantize.progress import following_llmcompressor
 from pipelines.quantize.smoothing import checked_smoothing, with_mappings
 from pipelines.recipe import LoadedRecipe, load_recipe

@@ -15,7 +15,8 @@ from pydantic import BaseModel, Field
 from pipelines.errors import QuantGateError
 from pipelines.hardware.targets import ServeTarget
 from pipelines.planner import ModelShape
-from pipelines.quantize.compiler import ModelLayout, cannot_apply
+from pipelines.quantize.compiler import cannot_apply
+from pipelines.quantize.layout import ModelLayout
 from pipelines.recipe import load_recipe, shipped_recipes
 from pipelines.repair.pricing import recipe_bytes
 

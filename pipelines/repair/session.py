@@ -25,7 +25,8 @@ from pipelines.files.atomic import write_json_atomic, write_text_atomic
 from pipelines.files.hashing import sha256_text
 from pipelines.gate.verdict import GateReport
 from pipelines.hardware.targets import ServeTarget, installed_target
-from pipelines.quantize.compiler import layout_from_model_dir, scheme_summary
+from pipelines.quantize.compiler import scheme_summary
+from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.recipe import GroupScheme
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, load_ladder, unit_ladder

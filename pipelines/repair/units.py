@@ -14,7 +14,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.hardware.targets import ServeTarget
-from pipelines.quantize.compiler import CHECKPOINT_FUSED, FUSED_SHARDS, Kind, LinearInfo, ModelLayout, ModuleScheme, check_recipe
+from pipelines.quantize.compiler import ModuleScheme, check_recipe
+from pipelines.quantize.layout import CHECKPOINT_FUSED, FUSED_SHARDS, Kind, LinearInfo, ModelLayout
 from pipelines.recipe import GroupScheme, Recipe
 
 

@@ -13,14 +13,8 @@ from families import FAMILIES, family_config
 from pipelines.cli import main
 from pipelines.errors import InputError
 from pipelines.hardware.targets import parse_target
-from pipelines.quantize.compiler import (
-    CompiledRecipe,
-    LinearInfo,
-    ModelLayout,
-    cannot_apply,
-    compile_recipe,
-    layout_from_config,
-)
+from pipelines.quantize.compiler import CompiledRecipe, cannot_apply, compile_recipe
+from pipelines.quantize.layout import LinearInfo, ModelLayout, layout_from_config
 from pipelines.recipe import load_recipe, parse_recipe
 
 W8_DYNAMIC = {"weights": {"bits": 8}, "activations": {"granularity": "token", "dynamic": True}}

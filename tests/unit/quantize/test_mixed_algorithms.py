@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.quantize.compiler import compile_recipe, layout_from_model_dir
+from pipelines.quantize.compiler import compile_recipe
+from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.quantize.oneshot import quantize_model
 from pipelines.recipe import WeightScheme, load_recipe
 

@@ -12,7 +12,8 @@ from families import FAMILIES, family_config
 
 from pipelines.hardware.targets import CPU
 from pipelines.planner import ModelShape, linear_bytes, linear_schemes, model_shape, predict_weight_bytes, shape_layout
-from pipelines.quantize.compiler import FUSED_SHARDS, ModelLayout, check_recipe, layout_from_config, resolve_schemes
+from pipelines.quantize.compiler import check_recipe, resolve_schemes
+from pipelines.quantize.layout import FUSED_SHARDS, ModelLayout, layout_from_config
 from pipelines.recipe import Recipe, load_recipe, shipped_recipes
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import units_of

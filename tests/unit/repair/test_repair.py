@@ -20,7 +20,8 @@ from pipelines.gate.policy import load_policy
 from pipelines.gate.verdict import GateReport, PairedItem, SetComparison, decide
 from pipelines.hardware.targets import CPU, parse_target
 from pipelines.planner import gpu_spec, model_shape, predict_weight_bytes
-from pipelines.quantize.compiler import check_recipe, layout_from_config, layout_from_model_dir, scheme_summary
+from pipelines.quantize.compiler import check_recipe, scheme_summary
+from pipelines.quantize.layout import layout_from_config, layout_from_model_dir
 from pipelines.recipe import LoadedRecipe, load_recipe, parse_recipe
 from pipelines.registry.store import EvalSetRef, NewVersion, Registry
 from pipelines.repair import sensitivity as sensitivity_module
