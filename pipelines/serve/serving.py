@@ -45,6 +45,7 @@ MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
 _CAUSE_SCAN_BYTES = 8 * 1024 * 1024  # a log is read from its end, at most this much
+_CAUSE_DETAIL_LINES = 2
 # vLLM's log prefix: "(Worker pid=5533) ERROR 12-03 11:50:43 [multiproc_executor.py:1063] "
 _VLLM_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\) +[A-Z]+ +\S+ +\S+ +\[[^\]]*\] ?")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)(: .*)?$")
@@ -144,13 +145,19 @@ def port_is_free(port: int) -> bool:
 def log_cause(log_path: Path) -> str | None:
     """The root cause of a vLLM failure in its log: the exception that ends the first traceback (a worker's
     `AttributeError: ... 'cpu_gemm_wna16'`), not the wrappers the engine and API server log after it."""
+    lines = [_VLLM_PREFIX.sub("", line).rstrip() for line in _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines()]
     in_traceback = False
-    for line in _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines():
-        line = _VLLM_PREFIX.sub("", line).strip()
-        if line.startswith("Traceback (most recent call last)"):
+    for index, line in enumerate(lines):
+        if line.strip().startswith("Traceback (most recent call last)"):
             in_traceback = True
-        elif in_traceback and _EXCEPTION_LINE.match(line):
-            return _shorten(line)
+        elif in_traceback and _EXCEPTION_LINE.match(line.strip()):
+            # A message may go on over indented lines (pydantic's "1 validation error for ModelConfig" + the error itself).
+            details = []
+            for more in lines[index + 1:index + 1 + _CAUSE_DETAIL_LINES]:
+                if not more[:1].isspace() or not more.strip() or more.strip().startswith('File "'):
+                    break  # the message ended (a new traceback's frame is no part of it)
+                details.append(more.strip())
+            return " ".join(_shorten(part) for part in [line.strip(), *details])
     return None
 
 

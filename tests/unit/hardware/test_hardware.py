@@ -211,6 +211,13 @@ def test_a_dead_engine_is_reported_by_the_exception_that_killed_it() -> None:
     assert log_cause(DATA / "avx2-w4a16-engine-death.log") == MISSING_WNA16
 
 
+def test_a_cause_on_several_lines_keeps_its_detail() -> None:
+    """vLLM 0.32 refusing an unknown architecture at start-up: pydantic's first line says little, the next says why."""
+    cause = log_cause(DATA / "unknown-architecture-start.log")
+    assert cause is not None and cause.startswith("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig")
+    assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in cause and len(cause) < 1000
+
+
 def test_a_healthy_log_has_no_cause(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     log.write_text("(APIServer pid=1) INFO 12-03 11:50:12 [api_server.py:1] Starting\nINFO: 127.0.0.1 - \"GET /health\" 200 OK\n")
