@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
+from pipelines.files.jsonio import read_json_object
 from pipelines.files.safepath import inside, safe_relative
-from pipelines.files.yamlio import decode_utf8, read_user_bytes
 from pipelines.schema import StrictModel
 
 CONFIG_NAME = "config.json"
@@ -45,33 +45,6 @@ _HEX = frozenset("0123456789abcdef")
 
 
 # ------------------------------------------------------------------------------------ JSON
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def parse_json_strict(raw: bytes, path: Path | str) -> Any:
-    """JSON from bytes (a UTF-8 byte-order mark is dropped); NaN/Infinity, bad UTF-8, bad syntax and
-    absurd nesting are an InputError naming `path` (and the line, where there is one)."""
-    text = decode_utf8(raw, path)
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as error:
-        raise InputError(f"not valid JSON: {error.msg} (column {error.colno})", file=path, field=f"line {error.lineno}") from None
-    except ValueError as error:
-        raise InputError(f"not valid JSON: {error}", file=path) from None
-    except RecursionError:
-        raise InputError("not valid JSON: nested too deep", file=path) from None
-
-
-def read_json_object(path: Path, *, what: str, max_bytes: int, field: str | None = None) -> tuple[dict[str, Any], bytes]:
-    """A JSON object from a file of at most `max_bytes`, with the bytes it was parsed from."""
-    raw = read_user_bytes(path, what=what, field=field, max_bytes=max_bytes)
-    data = parse_json_strict(raw, path)
-    if not isinstance(data, dict):
-        raise InputError(f"must be a JSON object (got {type(data).__name__})", file=path, field="(top level)")
-    return data, raw
 
 
 # ---------------------------------------------------------------------------- config.json

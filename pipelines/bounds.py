@@ -12,6 +12,7 @@ from typing import Any
 
 from pipelines.errors import InputError
 
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 MAX_CONTEXT = 2**24  # tokens: 16.8 M (the largest published context is about 10 M)
 MAX_CONCURRENCY = 1_000_000  # sequences at once: also the largest concurrency the planner searches
 MAX_GPU_MEMORY_GIB = 2**20  # 1 PiB on one device

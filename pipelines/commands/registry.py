@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipelines.artifact import read_json_object
 from pipelines.commands.args import int_arg
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
+from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.registry.evidence import PromotionCheck
 from pipelines.registry.store import AliasTarget, Event, Registry, Version

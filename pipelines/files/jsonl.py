@@ -13,9 +13,10 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipelines.bounds import MiB
 from pipelines.errors import InputError
+from pipelines.files.jsonio import refuse_constant
 
-MiB = 1024 * 1024
 MAX_LINE_BYTES = MiB  # one item: a rendered template is held to 1,000,000 characters (pipelines.evaluation.templates)
 MAX_FILE_BYTES = 64 * MiB  # one data file: about 60,000 items of 1 KiB; calibration keeps every text in memory
 
@@ -26,10 +27,6 @@ def display_path(path: Path | str) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError, RuntimeError):
         return str(path)
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _open_bounded(path: Path, where: str, max_file_bytes: int) -> int:
@@ -89,7 +86,7 @@ def _parse_line(raw: bytes, number: int, where: str) -> dict | None:
     if not line.strip():
         return None
     try:
-        value = json.loads(line, parse_constant=_no_constant)
+        value = json.loads(line, parse_constant=refuse_constant)
     except json.JSONDecodeError as error:
         raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=where, field=field) from None
     except ValueError as error:

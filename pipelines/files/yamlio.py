@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from pipelines.bounds import MiB
 from pipelines.errors import InputError, from_validation_error
 
 Model = TypeVar("Model", bound=BaseModel)
 
-MAX_FILE_BYTES = 1024 * 1024  # recipes, policies, job files, eval-set task YAML
-MAX_JSON_BYTES = 1024 * 1024  # small JSON documents users hand in (registry evidence)
+MAX_FILE_BYTES = MiB  # recipes, policies, job files, eval-set task YAML
+MAX_JSON_BYTES = MiB  # small JSON documents users hand in (registry evidence)
 MAX_DEPTH = 64
 MAX_NODES = 10_000  # scalars and collections in one document (a recipe has about 50, a task YAML about 100)
 
@@ -85,7 +86,7 @@ def read_user_text(
 
 
 def _size(count: int) -> str:
-    return f"{count // (1024 * 1024)} MiB" if count % (1024 * 1024) == 0 else f"{count} bytes"
+    return f"{count // MiB} MiB" if count % MiB == 0 else f"{count} bytes"
 
 
 # ---------------------------------------------------------------- the loader

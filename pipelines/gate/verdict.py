@@ -16,10 +16,11 @@ import numpy as np
 from pydantic import Field, ValidationError, model_validator
 from scipy.stats import norm
 
-from pipelines.artifact import read_json_object
+from pipelines.bounds import MiB
 from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError, from_validation_error
 from pipelines.evaluation.metrics import MetricSpec, corpus_aggregation, value_range
 from pipelines.files.atomic import write_text_atomic
+from pipelines.files.jsonio import read_json_object
 from pipelines.gate import stats
 from pipelines.gate.policy import Policy, SetPolicy, relative_rule_in_force
 from pipelines.loadtest.results import PerformanceReport
@@ -30,7 +31,7 @@ from pipelines.schema import StrictModel
 SCHEMA_VERSION: Literal[2] = 2
 # Float slack for threshold comparisons: a value exactly at a limit passes.
 _EPS = 1e-9
-MAX_REPORT_BYTES = 64 * 1024 * 1024  # a gate.json is kilobytes (megabytes with thousands of sets)
+MAX_REPORT_BYTES = 64 * MiB  # a gate.json is kilobytes (megabytes with thousands of sets)
 # The whole run's false-rejection probability of an unchanged candidate above which the report warns.
 WHOLE_RUN_WARNING = 0.10
 

@@ -35,14 +35,15 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelines.artifact import check_model_dir, is_model_dir, parse_json_strict, verify_artifact
-from pipelines.bounds import MAX_CONTEXT
+from pipelines.artifact import check_model_dir, is_model_dir, verify_artifact
+from pipelines.bounds import MAX_CONTEXT, MiB
 from pipelines.console.output import progress
 from pipelines.errors import InputError, QuantGateError
 from pipelines.evaluation import evalsets
 from pipelines.evaluation.evalsets import EvalSet, select_eval_sets
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.hashing import folder_hash, sha256_file, sha256_json
+from pipelines.files.jsonio import parse_json_strict
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.files.yamlio import load_yaml_model, read_user_bytes
 from pipelines.gate.policy import FitRequirement, check_attainable, load_gate_policy
@@ -53,7 +54,7 @@ from pipelines.schema import StrictModel
 from pipelines.serve.serving import ServeSettings
 from pipelines.settings import current as current_settings
 
-MAX_LEDGER_BYTES = 64 * 1024 * 1024
+MAX_LEDGER_BYTES = 64 * MiB
 
 
 class CandidateOptions(StrictModel):

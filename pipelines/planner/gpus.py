@@ -9,11 +9,10 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from pipelines.bounds import MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
+from pipelines.bounds import MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB, GiB
 from pipelines.errors import InputError, from_validation_error
 from pipelines.schema import StrictModel
 
-GiB = 1024**3
 GPU_TABLE = Path(__file__).resolve().parent.parent / "data" / "gpus.yaml"
 
 

@@ -6,6 +6,7 @@ two never present the same numbers differently.
 
 from __future__ import annotations
 
+from pipelines.bounds import MiB
 from pipelines.planner.gpus import GiB, known_gpus
 from pipelines.planner.plan import Plan, PlanRow
 
@@ -24,7 +25,7 @@ def gib(value: int) -> str:
 
 def size(value: int) -> str:
     """GiB, or MiB for the small sizes a demo model has."""
-    return f"{value / GiB:.2f} GiB" if value >= GiB / 10 else f"{value / 2**20:.1f} MiB"
+    return f"{value / GiB:.2f} GiB" if value >= GiB / 10 else f"{value / MiB:.1f} MiB"
 
 
 def plan_title(result: Plan) -> str:

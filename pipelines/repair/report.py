@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipelines.bounds import MiB
 from pipelines.files.atomic import write_text_atomic
 from pipelines.gate.report import md_list, md_table
 from pipelines.repair.result import RepairResult, SetMove
@@ -18,7 +19,6 @@ from pipelines.repair.sensitivity import NEAR_TIE_NATS, Sensitivity
 REPORT_MD = "report.md"
 PLOT_PNG = "sensitivity.png"
 TOP_ROWS = 24
-MiB = 2**20
 SWING_POINTS = 10  # a set whose scores spread wider than this between proposals is named under the table
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipelines.bounds import MiB
 from pipelines.console.output import progress
 from pipelines.console.progress import duration
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
@@ -244,7 +245,7 @@ class Repair:
         left = self.options.budget.max_wall_s - (self.now() - self.started)
         by_rung = moved_by_rung({unit: scheme_summary(scheme) for unit, scheme in moved.items()})
         progress(f"repair: attempt {number}/{budget}: {len(moved)} module(s) moved ({k} moves; {by_rung}), "
-                 f"{attempt.weight_bytes / 2**20:.2f} MiB predicted, simulated KL {attempt.predicted_kl:.3g}, "
+                 f"{attempt.weight_bytes / MiB:.2f} MiB predicted, simulated KL {attempt.predicted_kl:.3g}, "
                  f"quantize ~{duration(attempt.estimated_quantize_s or 0)}; "
                  f"gating {proposal.name} ({duration(left)} of the repair's time left)")
         started = self.now()

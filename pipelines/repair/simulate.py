@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from pipelines.bounds import GiB
 from pipelines.recipe import Algorithm, GroupScheme
 from pipelines.repair.fakequant import StaticInputScale, fake_quantize_input, fake_quantize_weight, gptq_quantize_weight
 from pipelines.repair.units import Assignment, RefPath, Unit
 
 # Fake-quantized weights are kept for reuse (every proposal quantizes most units as the last one did) up to this size.
-WEIGHT_CACHE_BYTES = 2 * 1024**3
+WEIGHT_CACHE_BYTES = 2 * GiB
 class KL(BaseModel):
     mean: float
     items: list[float]

@@ -31,7 +31,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.artifact import require_model_dir
-from pipelines.bounds import MAX_CONTEXT
+from pipelines.bounds import MAX_CONTEXT, MiB
 from pipelines.console.output import progress
 from pipelines.console.progress import track
 from pipelines.errors import ServeError
@@ -44,7 +44,7 @@ LOOPBACK = "127.0.0.1"
 MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
-_CAUSE_SCAN_BYTES = 8 * 1024 * 1024  # a log is read from its end, at most this much
+_CAUSE_SCAN_BYTES = 8 * MiB  # a log is read from its end, at most this much
 _CAUSE_DETAIL_LINES = 2
 # vLLM's log prefix: "(Worker pid=5533) ERROR 12-03 11:50:43 [multiproc_executor.py:1063] "
 _VLLM_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\) +[A-Z]+ +\S+ +\S+ +\[[^\]]*\] ?")

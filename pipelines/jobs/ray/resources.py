@@ -18,13 +18,13 @@ from pathlib import Path
 
 from pydantic import Field
 
+from pipelines.bounds import GiB
 from pipelines.errors import InputError
 from pipelines.gate.policy import FitRequirement
 from pipelines.hardware.targets import ServeTarget
 from pipelines.recipe import LoadedRecipe, Recipe
 from pipelines.schema import FrozenModel
 
-GiB = 1024**3
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 # A vLLM CPU server's own resident memory for the demo model: 2.5-2.9 GiB measured (README, load test).
 CPU_SERVER_OVERHEAD_BYTES = 3 * GiB
