@@ -29,9 +29,11 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import binom
 
+from pipelines.evaluation.evalsets import discover_eval_sets, select_eval_sets
+from pipelines.evaluation.metrics import make_spec
 from pipelines.gate import stats
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
-from pipelines.gate.verdict import load_report, table_rejects, tolerance
+from pipelines.gate.verdict import PairedItem, SetComparison, judge_set, load_report, table_rejects, tolerance
 from pipelines.paths import DEMO_EVAL_SETS
 
 SIZES = (20, 50, 100, 250, 1000)
@@ -104,8 +106,6 @@ def corpus_promote_rate(rules: SetPolicy, n: int, rise: float, *, sims: int, see
     """P(pass) of a word-perplexity set (lm-eval's weighted_perplexity) whose true relative rise is `rise`, simulated
     through judge_set: n items of 20-200 words, per-word loglikelihoods Gamma(4, 0.5) nats, the candidate's per-item
     mean nats/word shifted by ln(1 + rise) plus N(0, noise / sqrt(words / 20))."""
-    from pipelines.evaluation.metrics import make_spec
-    from pipelines.gate.verdict import PairedItem, SetComparison, judge_set
 
     spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
     rng = np.random.default_rng(seed)
@@ -168,7 +168,6 @@ def worst_promote_at_tolerance(rules: SetPolicy, n: int, *, baseline_score: floa
 
 def _shipped_sets(names: list[str] | None = None) -> list[tuple[str, int]]:
     """The named eval sets (default: the demo's three business sets) at their real sizes, from QUANTGATE_EVAL_SETS."""
-    from pipelines.evaluation.evalsets import discover_eval_sets, select_eval_sets
 
     if names is None:
         return [(s.name, s.num_items) for s in discover_eval_sets() if s.name in DEMO_EVAL_SETS]

@@ -68,7 +68,7 @@ def run_job(root: Path, job: Path, *extra: str) -> tuple[dict, float]:
 
 
 def start_ray(root: Path, cpus: int) -> tuple[str, float]:
-    import ray
+    import ray  # heavy: imported when used
 
     started = time.monotonic()
     ray.init(num_cpus=cpus, object_store_memory=256 * 1024**2, include_dashboard=False, _temp_dir=str(root / "ray"), logging_level=logging.WARNING)

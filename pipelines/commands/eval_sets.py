@@ -9,6 +9,9 @@ from pathlib import Path
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
+from pipelines.gate import stats
+from pipelines.gate.policy import load_gate_policy, unattainable
+from pipelines.gate.verdict import table_rejects
 from pipelines.paths import EVAL_SETS_DIR
 
 POWER_DISCORDANCES = (0.02, 0.04, 0.1)
@@ -99,8 +102,6 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordance
     tolerance its n certifies (an unchanged candidate passing 80% of the time) and the items the tolerance needs
     (Nam 1997 with Tango's score test: pipelines.gate.stats.items_needed). Pass/fail sets only have the last two; other
     metrics' noise is known once scored (each run's report gives them)."""
-    from pipelines.gate import stats
-    from pipelines.gate.policy import unattainable
 
     rows = []
     for eval_set in eval_sets:
@@ -129,8 +130,6 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordance
 
 def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float) -> list[dict]:
     """P(at least one pass/fail set rejects an unchanged candidate) per discordance, each set at `baseline_score`."""
-    from pipelines.gate import stats
-    from pipelines.gate.verdict import table_rejects
 
     binary = [s for s in eval_sets if s.metric.kind == "binary"]
     rows = []
@@ -152,7 +151,6 @@ def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discord
 
 def power_sets(args: argparse.Namespace) -> int:
     """`quantize eval-sets power`: sizing against the policy, before any model is served (docs/gate-json.md, "Sizing")."""
-    from pipelines.gate.policy import load_gate_policy
 
     discordances = _fractions(args.discordance, "--discordance")
     if not 0.0 < args.baseline_score < 1.0:

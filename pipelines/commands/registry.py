@@ -11,7 +11,10 @@ from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
+from pipelines.loadtest.render import headline
 from pipelines.registry.evidence import PromotionCheck
+from pipelines.registry.mlflow_export import export_to_mlflow
+from pipelines.registry.promotion import promote_signed
 from pipelines.registry.store import AliasTarget, Event, Registry, Version
 
 MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
@@ -94,7 +97,6 @@ def _change_status(args: argparse.Namespace) -> int:
     version = registry.show(args.model, args.version)
     evidence = _read_evidence(args.evidence) if args.evidence else None
     if args.registry_command == "promote":
-        from pipelines.registry.promotion import promote_signed
 
         run_dir = Path(version.gate_path).parent if version.gate_path else None
         changed = promote_signed(registry, version, args.reason, evidence, run_dir=run_dir, override_gate=args.override_gate)
@@ -142,7 +144,6 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _export_mlflow(args: argparse.Namespace) -> int:
-    from pipelines.registry.mlflow_export import export_to_mlflow
 
     wanted = version_or_alias(args.version)
     registry = _open(args)
@@ -221,7 +222,6 @@ def _render_version(version: Version) -> None:
 
 def _performance(version: Version) -> str:
     """The load test's headline from the version's gate evidence (docs/loadtest.md), or '-'."""
-    from pipelines.loadtest.render import headline
 
     performance = version.gate.performance if version.gate is not None else None
     return headline(performance) if performance is not None else "-"

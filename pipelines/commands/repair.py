@@ -14,13 +14,18 @@ from pipelines.commands.args import float_arg, int_arg
 from pipelines.commands.common import library_output_on_stderr, print_outcome
 from pipelines.console.capture import add_verbose_option
 from pipelines.console.output import console, emit, progress, table
+from pipelines.hardware.targets import installed_target
+from pipelines.quantize.calibration import check_calibration_source
 from pipelines.recipe import Recipe
 from pipelines.registry.store import default_registry_path
+from pipelines.repair.ladder import calibration_available, load_ladder
+from pipelines.repair.parent import load_parent
 from pipelines.repair.result import RepairResult
 from pipelines.repair.search import Budget
 from pipelines.repair.sensitivity import SensitivitySettings
-from pipelines.repair.session import RepairOptions
+from pipelines.repair.session import RepairOptions, repair
 from pipelines.runs.runner import GateSettings, RunOutcome
+from pipelines.settings import current
 
 
 def add_repair_options(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +52,6 @@ def repair_options(args: argparse.Namespace) -> RepairOptions:
 def check_ladder(args: argparse.Namespace, recipe: Recipe | None = None) -> None:
     """A bad ladder file fails before any work (a rung no kernel serves is refused here; with `recipe`, the rejected
     run's, so is a rung that needs calibration data the repair will not have)."""
-    from pipelines.hardware.targets import installed_target
-    from pipelines.repair.ladder import calibration_available, load_ladder
 
     calibrated = recipe is None or calibration_available(recipe, args.calibration)
     load_ladder(args.ladder, installed_target(), calibrated=calibrated)
@@ -81,8 +84,6 @@ def emit_result(result: RepairResult, as_json: bool) -> int:
 def repair_after(outcome: RunOutcome, settings: GateSettings, args: argparse.Namespace) -> int:
     """`quantize --recipe ... --repair` after a rejection: the rejected run is repaired with the same settings.
     --json prints one document: {"run": the rejected run's outcome, "repair": repair.json, "exit_code"}."""
-    from pipelines.repair.parent import load_parent
-    from pipelines.repair.session import repair
 
     # The run this process has just made: nothing read back from it can have been edited by anyone else yet.
     parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,
@@ -96,9 +97,6 @@ def repair_after(outcome: RunOutcome, settings: GateSettings, args: argparse.Nam
 
 
 def handle(args: argparse.Namespace) -> int:
-    from pipelines.repair.parent import load_parent
-    from pipelines.repair.session import repair
-    from pipelines.settings import current
 
     options = repair_options(args)
     check_ladder(args)
@@ -106,7 +104,6 @@ def handle(args: argparse.Namespace) -> int:
     parent = load_parent(args.run_id, current().runs_dir, registry_path=registry, calibration=args.calibration, loadtest=not args.no_loadtest,
                          allow_unverified=args.allow_unverified, recorded_in=args.registry)
     if args.calibration is not None:
-        from pipelines.quantize.calibration import check_calibration_source
 
         check_calibration_source(args.calibration, parent.settings.eval_sets)  # a bad --calibration fails before any work
     with library_output_on_stderr(verbose=args.verbose):

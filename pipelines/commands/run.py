@@ -6,10 +6,11 @@ import argparse
 from pathlib import Path
 
 from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
-from pipelines.commands.repair import add_repair_options
+from pipelines.commands.repair import add_repair_options, check_ladder, repair_after
 from pipelines.errors import InputError
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.recipe import FROM_EVAL_SETS
+from pipelines.quantize.calibration import check_calibration_source
+from pipelines.recipe import FROM_EVAL_SETS, load_recipe
 from pipelines.runs.runner import quantize_and_gate
 
 
@@ -21,13 +22,10 @@ def handle(args: argparse.Namespace) -> int:
     settings = gate_settings(args)  # a bad policy or eval set name fails before minutes of quantizing
     extra = {}
     if args.calibration is not None:  # without it, the recipe's own calibration data (the call as it always was)
-        from pipelines.quantize.calibration import check_calibration_source
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration
     if args.repair:  # a bad ladder or budget fails before quantizing too
-        from pipelines.commands.repair import check_ladder, repair_after
-        from pipelines.recipe import load_recipe
 
         check_ladder(args, load_recipe(args.recipe).recipe)
     with library_output_on_stderr():

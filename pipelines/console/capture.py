@@ -18,6 +18,7 @@ import argparse
 import ctypes
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from typing import IO
 from rich.markup import escape
 
 from pipelines.console import output
+from pipelines.settings import current
 
 LIBRARY_LOG_PREFIX = "library"
 
@@ -100,14 +102,12 @@ def add_verbose_option(parser: argparse.ArgumentParser) -> None:
 
 def library_logs_dir() -> Path:
     """`$QUANTGATE_ARTIFACTS/logs` as the environment says now."""
-    from pipelines.settings import current
 
     return current().logs_dir
 
 
 def _new_log_path(folder: Path | None) -> tuple[Path, list[Path]]:
     """A new log file's path (created) and the folders made for it (removed again if nothing was logged)."""
-    import tempfile
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"{LIBRARY_LOG_PREFIX}-{stamp}-{os.getpid()}.log"

@@ -182,6 +182,7 @@ class _Live:
         self._tasks: dict[int, object] = {}
 
     def add(self, bar: Bar) -> None:
+        # heavy: imported when used
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         with self._lock:

@@ -136,7 +136,7 @@ def _load_yaml(path: Path) -> Any:
 @lru_cache(maxsize=1)
 def task_config_keys() -> frozenset[str]:
     """The keys lm-eval's TaskConfig accepts (imported lazily: lm-eval is slow to import)."""
-    from lm_eval.api.task import TaskConfig
+    from lm_eval.api.task import TaskConfig  # heavy: imported when used
 
     return frozenset(field.name for field in dataclasses.fields(TaskConfig))
 
@@ -423,6 +423,8 @@ def _check_aggregation(name: str, aggregation: Any, default: str | None, where: 
 def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
     """The aggregation name and direction lm-eval registers for a metric (lm_eval/api/metrics.py); None if unregistered."""
     import lm_eval.api.metrics  # noqa: F401 - registers lm-eval's metrics and aggregations
+
+    # heavy: imported when used
     from lm_eval.api.registry import (
         AGGREGATION_REGISTRY,
         HIGHER_IS_BETTER_REGISTRY,
@@ -667,7 +669,7 @@ def set_data(config_source: str | None = None, data_files: dict | str | None = N
     lm-eval calls it with the task's metadata and dataset_kwargs as keyword arguments (lm_eval/api/task.py:
     ConfigurableTask.download); `config_source` is the YAML's path, which lm-eval adds to the metadata
     (lm_eval/tasks/_factory.py). The paths are held to the folder as the validator holds them."""
-    import datasets
+    import datasets  # heavy: imported when used
 
     if data_files is None:
         raise ValueError("set_data needs dataset_kwargs.data_files")

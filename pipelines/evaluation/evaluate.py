@@ -47,7 +47,7 @@ from pipelines.evaluation.evalsets import ROLLING, EvalSet, materialize_task
 from pipelines.evaluation.metrics import POINTS, MetricSpec
 from pipelines.files.jsonl import MiB, iter_jsonl
 from pipelines.serve.reclaim import die_with_parent
-from pipelines.serve.serving import RunningServer
+from pipelines.serve.serving import RunningServer, log_tail
 
 # lm-eval names a run's files by datetime.now().isoformat() with ":" made "-"
 # (lm_eval/loggers/evaluation_tracker.py: save_results_aggregated, save_results_samples).
@@ -180,7 +180,7 @@ def load_all_prompts(eval_sets: list[EvalSet], include_dir: Path, tokenizer_dir:
     measured on text that is not what lm-eval sent."""
     if not eval_sets:
         return {}
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # heavy: imported when used
 
     manager = TaskManager(include_path=str(include_dir), include_defaults=False)
     tasks = manager.load([s.task_name for s in eval_sets])["tasks"]
@@ -213,7 +213,7 @@ def _lm_eval_chat_template(eval_set: EvalSet, tokenizer_dir: Path):
     """lm-eval's own apply_chat_template of local-completions as a chat run uses it (huggingface tokenizer,
     tokenized_requests=True: the template rendered to text by the tokenizer). A model without a chat
     template is refused here, before any server starts."""
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.models.openai_completions import LocalCompletionsAPI  # heavy: imported when used
 
     model = LocalCompletionsAPI(
         base_url="http://127.0.0.1:1/v1/completions", tokenizer=str(tokenizer_dir), tokenizer_backend="huggingface",
@@ -232,7 +232,7 @@ ANSWER_RESERVE_TOKENS = 32  # tokens every prompt leaves free for its answer in 
 
 def load_tokenizer(folder: Path) -> Any:
     """The model folder's tokenizer (transformers' AutoTokenizer); one it cannot load is an InputError naming the folder."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: imported when used
 
     try:
         return AutoTokenizer.from_pretrained(str(folder))
@@ -436,7 +436,6 @@ def _run_watching_server(
                 process.wait()
     server.check_alive()
     if process.returncode != 0:
-        from pipelines.serve.serving import log_tail
 
         server.check_engine()
         raise EvalError(f"lm-eval failed (exit code {process.returncode}): {log_tail(log_path, 3)}", file=log_path)

@@ -91,7 +91,7 @@ def value_range(spec: MetricSpec, scores: tuple[float, ...]) -> float:
 
 def corpus_aggregation(name: str) -> Callable[[list], float]:
     """lm-eval's own aggregation function (imported lazily: lm-eval is slow to import)."""
-    from lm_eval.api.registry import get_aggregation
+    from lm_eval.api.registry import get_aggregation  # heavy: imported when used
 
     return get_aggregation(name)
 

@@ -40,6 +40,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.errors import InputError, ServeError
+from pipelines.files.atomic import write_text_atomic
 from pipelines.settings import current as current_settings
 
 PROBE_SCRIPT = Path(__file__).with_name("serve_probe.py")
@@ -330,7 +331,6 @@ def _profile(emulated: CpuIsa | None, fingerprint: str) -> HostProfile:
 
 
 def _store(path: Path, text: str) -> None:
-    from pipelines.files.atomic import write_text_atomic
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipelines.console.output import progress
 from pipelines.hardware.host import PROBE_SCRIPT, HostProfile, _store, cache_dir, run_probe
 from pipelines.recipe import ActivationScheme, GroupScheme, WeightScheme
 from pipelines.schema import FrozenModel
@@ -155,7 +156,6 @@ def kernel_facts(profile: HostProfile, cases: Iterable[KernelCase] = (), dtype: 
     wanted = {case.key: case for case in (*STANDARD_CASES, *cases)}
     missing = [case for key, case in wanted.items() if key not in known]
     if missing:
-        from pipelines.console.output import progress
 
         progress(f"probing vLLM's kernels on {profile.host_class} ({len(missing)} scheme(s), once per host; "
                  f"about {10 + len(missing)} s)")

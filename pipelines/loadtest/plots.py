@@ -15,10 +15,10 @@ STYLE = {"baseline": ("tab:blue", "o"), "candidate": ("tab:orange", "s")}
 
 def write_plots(models: list[ModelFigures], folder: Path, title: str) -> dict[str, str]:
     """One PNG per figure in `folder`; returns {figure: file name}."""
-    import matplotlib
+    import matplotlib  # heavy: imported when used
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot
+    from matplotlib import pyplot  # heavy: imported when used
 
     written = {}
     for key, (name, label, value) in PLOTS.items():

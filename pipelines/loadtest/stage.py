@@ -27,6 +27,7 @@ from pipelines.loadtest import bench, figures, memory, plots, tuning, verdict
 from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
 from pipelines.loadtest.workload import build_workload, write_dataset
+from pipelines.planner import gpu_spec, plan
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import RunningServer, ServeSettings, serve_versions
 
@@ -75,7 +76,6 @@ def plan_for(fit, model_dir: Path) -> dict | None:
     """The planner's plan for a fit requirement (policy `fit`) and a model folder, as gate.json holds it."""
     if fit is None:
         return None
-    from pipelines.planner import gpu_spec, plan
 
     gpu = gpu_spec(fit.gpu, fit.memory_gib)
     return plan(model_dir / "config.json", [], gpu, fit.max_model_len, fit.concurrency, artifact_dir=model_dir).model_dump(mode="json")

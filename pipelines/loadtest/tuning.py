@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipelines.errors import InputError
 from pipelines.loadtest.config import PerformancePolicy
 from pipelines.loadtest.results import ModelFigures, Tuning
+from pipelines.planner import Plan
+from pipelines.planner import plan as make_plan
 from pipelines.serve.serving import ServeSettings
 
 
@@ -63,16 +66,12 @@ def measured_tuning(
 def _planner_row(plan: dict | None):
     if not plan:
         return None
-    from pipelines.planner import Plan
 
     return Plan.model_validate(plan).fit_row().recommended
 
 
 def _replan(plan: dict, artifact_dir: Path, concurrency: int):
     """The planner's recommendation for `concurrency` sequences on the plan's GPU (None when it does not fit)."""
-    from pipelines.errors import InputError
-    from pipelines.planner import Plan
-    from pipelines.planner import plan as make_plan
 
     old = Plan.model_validate(plan)
     try:

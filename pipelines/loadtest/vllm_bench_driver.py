@@ -31,8 +31,8 @@ READY_LINE = "quantgate-bench: vLLM imported, waiting for the plan"
 
 
 def _parser():
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.benchmarks.serve import add_cli_args  # heavy: imported when used
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # heavy: imported when used
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
@@ -44,14 +44,14 @@ def _cpu_platform_if_unspecified() -> None:
     from vllm import platforms
 
     if platforms.current_platform.is_unspecified():
-        from vllm.platforms.cpu import CpuPlatform
+        from vllm.platforms.cpu import CpuPlatform  # heavy: imported when used
 
         platforms.current_platform = CpuPlatform()
 
 
 def main() -> int:
     _cpu_platform_if_unspecified()
-    from vllm.benchmarks.serve import main as bench_main
+    from vllm.benchmarks.serve import main as bench_main  # heavy: imported when used
 
     parser = _parser()
     print(READY_LINE, flush=True)

@@ -24,7 +24,10 @@ the same GGUF again gives byte-identical files (and the same model hash in the b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import mmap
+import os
 import re
 import struct
 import tempfile
@@ -40,6 +43,7 @@ from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir
 from pipelines.files.hashing import sha256_file
+from pipelines.models import tokenizer as gguf_tokenizer
 from pipelines.models.tokenizer import PRE_TOKENIZERS
 from pipelines.paths import MODELS_DIR
 
@@ -277,7 +281,7 @@ class _Scanner:
             width = struct.calcsize("<" + _SCALARS[element_type])
             self.need(count * width, f"{key} ({count:,} elements)")
             if keep or count <= _SMALL_ARRAY:
-                import numpy as np
+                import numpy as np  # heavy: imported when used
 
                 values = np.frombuffer(self.data, dtype="<" + _SCALARS[element_type], count=count, offset=self.pos).tolist()
                 self.pos += count * width
@@ -339,7 +343,7 @@ class _Scanner:
         return _Scan(version, fields, tensors, data_start, self.size)
 
     def tensor_info(self) -> _Tensor:
-        import gguf
+        import gguf  # heavy: imported when used
 
         name = str(self.string("a tensor name"))
         dims = self.unpack("I", name)
@@ -365,7 +369,6 @@ class _Scanner:
 
 def _scan(path: Path, keep: frozenset[str] = frozenset()) -> _Scan:
     """The header of a GGUF file, read with bounded reads through a read-only memory map."""
-    import mmap
 
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -379,8 +382,8 @@ def _scan(path: Path, keep: frozenset[str] = frozenset()) -> _Scan:
 
 
 def _dequantizable_types() -> set[str]:
-    import gguf
-    from gguf.quants import _type_traits
+    import gguf  # heavy: imported when used
+    from gguf.quants import _type_traits  # heavy: imported when used
 
     return {t.name for t in _type_traits} | {gguf.GGMLQuantizationType.F32.name, gguf.GGMLQuantizationType.F16.name}
 
@@ -388,7 +391,7 @@ def _dequantizable_types() -> set[str]:
 def tensor_names(architecture: str) -> tuple[list[str], list[str], list[str]]:
     """(global, per-block required, optional) tensor names of a supported architecture, from gguf-py's own
     tables: `blk.{bid}.attn_q` style, without the `.weight`/`.bias` suffix."""
-    import gguf
+    import gguf  # heavy: imported when used
 
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
     known = set(gguf.MODEL_TENSORS[arch])
@@ -407,7 +410,7 @@ def tensor_names(architecture: str) -> tuple[list[str], list[str], list[str]]:
 def _expected_tensors(architecture: str, blocks: int) -> tuple[list[str], set[str]]:
     """The tensor names a `blocks`-block file must hold, and those it may hold beside them."""
     global_names, block_names, optional = tensor_names(architecture)
-    import gguf
+    import gguf  # heavy: imported when used
 
     biases = [gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[m]] for m in BLOCK_BIASES.get(architecture, ())]
     required = [f"{name}.weight" for name in global_names]
@@ -518,7 +521,7 @@ def inspect_gguf(path: Path) -> GgufHeader:
 
 
 def gguf_type_name(type_id: int) -> str:
-    import gguf
+    import gguf  # heavy: imported when used
 
     return gguf.GGMLQuantizationType(type_id).name
 
@@ -557,7 +560,6 @@ def catalogue_gguf(entry: CatalogueModel, scratch: Path | None = None) -> tuple[
         chunks.append(chunk)
     if scratch is None:
         raise InputError("a GGUF shipped in parts needs a scratch folder to be assembled in", field=entry.name)
-    import hashlib
 
     path = scratch / entry.resource
     digest = hashlib.sha256()
@@ -617,7 +619,7 @@ def _describe_source(provenance: dict | None) -> str | None:
 
 def _weights_summary(folder: Path) -> tuple[int, int]:
     """(parameters, bytes of every file in the folder) from the safetensors headers, no weights read."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy: imported when used
 
     parameters = 0
     for file in sorted(folder.glob("*.safetensors")):
@@ -752,7 +754,6 @@ def _present(final: Path, name: str, gguf_file: Path | None) -> AddResult:
 
 def _readable(folder: Path) -> None:
     """mkdtemp makes the staging folder private (0700) and some writers make files 0600: use the umask."""
-    import os
 
     umask = os.umask(0)
     os.umask(umask)
@@ -763,7 +764,7 @@ def _readable(folder: Path) -> None:
 
 
 def _write_provenance(folder: Path, name: str, source: dict, checks: dict | None = None) -> None:
-    import transformers
+    import transformers  # heavy: imported when used
 
     record = {
         "name": name,
@@ -820,10 +821,9 @@ def config_from_header(architecture: str, fields: dict[str, Any], config: Any) -
 def _convert(gguf_path: Path, out: Path) -> dict[str, Any]:
     """Load the GGUF dequantized, rebuild a plain bf16 model from its config, save it, verify (or repair) the
     tokenizer against the GGUF's own vocabulary, check the saved folder reloads computing the same logits."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy: imported when used
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: imported when used
 
-    from pipelines.models import tokenizer as gguf_tokenizer
 
     fields = _scan(gguf_path, gguf_tokenizer.VOCAB_KEYS).fields
     architecture = fields["general.architecture"]
@@ -879,8 +879,8 @@ def _convert(gguf_path: Path, out: Path) -> dict[str, Any]:
 
 def _check_reload(loaded: Any, tokenizer: Any, out: Path, gguf_path: Path) -> None:
     """The saved folder must compute exactly what the GGUF-loaded model computes."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # heavy: imported when used
+    from transformers import AutoModelForCausalLM  # heavy: imported when used
 
     saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     ids = tokenizer(_PROMPT, return_tensors="pt").input_ids

@@ -184,8 +184,8 @@ def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
 
 def reference_tokenizer(vocab: GgufVocab) -> Any:
     """A `tokenizers.Tokenizer` that tokenizes as the GGUF's own fields say (see the module's docstring)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import BPE
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors  # heavy: imported when used
+    from tokenizers.models import BPE  # heavy: imported when used
 
     ids = _vocabulary(vocab)
     if vocab.model == "gpt2":
@@ -257,7 +257,7 @@ def _special_tokens(vocab: GgufVocab) -> dict[str, str]:
 
 def save_reference(reference: Any, vocab: GgufVocab, out: Path, chat_template: str | None) -> None:
     """Replace the tokenizer files in `out` with the reference tokenizer, its special tokens and chat template."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # heavy: imported when used
 
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "added_tokens.json", "vocab.json", "merges.txt"):
@@ -275,7 +275,7 @@ def verify(out: Path, fields: dict[str, Any], *, conversion_error: str | None = 
     """Check the tokenizer saved in `out` against the GGUF's own vocabulary (`fields`), repairing it when the
     reference passes and it does not (or when transformers could not convert it: `conversion_error`).
     Raises Unverifiable with one line when neither can be verified."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: imported when used
 
     vocab = read_vocab(fields)
     reference = reference_tokenizer(vocab)

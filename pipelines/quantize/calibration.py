@@ -241,7 +241,7 @@ def warn_if_demo_calibration(data: Path, model_dir: Path, source_files: dict[str
 
 def calibration_dataset(tokenizer: Any, texts: list[str], max_seq_length: int) -> Any:
     """Tokenized calibration samples, in the given order (oneshot must not shuffle them)."""
-    from datasets import Dataset
+    from datasets import Dataset  # heavy: imported when used
 
     encoded = [tokenizer(text, truncation=True, max_length=max_seq_length) for text in texts]
     return Dataset.from_dict(

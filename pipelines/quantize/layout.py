@@ -73,9 +73,9 @@ def layout_from_model_dir(model_dir: Path) -> ModelLayout:
 def layout_from_config(config: dict[str, Any], source: Path | str = "config.json") -> ModelLayout:
     """The model's Linear layers, from config.json on the meta device. An architecture the groups cannot cover
     is refused here, in one line naming it and what is missing: before any weights are read."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # heavy: imported when used
+    import transformers  # heavy: imported when used
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: imported when used
 
     check_config_bounds(config, str(source))  # a meta model still loops over its layers: bound them first
     arch = architecture_name(config)
@@ -158,7 +158,7 @@ def _check_architecture(model: Any, layout: ModelLayout, name: str, source: Path
     """What the groups need of a model: a decoder layer list named `layers`, num_hidden_layers long, every
     weight matrix in it a Linear one group covers, and no covered Linear outside it. Else an InputError
     naming the architecture and what is missing."""
-    import torch
+    import torch  # heavy: imported when used
 
     count = layout.num_layers
     stacks = [(path, module) for path, module in model.named_modules()

@@ -165,9 +165,9 @@ def artifact_path(artifacts_root: Path, inputs: _Inputs) -> Path:
 def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord | None]:
     """Load, calibrate + quantize with llm-compressor, save compressed with the tokenizer; returns seconds and
     the SmoothQuant mappings used (derived from the model's forward and checked before calibration)."""
-    import torch
-    from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy: imported when used
+    from llmcompressor import oneshot  # heavy: imported when used
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: imported when used
 
     started = time.perf_counter()
     seed = inputs.calibration.seed if inputs.calibration else 0
@@ -206,8 +206,8 @@ def _recipe_run(inputs: _Inputs, smoothing: SmoothingRecord | None) -> str:
 
 @contextmanager
 def _deterministic(seed: int) -> Iterator[None]:
-    import numpy
-    import torch
+    import numpy  # heavy: imported when used
+    import torch  # heavy: imported when used
 
     previous = torch.are_deterministic_algorithms_enabled()
     random.seed(seed)
@@ -263,7 +263,7 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
 
 
 def compute_description() -> str:
-    import torch
+    import torch  # heavy: imported when used
 
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)}"

@@ -83,8 +83,8 @@ class _Follower:
 def sequential_passes(pipeline: Any, modifiers: list[Any], choose: Any) -> int:
     """How many sequential passes `pipeline` runs over `modifiers`; `choose(modifiers)` is llm-compressor's own
     CalibrationPipeline.from_modifiers (the independent pipeline asks it once per modifier)."""
-    from llmcompressor.pipelines.independent import IndependentPipeline
-    from llmcompressor.pipelines.sequential import SequentialPipeline
+    from llmcompressor.pipelines.independent import IndependentPipeline  # heavy: imported when used
+    from llmcompressor.pipelines.sequential import SequentialPipeline  # heavy: imported when used
 
     if isinstance(pipeline, SequentialPipeline):
         return 1
@@ -97,10 +97,10 @@ def sequential_passes(pipeline: Any, modifiers: list[Any], choose: Any) -> int:
 def following_llmcompressor(bar: Bar) -> Iterator[None]:
     """While the block runs oneshot, `bar` counts the subgraphs llm-compressor's sequential pipeline has
     finished, out of all it will run (module docstring). One oneshot per block; the wrappers are removed on exit."""
-    import llmcompressor.pipelines.sequential.pipeline as sequential
-    from llmcompressor.core.events import EventType
-    from llmcompressor.core.session import CompressionSession
-    from llmcompressor.pipelines.registry import CalibrationPipeline
+    import llmcompressor.pipelines.sequential.pipeline as sequential  # heavy: imported when used
+    from llmcompressor.core.events import EventType  # heavy: imported when used
+    from llmcompressor.core.session import CompressionSession  # heavy: imported when used
+    from llmcompressor.pipelines.registry import CalibrationPipeline  # heavy: imported when used
 
     follower = _Follower(bar)
     original_event = CompressionSession.event

@@ -100,7 +100,7 @@ class IdentityCheck:
 
 def decoder_stack(model: Any) -> tuple[str, list[Any]]:
     """The name and layers of the model's decoder stack: the ModuleList as long as config.num_hidden_layers."""
-    import torch
+    import torch  # heavy: imported when used
 
     count = getattr(model.config, "num_hidden_layers", None)
     for name, module in model.named_modules():
@@ -120,7 +120,7 @@ class _Call:
 
 def _trace(model: Any, input_ids: Any) -> tuple[str, list[dict[str, _Call]]]:
     """Per decoder layer, every submodule's (first) input and output in one forward, in completion order."""
-    import torch
+    import torch  # heavy: imported when used
 
     stack, layers = decoder_stack(model)
     records: list[dict[str, _Call]] = [{} for _ in layers]
@@ -151,7 +151,7 @@ def _trace(model: Any, input_ids: Any) -> tuple[str, list[dict[str, _Call]]]:
 
 def _same(a: Any, b: Any) -> bool:
     """Bit for bit the same tensor (the same object, or equal shape, dtype and values)."""
-    import torch
+    import torch  # heavy: imported when used
 
     if a is None or b is None:
         return False
@@ -160,7 +160,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _scale_vector(module: Any, width: int) -> bool:
     """Whether `module` holds a weight vector of one entry per channel (what SmoothQuant divides)."""
-    import torch
+    import torch  # heavy: imported when used
 
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.nn.Parameter) and weight.ndim == 1 and weight.numel() == width
@@ -172,7 +172,7 @@ def absorbs_scale(module: Any, x: Any, config: Any = None) -> bool:
     (Gemma's x * (1 + w)) for x * w' with w' = 1 + w while it calibrates (llmcompressor/modeling/offset_norm.py),
     SmoothQuant divides w' (and a bias) by s, and the swap back stores w' / s - 1: correct, (1 + w) / s. An
     offset norm it does not register would get 1 + w / s, and fails here."""
-    import torch
+    import torch  # heavy: imported when used
 
     probe = copy.deepcopy(module).float()
     x = x.detach().float()
@@ -195,8 +195,8 @@ def absorbs_scale(module: Any, x: Any, config: Any = None) -> bool:
 
 def _as_calibrated(module: Any, config: Any) -> Any:
     """The module SmoothQuant sees inside oneshot: llm-compressor's calibration form of a registered offset norm."""
-    from compressed_tensors.registry import standardize_lookup_name
-    from llmcompressor.modeling.offset_norm import NormCalibrationModule
+    from compressed_tensors.registry import standardize_lookup_name  # heavy: imported when used
+    from llmcompressor.modeling.offset_norm import NormCalibrationModule  # heavy: imported when used
 
     name = standardize_lookup_name(type(module).__name__)
     if name in NormCalibrationModule.registered_names() or name in NormCalibrationModule.registered_aliases():
@@ -206,7 +206,7 @@ def _as_calibrated(module: Any, config: Any) -> Any:
 
 def derive_mappings(model: Any, input_ids: Any) -> Derivation:
     """SmoothQuant mappings from one traced forward of `model` on `input_ids` (a [1, n] tensor of a few tokens)."""
-    import torch
+    import torch  # heavy: imported when used
 
     stack, records = _trace(model, input_ids)
     pairs: list[Pair] = []
@@ -269,7 +269,7 @@ def _layers(at: list[int], every: list[int]) -> str:
 
 def resolve(model: Any, mappings: list[Mapping]) -> list[Pair]:
     """The (smooth, balance) module names llm-compressor's SmoothQuantModifier resolves `mappings` to."""
-    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier  # heavy: imported when used
 
     modifier = SmoothQuantModifier(mappings=mappings, ignore=[])
     names = {module: name for name, module in model.named_modules()}
@@ -278,7 +278,7 @@ def resolve(model: Any, mappings: list[Mapping]) -> list[Pair]:
 
 def library_mappings(model: Any) -> list[Mapping]:
     """The mapping llm-compressor would pick for this model by its architecture name."""
-    from llmcompressor.modifiers.transform.smoothquant.dynamic_mappings import get_layer_mappings_from_model
+    from llmcompressor.modifiers.transform.smoothquant.dynamic_mappings import get_layer_mappings_from_model  # heavy: imported when used
 
     return [[list(balance), smooth] for balance, smooth in get_layer_mappings_from_model(model)]
 
@@ -321,8 +321,8 @@ def check_identity(model: Any, mappings: list[Mapping], dataset: Any, *, strengt
     """SmoothQuant alone with `mappings` (llm-compressor's oneshot, its own SmoothQuantModifier) on a float32
     copy of `model`, calibrated on `dataset` (input_ids / attention_mask rows); the largest change of the
     logits on those rows relative to their largest magnitude. `model` itself is not changed."""
-    import torch
-    from llmcompressor import oneshot
+    import torch  # heavy: imported when used
+    from llmcompressor import oneshot  # heavy: imported when used
 
     started = time.perf_counter()
     rows = [torch.tensor([ids], device=model.device) for ids in dataset["input_ids"]]
@@ -363,8 +363,8 @@ def refuse_failing(model: Any, mappings: list[Mapping], dataset: Any, check: Ide
 @contextmanager
 def _kept_rng() -> Iterator[None]:
     """The check must not move the random state the quantization that follows is seeded with."""
-    import numpy
-    import torch
+    import numpy  # heavy: imported when used
+    import torch  # heavy: imported when used
 
     states = random.getstate(), numpy.random.get_state(), torch.random.get_rng_state()
     try:
@@ -381,8 +381,8 @@ def _kept_rng() -> Iterator[None]:
 def checked_smoothing(model: Any, dataset: Any, *, strength: float, max_seq_length: int, source: Path | str | None = None) -> SmoothingRecord:
     """Derive the mappings from `model`'s forward, check them on the first rows of `dataset` (the calibration
     samples), and return what the manifest records; an InputError before calibration when they fail."""
-    import torch
-    from datasets import Dataset
+    import torch  # heavy: imported when used
+    from datasets import Dataset  # heavy: imported when used
 
     started = time.perf_counter()
     head = dataset[:CHECK_SAMPLES]

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from pipelines.artifact import MANIFEST_NAME, load_manifest, read_manifest
 from pipelines.errors import InputError, QuantGateError
+from pipelines.evaluation import baseline
 from pipelines.files.atomic import storage_error
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.files.safepath import safe_component
@@ -138,7 +139,6 @@ def _package_versions() -> dict[str, str]:
 
 
 def _serve_versions() -> dict[str, str]:
-    from pipelines.evaluation import baseline
 
     try:
         return baseline.serve_versions()  # cached: the run keyed its scores by it already

@@ -118,8 +118,8 @@ def export_to_mlflow(version: Version, tracking_uri: str | None = None, alias: s
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     try:
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
+        from mlflow import MlflowClient  # heavy: imported when used
+        from mlflow.exceptions import MlflowException  # heavy: imported when used
     except ImportError:
         raise InputError("MLflow is not installed; install the extra: pip install 'quantgate[mlflow]'",
                          field="mlflow") from None

@@ -245,14 +245,14 @@ def trusted_keys() -> tuple[set[str], list[str]] | None:
 def _hashing_config() -> Any:
     """Every file of the bundle but the signature itself; git's files are not special here (a stray .gitignore
     in a bundle is a file like any other)."""
-    from model_signing import hashing
+    from model_signing import hashing  # heavy: imported when used
 
     return hashing.Config().set_ignored_paths(paths=[SIGNATURE_NAME], ignore_git_paths=False)
 
 
 def sign_folder(folder: Path, signer: Signer) -> Path:
     """Sign every file of `folder` into folder/model.sig with the model-signing library; returns the signature."""
-    from model_signing import signing
+    from model_signing import signing  # heavy: imported when used
 
     config = signing.Config().set_hashing_config(_hashing_config())
     if signer.certificate is not None:
@@ -293,7 +293,7 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
 
     A file that differs from what was signed is named (the first in path order: changed, missing or added);
     a signature that is truncated, altered, or made with another key is refused naming model.sig."""
-    from model_signing import verifying
+    from model_signing import verifying  # heavy: imported when used
 
     started = time.monotonic()
     bundle = Path(record.bundle)

@@ -39,6 +39,7 @@ from pipelines.artifact import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck,
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_json
 from pipelines.gate.verdict import GateReport, read_report
+from pipelines.registry.evidence import verify_promotion
 from pipelines.registry.signing import SignatureRecord, require_signed_bundle
 from pipelines.settings import current as current_settings
 
@@ -623,7 +624,6 @@ class Registry:
     def verify_signature(self, version: Version, *, required: bool = False) -> PromotionCheck | None:
         """The version's signed promotion bundle: signature, every file, evidence (pipelines.registry.evidence.verify_promotion).
         A version promoted before signing has none: None, or an InputError when `required`."""
-        from pipelines.registry.evidence import verify_promotion
 
         promoted = [e for e in self.history(version.model, version=version.version) if e.kind == "promoted" and e.version == version.version]
         return verify_promotion(promoted[-1].evidence if promoted else None, version, required=required, registry=self.path)

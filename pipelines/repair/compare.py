@@ -12,12 +12,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from pipelines.artifact import read_manifest
 from pipelines.errors import QuantGateError
 from pipelines.hardware.targets import ServeTarget
 from pipelines.planner import ModelShape
 from pipelines.quantize.compiler import cannot_apply
 from pipelines.quantize.layout import ModelLayout
 from pipelines.recipe import load_recipe, shipped_recipes
+from pipelines.registry.store import Registry
 from pipelines.repair.pricing import recipe_bytes
 
 
@@ -71,7 +73,6 @@ def registered_versions(registry_path: Path | None, model: str) -> list[Register
     """The model's versions in the registry (none when there is no registry or no such model)."""
     if registry_path is None or not Path(registry_path).is_file():
         return []
-    from pipelines.registry.store import Registry
 
     try:
         versions = Registry(registry_path).list(model)
@@ -83,7 +84,6 @@ def registered_versions(registry_path: Path | None, model: str) -> list[Register
 
 def measured_bytes(artifact_dir: Path) -> int | None:
     """The weight bytes an artifact's manifest measured (None: no readable manifest)."""
-    from pipelines.artifact import read_manifest
 
     manifest = read_manifest(artifact_dir)
     return manifest.weight_bytes.after if manifest is not None else None

@@ -57,7 +57,7 @@ def fake_quantize_weight(weight: torch.Tensor, weights: WeightScheme) -> torch.T
 def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, weights: WeightScheme, algorithm: Algorithm) -> torch.Tensor:
     """The weight as GPTQ leaves it, dequantized (same dtype and shape as `weight`). `hessian`: the normalized
     Hessian of the module's inputs (2 X^T X / n, llm-compressor's accumulate_hessian)."""
-    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
+    from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight  # heavy: imported when used
 
     args = weight_args(weights, "weight" if algorithm.actorder else None)
     observer = _observer(WEIGHT_OBSERVER, "weight", args)

@@ -30,8 +30,10 @@ from pipelines.files.hashing import sha256_file, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.gate.policy import Policy, SetPolicy, load_gate_policy
 from pipelines.gate.verdict import GateReport, read_report
+from pipelines.planner import gpu_spec
 from pipelines.quantize.calibration import source_of
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, parse_recipe
+from pipelines.registry.store import Registry
 from pipelines.runs.runner import GateSettings
 from pipelines.serve.serving import ServeSettings
 
@@ -152,7 +154,6 @@ def _registered_version(gate_json: Path, registry_path: Path | None) -> Version 
     """The registry's version whose evidence is gate_json, or None (no registry, or not in it)."""
     if registry_path is None or not Path(registry_path).is_file():
         return None
-    from pipelines.registry.store import Registry
 
     target = gate_json.resolve().as_posix()
     try:
@@ -210,7 +211,6 @@ def check_same_rules(report: GateReport, policy: Policy, identity: RecipeIdentit
     then = (plan.get("gpu", {}).get("memory_bytes"), plan.get("max_model_len"), plan.get("concurrency")) if plan else None
     now_fit = None
     if fit is not None:
-        from pipelines.planner import gpu_spec
 
         now_fit = (gpu_spec(fit.gpu, fit.memory_gib).memory_bytes, fit.max_model_len, fit.concurrency)
     if then != now_fit:

@@ -212,10 +212,10 @@ def sensitivity_section(sensitivity: Sensitivity) -> list[str]:
 
 def plot_sensitivity(sensitivity: Sensitivity, moved: set[str], path: Path) -> None:
     """KL per unit (measured, else estimated from the proxy) in the search's order; moved units highlighted."""
-    import matplotlib
+    import matplotlib  # heavy: imported when used
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: imported when used
 
     entries = sensitivity.units[:48]
     ratio = sensitivity.kl_per_proxy()

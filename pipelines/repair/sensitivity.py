@@ -20,7 +20,9 @@ of whole proposals (the KL of an assignment) are cached beside it, one entry per
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -34,12 +36,14 @@ from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
 from pipelines.evaluation.divergence import MAX_NEW_TOKENS
 from pipelines.evaluation.evalsets import EvalSet
+from pipelines.evaluation.evaluate import load_prompts, materialize_tasks
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.hashing import folder_hash, sha256_json, sha256_text
 from pipelines.quantize.calibration import calibration_inputs, draw_prompts, texts_sha256
-from pipelines.quantize.compiler import scheme_summary
+from pipelines.quantize.compiler import gptq_settings, scheme_summary
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
+from pipelines.repair.simulate import Simulator, greedy_paths
 from pipelines.repair.units import Assignment, RefPath, Unit
 from pipelines.serve.serving import ServeSettings
 
@@ -141,7 +145,6 @@ def reference_paths(model_dir: Path, eval_sets: list[EvalSet], entries: dict[str
         pool = {name: {r.doc_id: RefPath(eval_set=name, doc_id=r.doc_id, prompt_ids=r.prompt_ids, generated_ids=r.generated_ids)
                        for r in entry.references if r.generated_ids} for name, entry in entries.items()}
         return _draw(pool, settings), "baseline cache"
-    from pipelines.repair.simulate import greedy_paths
 
     prompts = _prompt_ids(model_dir, eval_sets)
     drawn = _draw({name: {doc: (name, doc, ids) for doc, ids in docs.items()} for name, docs in prompts.items()}, settings)
@@ -159,11 +162,9 @@ def _draw(pool: dict[str, dict[int, Drawn]], settings: SensitivitySettings) -> l
 
 
 def _prompt_ids(model_dir: Path, eval_sets: list[EvalSet]) -> dict[str, dict[int, list[int]]]:
-    import tempfile
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: imported when used
 
-    from pipelines.evaluation.evaluate import load_prompts, materialize_tasks
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory(prefix="quantgate-repair-") as folder:
@@ -264,10 +265,8 @@ class SensitivityModel:
         return self._simulator
 
     def _load_simulator(self):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: imported when used
 
-        from pipelines.quantize.compiler import gptq_settings
-        from pipelines.repair.simulate import Simulator
 
         progress(f"repair: loading {self.model_dir.name} in float32 for fake quantization")
         simulator = Simulator(self.model_dir, self.units, gptq_settings(self.recipe))
@@ -291,7 +290,7 @@ class SensitivityModel:
         return [tokenizer(text, truncation=True, max_length=self._max_length())["input_ids"] for text in self.texts]
 
     def _measure(self) -> Sensitivity:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: imported when used
 
         started = time.monotonic()
         simulator = self.simulator()
@@ -387,7 +386,7 @@ def _mean(values: list[float]) -> float:
 
 def _agreement(entries: list[UnitSensitivity]) -> tuple[float | None, float | None, float | None]:
     """Spearman of proxy vs KL, and of KL on even vs odd prompts, over the units whose KL was measured."""
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # heavy: imported when used
 
     measured = [e for e in entries if e.kl is not None and e.kl_halves is not None]
     if len(measured) < 3:
@@ -398,6 +397,5 @@ def _agreement(entries: list[UnitSensitivity]) -> tuple[float | None, float | No
 
 
 def _finite(value: float) -> float | None:
-    import math
 
     return round(float(value), 4) if value is not None and math.isfinite(value) else None

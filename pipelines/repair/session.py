@@ -28,13 +28,14 @@ from pipelines.gate.verdict import GateReport
 from pipelines.hardware.targets import ServeTarget, installed_target
 from pipelines.quantize.compiler import scheme_summary
 from pipelines.quantize.layout import layout_from_model_dir
-from pipelines.recipe import GroupScheme
+from pipelines.recipe import GroupScheme, parse_recipe
+from pipelines.registry.store import Registry
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, load_ladder, unit_ladder
-from pipelines.repair.parent import ParentRun
+from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
-from pipelines.repair.report import moved_by_rung
+from pipelines.repair.report import moved_by_rung, write_report
 from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, SetMove, Status
 from pipelines.repair.search import (
     LEVEL_ORDER,
@@ -204,7 +205,6 @@ class Repair:
 
     def _price(self, k: int) -> Price:
         if k not in self._prices:
-            from pipelines.recipe import parse_recipe
 
             recipe = parse_recipe(self._text(k), "proposal")
             fit = self.parent.settings.policy.fit_for(recipe.identity)
@@ -290,7 +290,6 @@ class Repair:
         registry_path = self.parent.settings.registry_path
         if registry_path is None or attempt.registry_version is None:
             return
-        from pipelines.registry.store import Registry
 
         evidence = {
             "repair": self.result.repair_id, "repair_json": str(self.folder / REPAIR_JSON), "attempt": attempt.number,
@@ -318,7 +317,6 @@ class Repair:
         self.result.shipped = self._shipped()
         self.result.wall_s["gates"] = round(sum(a.wall_s for a in self.result.attempts), 2)
         self.result.wall_s["total"] = round(self.now() - self.started, 2)
-        from pipelines.repair.report import write_report
 
         self.result.report_md, self.result.plot = write_report(self.result, self.folder)
         self._save()
@@ -410,7 +408,6 @@ def parent_version(parent: ParentRun) -> int | None:
     """The registry version the rejected run registered (its gate.json is the version's evidence), if any."""
     if parent.settings.registry_path is None or not Path(parent.settings.registry_path).exists():
         return None
-    from pipelines.registry.store import Registry
 
     gate = parent.gate_json.resolve().as_posix()
     try:
@@ -439,7 +436,6 @@ def repair_outcome(outcome: RunOutcome, settings: GateSettings, calibration: str
                    options: RepairOptions | None = None, *, gate_fn: GateFn = quantize_and_gate) -> tuple[RunOutcome, RepairResult]:
     """Repair the rejected run `outcome` under the settings that gated it (a job candidate with `repair: true`).
     Returns the found attempt's outcome (promoted), or `outcome` itself with the repair's verdict added to its reasons."""
-    from pipelines.repair.parent import load_parent
 
     # The run this process has just made (a Ray worker's is not registered yet): nothing in it can have been edited since.
     parent = load_parent(outcome.run_dir.name, outcome.run_dir.parent, registry_path=settings.registry_path,

@@ -27,6 +27,8 @@ import torch
 from pydantic import BaseModel
 
 from pipelines.bounds import GiB
+from pipelines.quantize.calibration import calibration_dataset
+from pipelines.quantize.smoothing import checked_smoothing, with_mappings
 from pipelines.recipe import Algorithm, GroupScheme
 from pipelines.repair.fakequant import StaticInputScale, fake_quantize_input, fake_quantize_weight, gptq_quantize_weight
 from pipelines.repair.units import Assignment, RefPath, Unit
@@ -40,7 +42,7 @@ class KL(BaseModel):
 
 class Simulator:
     def __init__(self, model_dir: Path, units: list[Unit], gptq: Algorithm | None = None):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # heavy: imported when used
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.units = {unit.name: unit for unit in units}
@@ -67,10 +69,8 @@ class Simulator:
     def smooth(self, strength: float, texts: list[str], tokenizer, max_seq_length: int) -> None:
         """SmoothQuant first, as the quantize step does (llm-compressor's SmoothQuantModifier on the same data):
         it changes the weights the schemes then quantize, not what the model computes."""
-        from llmcompressor import oneshot
+        from llmcompressor import oneshot  # heavy: imported when used
 
-        from pipelines.quantize.calibration import calibration_dataset
-        from pipelines.quantize.smoothing import checked_smoothing, with_mappings
 
         dataset = calibration_dataset(tokenizer, texts, max_seq_length)
         # The mappings the quantize step uses: traced from this model's forward and checked, never the library's by name.
@@ -267,14 +267,14 @@ class _HessianSum:
     """GPTQModifier's Hessian accumulation (llm-compressor's own accumulate_hessian) on one module's inputs."""
 
     def __init__(self, module: torch.nn.Module):
-        from llmcompressor.modifiers.gptq.helpers import make_empty_hessian
+        from llmcompressor.modifiers.gptq.helpers import make_empty_hessian  # heavy: imported when used
 
         self.module = module
         self.hessian = make_empty_hessian(module)
         self.samples = torch.zeros(())
 
     def hook(self, module, args) -> None:
-        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+        from llmcompressor.modifiers.gptq.helpers import accumulate_hessian  # heavy: imported when used
 
         self.hessian, self.samples = accumulate_hessian(args[0], module, self.hessian, self.samples)
 
@@ -305,7 +305,7 @@ def _batch(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_paths(model_dir: Path, prompts: list[tuple[str, int, list[int]]], max_new_tokens: int) -> list[RefPath]:
     """Reference paths made here when the baseline cache has none: the 16-bit model's greedy continuation of
     each prompt (at most `max_new_tokens`, as the gate's KL takes them), in the model's own dtype."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: imported when used
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     eos = model.generation_config.eos_token_id

@@ -50,7 +50,9 @@ from pipelines.loadtest.render import summary as performance_summary
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
 from pipelines.registry.evidence import write_run_evidence
+from pipelines.registry.promotion import promote_signed
 from pipelines.registry.signing import load_signer
+from pipelines.registry.store import EvalSetRef, NewVersion, Registry
 from pipelines.runs.runfolder import run_folder
 from pipelines.runs.stack import REAL_STACK, GateStack
 from pipelines.serve.serving import RunningServer, ServeSettings
@@ -182,7 +184,6 @@ def _registrable(job: GateJob, check: ArtifactCheck | None) -> bool:
     if job.settings.registry_path is None:
         return False
     if check is not None:
-        from pipelines.registry.store import Registry
 
         # Opened (created, migrated) now: a registry that cannot be written fails the run before serving.
         if Registry(job.settings.registry_path).read_only:
@@ -348,7 +349,7 @@ def _fit_and_plan(job: GateJob, identity: RecipeIdentity) -> tuple[FitCheck | No
     requirement = job.settings.policy.fit_for(identity)
     if requirement is None:
         return None, None
-    from pipelines.planner import gpu_spec, plan
+    from pipelines.planner import gpu_spec, plan  # here, not at the top: its name is taken in this module
 
     gpu = gpu_spec(requirement.gpu, requirement.memory_gib)
     result = plan(
@@ -408,7 +409,6 @@ def register_run(run_dir: Path, baseline_dir: Path, settings: GateSettings, chec
 
 
 def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck | None) -> int:
-    from pipelines.registry.store import EvalSetRef, NewVersion, Registry
 
     registry = Registry(job.settings.registry_path)
     version = registry.register(
@@ -425,7 +425,6 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck 
     )
     reason = "; ".join(outcome.reasons) or "gate passed"
     if outcome.verdict == "promoted":
-        from pipelines.registry.promotion import promote_signed
 
         return promote_signed(registry, version, reason, run_dir=outcome.run_dir).version
     return registry.reject(version.id, reason).version

@@ -13,6 +13,7 @@ docs/serving.md has the details and the limits.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -205,7 +206,6 @@ def serve_versions() -> dict[str, str]:
         "    except PackageNotFoundError: pass\n"
         "print(json.dumps(out))"
     )
-    import json
 
     result = subprocess.run([str(current_settings().serve_python), "-c", code], capture_output=True, text=True, check=True)
     return json.loads(result.stdout)

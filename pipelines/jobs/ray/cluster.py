@@ -70,7 +70,7 @@ def check_address(address: str) -> None:
 def connected(address: str | None) -> Iterator[Any]:
     """Ray, connected for the block; on the way out (an error, SIGTERM) the tasks still pending are cancelled
     (their workers and, through their watchdogs, their vLLM servers stopped) and the connection closed."""
-    import ray
+    import ray  # heavy: imported when used
 
     address = address if address is not None else os.environ.get("RAY_ADDRESS") or None
     if address is not None:
@@ -95,7 +95,7 @@ def alive_nodes(ray: Any) -> list[Node]:
 
 def probe_shared_store(ray: Any, root: Path, nodes: list[Node]) -> None:
     """Every node writes a probe under `root`, the driver reads each back (pipelines.jobs.ray.probe)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # heavy: imported when used
 
     nonce = new_nonce()
     remote = ray.remote(num_cpus=0, max_retries=0)(write_probe)

@@ -44,6 +44,7 @@ from pipelines.jobs.ray.graph import BaselineGroup, baseline_groups, submit_grap
 from pipelines.jobs.ray.resources import TaskResources, check_some_node_fits, task_resources
 from pipelines.jobs.ray.tracker import Tracker
 from pipelines.jobs.ray.worker import TaskStatus, baseline_task, candidate_task
+from pipelines.registry.store import Registry
 from pipelines.runs.runner import register_run
 from pipelines.settings import current as current_settings
 
@@ -105,7 +106,6 @@ def _refuse_repair(candidates: list[Candidate], job_path: Path) -> None:
 
 
 def _check_registries_writable(candidates: list[Candidate]) -> None:
-    from pipelines.registry.store import Registry
 
     for path in {c.settings.registry_path for c in candidates if c.settings.registry_path is not None}:
         if Registry(path).read_only:  # opened (created, migrated) now, as a local run does before serving

@@ -22,6 +22,7 @@ from pipelines.bounds import GiB
 from pipelines.errors import InputError
 from pipelines.gate.policy import FitRequirement
 from pipelines.hardware.targets import ServeTarget
+from pipelines.planner import gpu_spec, load_config, model_shape, plan, predict_weight_bytes
 from pipelines.recipe import LoadedRecipe, Recipe
 from pipelines.schema import FrozenModel
 
@@ -76,7 +77,6 @@ def task_resources(
 def tensor_parallel_size(model_dir: Path, recipe: Recipe | None, fit: FitRequirement) -> int:
     """The smallest tensor-parallel size whose plan fits `fit`'s GPU; the largest allowed when none does (the
     gate's fit check then says why; the candidate still gets the most memory the sizes offer)."""
-    from pipelines.planner import gpu_spec, load_config, model_shape, plan
 
     config = model_dir / "config.json"
     heads = model_shape(*load_config(config)).heads
@@ -91,7 +91,6 @@ def tensor_parallel_size(model_dir: Path, recipe: Recipe | None, fit: FitRequire
 
 def _sixteen_bit_weight_bytes(model_dir: Path) -> int:
     """The source model's weights as the planner predicts them from config.json (what quantize loads)."""
-    from pipelines.planner import load_config, model_shape, predict_weight_bytes
 
     return predict_weight_bytes(model_shape(*load_config(model_dir / "config.json")), None).total_bytes
 
