@@ -61,6 +61,15 @@ def folder_mode() -> int:
     return 0o777 & ~current_umask()
 
 
+def hidden_sibling(final: Path) -> Path:
+    """A new hidden folder beside `final` (`.<name>.tmp-XXXX`), its parents made; a disk error is a StorageError."""
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as error:
+        raise storage_error(error, final.parent) from error
+
+
 @contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `final`, on any error it is removed.
@@ -68,11 +77,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     The folder gets 0777 less the umask. A disk error (here or in the caller's writes into the folder)
     ends as a StorageError naming the original errno and path.
     """
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    except OSError as error:
-        raise storage_error(error, final.parent) from error
+    staging = hidden_sibling(final)
     try:
         staging.chmod(folder_mode())
         yield staging

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
@@ -36,7 +35,7 @@ from pydantic import ValidationError
 from pipelines.artifact import MANIFEST_NAME, load_manifest, read_manifest
 from pipelines.errors import InputError, QuantGateError
 from pipelines.evaluation import baseline
-from pipelines.files.atomic import storage_error
+from pipelines.files.atomic import hidden_sibling, storage_error
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.files.safepath import safe_component
 from pipelines.gate.verdict import GateReport, SetComparison
@@ -163,11 +162,7 @@ def staged_bundle(version: VersionLike, final: Path, run_dir: Path | None) -> It
     """A complete bundle (artifact + evidence) in a hidden folder, for the caller to sign; renamed to `final`
     when the block succeeds, removed when it fails. Its folder already has the final name (the signature's
     subject names the model folder)."""
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        parent = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    except OSError as error:
-        raise storage_error(error, final.parent) from error
+    parent = hidden_sibling(final)
     try:
         folder = parent / final.name
         copy_artifact(Path(version.artifact_path), folder, version)

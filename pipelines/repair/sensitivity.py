@@ -43,7 +43,6 @@ from pipelines.quantize.calibration import calibration_inputs, draw_prompts, tex
 from pipelines.quantize.compiler import gptq_settings, scheme_summary
 from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
-from pipelines.repair.simulate import Simulator, greedy_paths
 from pipelines.repair.units import Assignment, RefPath, Unit
 from pipelines.serve.serving import ServeSettings
 
@@ -149,6 +148,8 @@ def reference_paths(model_dir: Path, eval_sets: list[EvalSet], entries: dict[str
     prompts = _prompt_ids(model_dir, eval_sets)
     drawn = _draw({name: {doc: (name, doc, ids) for doc, ids in docs.items()} for name, docs in prompts.items()}, settings)
     progress(f"repair: no cached baseline paths; generating {len(drawn)} with the 16-bit model")
+    from pipelines.repair.simulate import greedy_paths  # heavy: torch, imported when used
+
     return greedy_paths(model_dir, drawn, MAX_NEW_TOKENS), "16-bit greedy paths"
 
 
@@ -269,6 +270,8 @@ class SensitivityModel:
 
 
         progress(f"repair: loading {self.model_dir.name} in float32 for fake quantization")
+        from pipelines.repair.simulate import Simulator  # heavy: torch, imported when used
+
         simulator = Simulator(self.model_dir, self.units, gptq_settings(self.recipe))
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         simulator.set_reference(self.paths)  # the 16-bit model, before any smoothing, is the reference

@@ -7,6 +7,8 @@ remove it) and under TYPE_CHECKING. The graph is read from the source with ast; 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,14 @@ def test_no_room_imports_a_room_on_a_higher_floor() -> None:
 def test_the_root_holds_few_modules() -> None:
     root = [path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"]
     assert len(root) <= 12, root
+
+
+def test_every_command_loads_without_the_model_libraries() -> None:
+    """`quantize --help` and every refusal of bad input stay light (the fuzz tests hold a 200 MB peak): torch,
+    transformers and llm-compressor are imported by the work that needs them, never by loading a command."""
+    probe = (
+        "import sys\nfrom pipelines import cli\nfor name in cli.COMMANDS: cli.load_command(name)\n"
+        "print(' '.join(m for m in ('torch', 'transformers', 'llmcompressor', 'datasets', 'vllm') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=PACKAGE.parent)
+    assert result.stdout.strip() == "", result.stdout
