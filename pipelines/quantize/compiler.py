@@ -24,13 +24,24 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.artifact import read_model_config
 from pipelines.bounds import check_config_bounds
 from pipelines.errors import InputError
-from pipelines.hardware.targets import Layer, ServeTarget, installed_target, serve_problem
-from pipelines.recipe import Algorithm, AutoGroupSize, GroupScheme, Method, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
+from pipelines.hardware.targets import Layer, ServeTarget, installed_target, kv_cache_problem, serve_problem
+from pipelines.recipe import (
+    Algorithm,
+    AutoGroupSize,
+    GroupScheme,
+    KvCache,
+    Method,
+    Override,
+    Recipe,
+    WeightScheme,
+    auto_group_sizes,
+    load_recipe,
+)
 
 Kind = Literal["attention", "mlp"]
 KINDS: tuple[Kind, ...] = ("attention", "mlp")
@@ -77,6 +88,7 @@ class ModelLayout(BaseModel):
     lm_head: str | None
     # The lm_head's shape when known (a quantized lm_head's group size is checked against its input size).
     lm_head_linear: LinearInfo | None = None
+    head_dim: int | None = Field(default=None, description="the attention head size (an FP8 KV cache on CPU needs a multiple of 32)")
 
     def of_kind(self, kind: Kind) -> list[LinearInfo]:
         return [info for info in self.linears if info.kind == kind]
@@ -99,6 +111,7 @@ class CompiledRecipe(BaseModel):
     yaml: str
     layers: dict[str, str]
     needs_calibration: bool
+    kv_cache: KvCache = KvCache()
 
 
 # --------------------------------------------------------------------------------------- layout
@@ -150,9 +163,20 @@ def layout_from_config(config: dict[str, Any], source: Path | str = "config.json
         embeddings=[name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)],
         lm_head=names.get(lm_head) if lm_head is not None else None,
         lm_head_linear=_linear_info(names[lm_head], lm_head) if isinstance(lm_head, torch.nn.Linear) and lm_head in names else None,
+        head_dim=_head_dim(hf_config),
     )
     _check_architecture(model, layout, arch, source)
     return layout
+
+
+def _head_dim(hf_config: Any) -> int | None:
+    """The attention head size as the model computes it: `head_dim` when the config says so, else hidden / heads."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    explicit = getattr(text, "head_dim", None)
+    if isinstance(explicit, int) and explicit > 0:
+        return explicit
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
 
 
 def architecture_name(config: dict[str, Any]) -> str:
@@ -258,6 +282,7 @@ def compile_recipe(
         yaml=yaml.safe_dump(modifiers, sort_keys=False, width=120),
         layers=_layer_table(recipe, layout, plan),
         needs_calibration=recipe.needs_calibration,
+        kv_cache=recipe.kv_cache,
     )
 
 
@@ -270,7 +295,15 @@ def check_recipe(
     check_lm_parts(recipe, layout, recipe_file, target)
     plan = concrete_schemes(resolve_schemes(recipe, layout, recipe_file), recipe_file)
     check_plan(plan, recipe_file, target)
+    check_kv_cache(recipe, layout, recipe_file, target)
     return plan
+
+
+def check_kv_cache(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget) -> None:
+    """The recipe's KV cache precision against what vLLM's attention stores on `target` for this model's head size."""
+    problem = kv_cache_problem(recipe.kv_cache, target, layout.head_dim)
+    if problem:
+        raise InputError(problem.why, file=recipe_file, field=_field("kv_cache", problem.field))
 
 
 def cannot_apply(
@@ -529,6 +562,9 @@ def _override_rank(entry: ModuleScheme) -> int:
 # ------------------------------------------------------------------------ llm-compressor recipe
 
 
+# llm-compressor's kv_cache_scheme for calibrated FP8 KV scales: one static per-tensor scale for each attention layer's
+# K and V (what vLLM's compressed-tensors KV method loads: float, 8 bits, tensor or attn_head, symmetric).
+KV_CACHE_SCHEME: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # The llm-compressor modifier that applies each weight algorithm; a recipe mixing them runs one of each in the same
 # stage, each over its own modules' config groups (GPTQModifier calibrates only the modules its targets match).
 MODIFIER_OF: dict[Method, str] = {"rtn": "QuantizationModifier", "gptq": "GPTQModifier"}
@@ -554,7 +590,12 @@ def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme
         }
     for method, config_groups in by_method.items():
         modifiers[MODIFIER_OF[method]] = {**_algorithm_args(recipe, method), "ignore": list(ignore), "config_groups": config_groups}
-    return {"quant_stage": {"quant_modifiers": modifiers}}
+    if recipe.kv_cache.scales == "calibrated":
+        # One modifier calibrates the KV scales: the round-to-nearest one when there is one (it runs first), else GPTQ's;
+        # a recipe that quantizes no weights gets a QuantizationModifier of its own.
+        holder = modifiers.setdefault(MODIFIER_OF["rtn"] if "rtn" in by_method or not by_method else MODIFIER_OF["gptq"], {})
+        holder["kv_cache_scheme"] = KV_CACHE_SCHEME
+    return {"quant_stage": {"quant_modifiers": modifiers}} if modifiers else {}
 
 
 def gptq_settings(recipe: Recipe) -> Algorithm:
@@ -640,6 +681,7 @@ def _scheme_args(scheme: GroupScheme) -> dict[str, Any]:
             "symmetric": activations.symmetric,
             "strategy": activations.granularity,
             "dynamic": activations.dynamic,
+            **({"group_size": activations.group_size} if activations.group_size is not None else {}),
         }
     return args
 
@@ -653,6 +695,8 @@ def _weight_args(weights: WeightScheme) -> dict[str, Any]:
     }
     if weights.group_size is not None:
         args["group_size"] = weights.group_size
+    if weights.block_shape is not None:
+        args["block_structure"] = list(weights.block_shape)
     return args
 
 
@@ -682,6 +726,11 @@ def _verify_targets(by_method: dict[Method, dict[str, Any]], ignore: list[str], 
 # ------------------------------------------------------------------------------- layer summary
 
 
+def kv_summary(kv: KvCache) -> str:
+    """e.g. 'auto (the serve dtype)', 'fp8, scales dynamic', 'fp8, scales calibrated'."""
+    return "auto (the serve dtype)" if kv.dtype == "auto" else f"{kv.dtype}, scales {kv.scales}"
+
+
 def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
     """e.g. 'w8 channel sym / a8 token dynamic', 'w4 group128 sym / a16', 'w4 group64 sym / a16, gptq' (GPTQ weights;
     round-to-nearest is not named), '16-bit'."""
@@ -692,18 +741,26 @@ def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
     weights = scheme if isinstance(scheme, WeightScheme) else scheme.weights
     activations = None if isinstance(scheme, WeightScheme) else scheme.activations
     granularity: str
-    if weights.granularity != "group":
+    if weights.block_shape is not None:
+        granularity = f"block{weights.block_shape[0]}x{weights.block_shape[1]}"
+    elif weights.granularity != "group":
         granularity = weights.granularity
     elif isinstance(weights.group_size, AutoGroupSize):
         granularity = f"group auto (up to {weights.group_size.auto})"
     else:
         granularity = f"group{weights.group_size}"
-    left = f"w{weights.bits} {granularity} {'sym' if weights.symmetric else 'asym'}"
+    left = f"{_number(weights.type, weights.bits)} {granularity} {'sym' if weights.symmetric else 'asym'}"
     if activations is None:
         return f"{left} / a16"
     mode = "dynamic" if activations.dynamic else "static"
     sym = "" if activations.symmetric else " asym"
-    return f"{left} / a{activations.bits} {activations.granularity} {mode}{sym}"
+    grain = f"group{activations.group_size}" if activations.group_size else activations.granularity
+    return f"{left} / {_number(activations.type, activations.bits, 'a')} {grain} {mode}{sym}"
+
+
+def _number(kind: str, bits: int, letter: str = "w") -> str:
+    """'w8' for int weights (as always), 'w-fp8' for float ones; 'a8' / 'a-fp8' for activations."""
+    return f"{letter}{bits}" if kind == "int" else f"{letter}-fp{bits}"
 
 
 def _layer_table(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, str]:
