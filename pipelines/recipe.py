@@ -355,7 +355,7 @@ class KvCache(FrozenModel):
 
 def _kv_short_form(value: object) -> object:
     """`kv_cache: fp8` (a dtype alone) is `{dtype: fp8}`."""
-    return {"dtype": value} if isinstance(value, str) else value
+    return value if isinstance(value, dict | KvCache) else {"dtype": value}
 
 
 class RecipeIdentity(FrozenModel):

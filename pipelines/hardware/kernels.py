@@ -95,10 +95,11 @@ class KernelCase(FrozenModel):
 
 
 def checkpoint_format(weights: WeightScheme, activations: ActivationScheme | None) -> str:
-    """The compressed-tensors format llm-compressor writes: FP8 weights float-quantized (one float8_e4m3fn per weight),
-    int weights with quantized activations int-quantized, int weight-only pack-quantized."""
+    """The compressed-tensors format llm-compressor writes (measured): FP8 W8A8 float-quantized, FP8 weight-only
+    naive-quantized (both one float8_e4m3fn per weight), int weights with quantized activations int-quantized, int
+    weight-only pack-quantized."""
     if weights.type == "float":
-        return "float-quantized"
+        return "naive-quantized" if activations is None else "float-quantized"
     return "pack-quantized" if activations is None else "int-quantized"
 
 

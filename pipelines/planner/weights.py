@@ -155,6 +155,8 @@ def predict_weight_bytes(shape: ModelShape, recipe: Recipe | None) -> WeightBrea
     total += (shape.norms_per_layer * shape.layers + 1) * shape.hidden * pb  # RMS norms: per layer (2; Gemma 2/3: 4), a final one
     total += (2 * shape.layers * shape.head_dim * pb) if shape.qk_norm else 0  # q_norm and k_norm (Qwen3, Gemma 3)
     total += shape.layers * shape.experts * shape.hidden * pb  # MoE routers stay 16-bit
+    if recipe is not None and recipe.kv_cache.scales == "calibrated":
+        total += 2 * shape.layers * pb  # each attention layer's k_scale and v_scale (llm-compressor's kv_cache_scheme)
     experts = 0
     for layer in range(shape.layers):
         for linear in decoder_linears(shape, layer):
