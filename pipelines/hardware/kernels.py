@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -75,8 +76,8 @@ class KernelCase(FrozenModel):
     def quantization_config(self) -> dict:
         """A checkpoint's `quantization_config` for this scheme, as llm-compressor writes it (compressed-tensors)."""
         w, a = self.weights, self.activations
-        weights = {"num_bits": w.bits, "type": w.type, "strategy": w.granularity, "group_size": w.group_size,
-                   "symmetric": w.symmetric, "dynamic": False}
+        weights: dict[str, Any] = {"num_bits": w.bits, "type": w.type, "strategy": w.granularity, "group_size": w.group_size,
+                                   "symmetric": w.symmetric, "dynamic": False}
         if w.block_shape is not None:
             weights["block_structure"] = list(w.block_shape)
         activations = None if a is None else {

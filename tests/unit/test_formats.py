@@ -8,11 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import answered_probe
 
 from pipelines import artifact
 from pipelines.artifact import KvCacheRecord, served_kv_cache_dtype
 from pipelines.errors import InputError
-from pipelines.hardware import kernels, probe_rules
+from pipelines.hardware import probe_rules
 from pipelines.hardware.kernels import KernelCase, KvCase, checkpoint_format, kernel_facts
 from pipelines.hardware.targets import Layer, ServeTarget, kv_cache_problem, parse_target, serve_problem
 from pipelines.paths import DEMO_MODEL_DIR
@@ -198,12 +199,8 @@ def fake_kv_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]
               for case in request["kv_cases"]}
         return {"host": {}, "cases": cases, "kv_cases": kv}
 
-    monkeypatch.setattr(kernels, "run_probe", run_probe)
-    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(probe_rules, "host_profile", lambda: PROFILE)
-    kernels._cached.cache_clear()
-    yield calls
-    kernels._cached.cache_clear()
+    with answered_probe(monkeypatch, tmp_path, PROFILE, run_probe):
+        yield calls
 
 
 def test_the_local_kv_check_is_vllms_own_start_up_check_probed_once(fake_kv_probe: list[dict]) -> None:
