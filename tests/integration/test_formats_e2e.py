@@ -59,7 +59,7 @@ def test_fp8_is_quantized_served_and_gated_here(fp8_run: CommandRun) -> None:
     report = json.loads((folder / "gate.json").read_text())
     gate = report["gate"]
     print(f"fp8 on {HOST}: {gate['verdict']}, {[(s['eval_set'], s['candidate_score'], s['baseline_score']) for s in gate['sets']]}")
-    artifact = Path(report["inputs"]["artifact"])
+    artifact = Path(report["inputs"]["artifact"]["path"])
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert {scheme for name, scheme in manifest["layers"].items() if "proj" in name} == {"w-fp8 channel sym / a-fp8 token dynamic"}
     config = json.loads((artifact / "config.json").read_text())["quantization_config"]
@@ -78,7 +78,10 @@ def test_a_kv_precision_alone_is_a_candidate_served_with_its_kv_dtype(kv_bf16_ru
     assert kv_bf16_run.code in (0, 1), kv_bf16_run.describe()
     folder = _run_folder(kv_bf16_run)
     report = json.loads((folder / "gate.json").read_text())
-    artifact = Path(report["inputs"]["artifact"])
+    gate = report["gate"]
+    print(f"kv-bf16 on {HOST}: {gate['verdict']} {gate['reasons']}; "
+          f"{[(s['eval_set'], s['baseline_score'], s['candidate_score'], s['kl_mean']) for s in gate['sets']]}")
+    artifact = Path(report["inputs"]["artifact"]["path"])
     assert served_kv_cache_dtype(artifact) == "bfloat16"
     assert tensor_bytes(artifact) == tensor_bytes(DEMO_MODEL_DIR)  # the same weights, byte for byte
     log = folder / "candidate-server.log"
@@ -87,7 +90,7 @@ def test_a_kv_precision_alone_is_a_candidate_served_with_its_kv_dtype(kv_bf16_ru
     planned = kv_capacity_tokens(artifact / "config.json", serve.cpu_kv_cache_gib * GiB, block_size=CPU_BLOCK_SIZE,
                                  max_model_len=serve.max_model_len, served_dtype=serve.served_dtype(), kv_cache_dtype="bfloat16")
     assert _served_kv_tokens(log) == planned
-    print(f"kv-bf16 on {HOST}: {report['gate']['verdict']}; vLLM KV {_served_kv_tokens(log):,} tokens = planned {planned:,}")
+    print(f"kv-bf16 vLLM KV {_served_kv_tokens(log):,} tokens = planned {planned:,}")
 
 
 def test_an_fp8_kv_cache_is_refused_before_any_work_where_the_class_cannot_store_it(workspace: Workspace, smallest_set: str) -> None:
