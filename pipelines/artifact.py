@@ -68,6 +68,21 @@ def read_model_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+def served_kv_cache_dtype(model_dir: Path) -> str:
+    """vLLM's --kv-cache-dtype for a model folder: its manifest's record when quantize wrote one, else `fp8` when
+    its config declares llm-compressor's kv_cache_scheme (vLLM serves such a checkpoint's KV cache in FP8 under
+    `auto`), else `auto`."""
+    manifest = read_manifest(model_dir) if (model_dir / MANIFEST_NAME).is_file() else None
+    if manifest is not None and manifest.kv_cache is not None:
+        return manifest.kv_cache.served_as
+    try:
+        config = read_config_json(model_dir / CONFIG_NAME)
+    except InputError:
+        return "auto"
+    quantization = config.get("quantization_config")
+    return "fp8" if isinstance(quantization, dict) and isinstance(quantization.get("kv_cache_scheme"), dict) else "auto"
+
+
 # ---------------------------------------------------------------------------- model folders
 
 
@@ -181,6 +196,14 @@ class PeakMemory(StrictModel):
     note: str = "process peak RSS (resource.getrusage ru_maxrss): covers everything this process did, not only quantization"
 
 
+class KvCacheRecord(StrictModel):
+    """The KV cache precision an artifact is served with: the recipe's `kv_cache` and vLLM's --kv-cache-dtype for it."""
+
+    dtype: str
+    scales: str
+    served_as: str = "auto"  # vLLM's --kv-cache-dtype (`auto`: the serve dtype, no flag)
+
+
 class Manifest(StrictModel):
     schema_version: int = 1
     recipe: str
@@ -206,6 +229,7 @@ class Manifest(StrictModel):
     # The host class the recipe was validated for and the quantizing host (absent in manifests written before them).
     serve_target: str | None = None
     host: dict[str, str | bool] | None = None
+    kv_cache: KvCacheRecord | None = None  # absent in manifests written before the KV cache was a recipe field (16-bit)
 
 
 def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:

@@ -74,11 +74,17 @@ def auto_group_sizes(in_features: int, cap: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
+NumberType = Literal["int", "float"]  # float: FP8 (E4M3), 8 bits only
+DEFAULT_BLOCK = (128, 128)  # llm-compressor's FP8_BLOCK preset and DeepSeek-style checkpoints: 128 x 128 weight blocks
+
+
 class WeightScheme(FrozenModel):
     bits: Literal[2, 3, 4, 8] = 8
-    type: Literal["int"] = "int"
-    granularity: Literal["channel", "group", "tensor"] = "channel"
+    type: NumberType = Field(default="int", description="int, or float (FP8 E4M3: 8 bits, symmetric)")
+    granularity: Literal["channel", "group", "tensor", "block"] = "channel"
     group_size: int | AutoGroupSize | None = Field(default=None, description=GROUP_SIZE_HELP)
+    block: tuple[Annotated[int, Field(gt=0, le=MAX_GROUP_SIZE)], Annotated[int, Field(gt=0, le=MAX_GROUP_SIZE)]] | None = Field(
+        default=None, description="granularity 'block' (FP8): [output rows, input columns] per scale; default [128, 128]")
     symmetric: bool = True
 
     @field_validator("group_size", mode="before")
@@ -95,6 +101,23 @@ class WeightScheme(FrozenModel):
         if not 0 < value <= MAX_GROUP_SIZE:
             raise ValueError(f"group_size must be from 2 to {MAX_GROUP_SIZE} (got {value})")
         return value
+
+    @model_validator(mode="after")
+    def _float_is_fp8(self) -> WeightScheme:
+        if self.type == "float" and self.bits != 8:
+            raise ValueError(f"float weights are FP8 (E4M3): bits must be 8 (got {self.bits})")
+        if self.type == "float" and not self.symmetric:
+            raise ValueError("float (FP8) weights are symmetric: remove `symmetric: false`")
+        if self.granularity == "block" and self.type != "float":
+            raise ValueError("granularity 'block' is for float (FP8) weights: write `type: float`")
+        if self.block is not None and self.granularity != "block":
+            raise ValueError(f"block is only meaningful with granularity 'block', not {self.granularity!r}")
+        return self
+
+    @property
+    def block_shape(self) -> tuple[int, int] | None:
+        """[output rows, input columns] per scale of a block-wise scheme (None: not block-wise)."""
+        return (self.block or DEFAULT_BLOCK) if self.granularity == "block" else None
 
     @model_validator(mode="after")
     def _group_size_matches_granularity(self) -> WeightScheme:
@@ -128,15 +151,21 @@ class WeightScheme(FrozenModel):
 
 class ActivationScheme(FrozenModel):
     bits: Literal[8] = 8
-    type: Literal["int"] = "int"
-    granularity: Literal["token", "tensor"] = "token"
+    type: NumberType = Field(default="int", description="int, or float (FP8 E4M3, symmetric)")
+    granularity: Literal["token", "tensor", "group"] = "token"
+    group_size: int | None = Field(default=None, gt=0, le=MAX_GROUP_SIZE,
+                                   description="granularity 'group' (FP8 block recipes): input columns per dynamic scale of each token")
     dynamic: bool = True
     symmetric: bool = True
 
     @model_validator(mode="after")
     def _static_needs_tensor(self) -> ActivationScheme:
-        if not self.dynamic and self.granularity == "token":
-            raise ValueError("static (calibrated) activation scales cannot be per-token; use granularity 'tensor' or dynamic: true")
+        if not self.dynamic and self.granularity in ("token", "group"):
+            raise ValueError(f"static (calibrated) activation scales cannot be per-{self.granularity}; use granularity 'tensor' or dynamic: true")
+        if self.type == "float" and not self.symmetric:
+            raise ValueError("float (FP8) activations are symmetric: remove `symmetric: false`")
+        if (self.granularity == "group") != (self.group_size is not None):
+            raise ValueError("granularity 'group' needs group_size, and group_size needs granularity 'group'")
         return self
 
 
@@ -262,6 +291,73 @@ class Calibration(FrozenModel):
     seed: int = Field(default=0, ge=-MAX_SEED, le=MAX_SEED)
 
 
+# vLLM 0.32's --kv-cache-dtype values (vllm/config/cache.py CacheDType), each with its bits per stored element where the
+# product counts and serves it; None: vLLM knows it but its layout (scales per token and head, mixed K/V bits, NVFP4
+# blocks) is not counted by the planner, so a recipe cannot choose it yet. `auto`: the dtype the model is served in.
+VLLM_KV_CACHE_DTYPES: dict[str, int | None] = {
+    "auto": None, "bfloat16": 16, "float16": 16, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8,
+    **dict.fromkeys(("fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                     "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head",
+                     "nvfp4", "nvfp4_4over6")),
+}
+KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "16-bit": "auto"}
+# Quantized KV dtypes a recipe may choose (the planner counts them; llm-compressor calibrates the FP8 E4M3 ones).
+KV_QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CALIBRATABLE = ("fp8", "fp8_e4m3")  # llm-compressor's kv_cache_scheme: FP8 E4M3 per-tensor scales, vLLM's only kind
+KV_HELP = "auto (the dtype the model is served in), bf16 / bfloat16, float16, fp8, fp8_e4m3 or fp8_e5m2"
+
+
+class KvCache(FrozenModel):
+    """The KV cache's precision. `kv_cache: fp8` is short for `{dtype: fp8, scales: dynamic}`.
+
+    scales `calibrated`: llm-compressor measures per-tensor FP8 scales for every attention layer's K and V on the
+    calibration set (its kv_cache_scheme) and stores them in the checkpoint, which vLLM loads. `dynamic`: none are
+    stored and vLLM uses its own when serving (in vLLM 0.32 a scale of 1.0 for fp8: it no longer computes them from
+    the first batch). Served as vLLM's --kv-cache-dtype."""
+
+    dtype: str = Field(default="auto", max_length=64, description=KV_HELP)
+    scales: Literal["dynamic", "calibrated"] = "dynamic"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _known(cls, value: object) -> object:
+        if not isinstance(value, str):
+            raise ValueError(f"kv_cache dtype is a string: {KV_HELP} (got {value!r})")
+        name = KV_ALIASES.get(value.strip().lower(), value.strip().lower())
+        if name not in VLLM_KV_CACHE_DTYPES:
+            raise ValueError(f"{value!r} is not a KV cache dtype vLLM 0.32 knows; give {KV_HELP}")
+        if name != "auto" and VLLM_KV_CACHE_DTYPES[name] is None:
+            raise ValueError(f"{name!r} is a vLLM KV cache dtype the product does not count or serve yet (its scales per token "
+                             f"and head or mixed bits are not in the planner); give {KV_HELP}")
+        return name
+
+    @model_validator(mode="after")
+    def _calibrated_is_fp8(self) -> KvCache:
+        if self.scales == "calibrated" and self.dtype not in KV_CALIBRATABLE:
+            raise ValueError(f"calibrated KV scales are FP8 E4M3 (llm-compressor's kv_cache_scheme, vLLM's only kind): dtype must be "
+                             f"{' or '.join(KV_CALIBRATABLE)}, not {self.dtype!r}")
+        return self
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in KV_QUANTIZED
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per stored K or V value; None for `auto` (the serve dtype's)."""
+        return VLLM_KV_CACHE_DTYPES[self.dtype]
+
+    @property
+    def vllm_dtype(self) -> str:
+        """vLLM's --kv-cache-dtype for it."""
+        return self.dtype
+
+
+def _kv_short_form(value: object) -> object:
+    """`kv_cache: fp8` (a dtype alone) is `{dtype: fp8}`."""
+    return value if isinstance(value, dict | KvCache) else {"dtype": value}
+
+
 class RecipeIdentity(FrozenModel):
     """What policy `recipes:` keys match: the recipe's name, then its base, then its tags (in order)."""
 
@@ -292,8 +388,14 @@ class Recipe(FrozenModel):
     algorithm: Algorithm = Algorithm()
     smoothquant: SmoothQuant | None = None
     calibration: Calibration | None = None
-    groups: Groups
+    groups: Groups = Groups()
     overrides: list[Override] = Field(default=[], max_length=10_000)
+    kv_cache: KvCache = Field(default=KvCache(), description=f"the KV cache's precision: {KV_HELP}, or {{dtype, scales: dynamic|calibrated}}")
+
+    @field_validator("kv_cache", mode="before")
+    @classmethod
+    def _kv_cache_short_form(cls, value: object) -> object:
+        return _kv_short_form(value)
 
     @field_validator("tags")
     @classmethod
@@ -306,14 +408,15 @@ class Recipe(FrozenModel):
     @model_validator(mode="after")
     def _something_to_do(self) -> Recipe:
         groups = self.groups
-        if not (groups.attention or groups.mlp or groups.embeddings.quantize or groups.lm_head.quantize):
-            raise ValueError("the recipe quantizes nothing: give groups.attention and/or groups.mlp a scheme")
+        if not (groups.attention or groups.mlp or groups.embeddings.quantize or groups.lm_head.quantize or self.kv_cache.dtype != "auto"):
+            raise ValueError("the recipe quantizes nothing: give groups.attention and/or groups.mlp a scheme, or a `kv_cache:` precision")
         return self
 
     @model_validator(mode="after")
     def _calibration_when_needed(self) -> Recipe:
         if self.needs_calibration and self.calibration is None:
-            raise ValueError("this recipe needs calibration data (GPTQ, SmoothQuant or static activations): add `calibration:`")
+            raise ValueError("this recipe needs calibration data (GPTQ, SmoothQuant, static activations or calibrated KV scales): "
+                             "add `calibration:`")
         if not self.needs_calibration and self.calibration is not None:
             raise ValueError(
                 "calibration given but nothing uses it (RTN weights, dynamic activations, no SmoothQuant): remove `calibration:`"
@@ -324,7 +427,15 @@ class Recipe(FrozenModel):
     def needs_calibration(self) -> bool:
         schemes = [self.groups.attention, self.groups.mlp] + [s for o in self.overrides for s in (o.attention, o.mlp)]
         calibrated = any(s is not None and s.needs_calibration for s in schemes)
-        return self.algorithm.method in CALIBRATED_METHODS or self.smoothquant is not None or calibrated
+        kv = self.kv_cache.scales == "calibrated"
+        return self.algorithm.method in CALIBRATED_METHODS or self.smoothquant is not None or calibrated or kv
+
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether any Linear is quantized (a recipe may change only the KV cache's precision)."""
+        groups = self.groups
+        schemes = [groups.attention, groups.mlp] + [s for o in self.overrides for s in (o.attention, o.mlp)]
+        return any(s is not None for s in schemes) or groups.embeddings.quantize or groups.lm_head.quantize
 
     @property
     def identity(self) -> RecipeIdentity:

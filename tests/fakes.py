@@ -323,3 +323,18 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeRunner) -> FakeRunner:
     """The job runs `fake` instead of quantize_and_gate."""
     monkeypatch.setattr(job_module, "quantize_and_gate", fake)
     return fake
+
+
+@contextmanager
+def answered_probe(monkeypatch: pytest.MonkeyPatch, cache: Path, profile, run_probe):
+    """The kernel probe answered by `run_probe(request, timeout_s=...)` for host `profile`, its cache in `cache`."""
+    from pipelines.hardware import kernels, probe_rules
+
+    monkeypatch.setattr(kernels, "run_probe", run_probe)
+    monkeypatch.setattr(kernels, "cache_dir", lambda: cache)
+    monkeypatch.setattr(probe_rules, "host_profile", lambda: profile)
+    kernels._cached.cache_clear()
+    try:
+        yield
+    finally:
+        kernels._cached.cache_clear()

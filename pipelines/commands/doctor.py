@@ -23,12 +23,14 @@ from pipelines.hardware.kernels import (
     PROBE_IN_FEATURES,
     PROBE_OUT_FEATURES,
     SLOW_RATIO,
+    STANDARD_KV_CASES,
     KernelCase,
     KernelFact,
+    KvCase,
     kernel_facts,
 )
-from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target, serve_problem
-from pipelines.recipe import GroupScheme, load_recipe, shipped_recipes
+from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, kv_cache_problem, parse_target, serve_problem
+from pipelines.recipe import GroupScheme, KvCache, load_recipe, shipped_recipes
 from pipelines.repair.ladder import Families, Ladder, default_ladder_path
 
 Action = Literal["runs", "runs slowly", "refused"]
@@ -86,10 +88,13 @@ def diagnose(target: ServeTarget) -> DoctorReport:
     schemes = _recipe_schemes() + _ladder_schemes(target)
     facts: dict[str, KernelFact] = {}
     host = None
+    kv_caches = _recipe_kv_caches()
     if target.local:
         host = host_profile()
-        facts = kernel_facts(host, [KernelCase.of(scheme) for _, scheme in schemes])
+        kv_cases = [KvCase(kv_cache_dtype=kv.vllm_dtype, head_size=KV_HEAD_SIZE) for _, kv in kv_caches if kv.quantized]
+        facts = kernel_facts(host, [*(KernelCase.of(scheme) for _, scheme in schemes), *kv_cases])
     rows = [_row(source, scheme, target, facts) for source, scheme in schemes]
+    rows += [_kv_row(source, kv, target, facts) for source, kv in kv_caches]
     report = DoctorReport(target=str(target), probed=target.local, host=host, ladder=str(default_ladder_path(target)), rows=rows)
     actions = report.recipe_actions()
     controls = [name for name in shipped_recipes() if NEGATIVE_CONTROL_TAG in load_recipe(name).recipe.tags]
@@ -116,6 +121,27 @@ def _recipe_schemes() -> list[tuple[str, GroupScheme]]:
                 if scheme is not None:
                     found.append((f"{name}: overrides.{index}.{group}", _concrete(scheme)))
     return found
+
+
+KV_HEAD_SIZE = STANDARD_KV_CASES[0].head_size  # the demo model's and SmolLM2's heads; a model's own is checked at validation
+
+
+def _recipe_kv_caches() -> list[tuple[str, KvCache]]:
+    found = []
+    for name in shipped_recipes():
+        kv = load_recipe(name).recipe.kv_cache
+        if kv.dtype != "auto":
+            found.append((f"{name}: kv_cache", kv))
+    return found
+
+
+def _kv_row(source: str, kv: KvCache, target: ServeTarget, facts: dict[str, KernelFact]) -> SchemeRow:
+    case = KvCase(kv_cache_dtype=kv.vllm_dtype, head_size=KV_HEAD_SIZE)
+    fact = facts.get(case.key)
+    problem = kv_cache_problem(kv, target, KV_HEAD_SIZE)
+    return SchemeRow(source=source, scheme=f"KV cache {kv.dtype} ({KV_HEAD_SIZE}-wide heads)", key=case.key, served=problem is None,
+                     kernel=f"CPU attention ({fact.kernel})" if fact and fact.kernel else None, decode_ratio=None, prefill_ratio=None,
+                     action="refused" if problem else "runs", why=problem.why if problem else "")
 
 
 def _ladder_schemes(target: ServeTarget) -> list[tuple[str, GroupScheme]]:

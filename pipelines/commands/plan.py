@@ -60,8 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), metavar="N",
                         help="tokens per sequence (default: the model's maximum)")
     parser.add_argument("--concurrency", type=int_arg(1, MAX_CONCURRENCY), default=1, metavar="N", help="sequences at once (default 1)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="as vLLM's --kv-cache-dtype (default auto: the config's kv_cache_scheme, else the model dtype)")
+    parser.add_argument("--kv-cache-dtype", action="extend", nargs="+", choices=list(KV_CACHE_DTYPES), metavar="DTYPE",
+                        help="as vLLM's --kv-cache-dtype, one row per recipe and value: what each KV precision buys at this context "
+                             f"({', '.join(KV_CACHE_DTYPES)}; default auto: the config's kv_cache_scheme, else the dtype the model is "
+                             "served in). A recipe's own kv_cache wins")
     defaults = PlanSettings()
     parser.add_argument("--max-num-batched-tokens", type=int_arg(1, MAX_BATCHED_TOKENS), default=defaults.max_num_batched_tokens, metavar="N",
                         help="tokens in vLLM's profiling pass, sizes activations (default %(default)s)")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     target = parse_target(args.target) if args.target else None
     result = plan(
         config, recipes, gpu, _max_model_len(args, config), args.concurrency, artifact_dir,
-        settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype, target=target,
+        settings=_settings(args), kv_cache_dtype=args.kv_cache_dtype or ['auto'], target=target,
     )
     if result.target is not None and (target or installed_target()).local:
         result.probed = {recipe.name: _probed(recipe) for recipe in recipes if recipe is not None}

@@ -8,7 +8,7 @@ from pathlib import Path
 from pipelines.console.output import console, emit, say, table
 from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.quantize.compiler import CompiledRecipe, compile_file
+from pipelines.quantize.compiler import CompiledRecipe, compile_file, kv_summary
 from pipelines.recipe import load_recipe, shipped_recipes
 
 
@@ -62,7 +62,7 @@ def validate_recipe(args: argparse.Namespace) -> int:
     compiled = compile_file(args.recipe, args.model, target)  # bad input is named before the target is looked up
     result = {
         "recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "target": str(target or installed_target()),
-        "valid": True, "layers": compiled.layers,
+        "valid": True, "layers": compiled.layers, "kv_cache": {**compiled.kv_cache.model_dump(), "summary": kv_summary(compiled.kv_cache)},
     }
     emit(result, as_json=args.json, render=_render_layers)
     return 0
@@ -80,3 +80,4 @@ def _target(args: argparse.Namespace) -> ServeTarget | None:
 def _render_layers(result: dict) -> None:
     say(f"{result['file']}: valid for {result['model']} on {result['target']}")
     say(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))
+    say(f"KV cache: {result['kv_cache']['summary']}")

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -51,40 +52,79 @@ class KernelCase(FrozenModel):
     @property
     def key(self) -> str:
         w = self.weights
-        grain = {"channel": "ch", "tensor": "t"}.get(w.granularity) or f"g{w.group_size}"
+        block = w.block_shape
+        grain = {"channel": "ch", "tensor": "t"}.get(w.granularity) or (f"b{block[0]}x{block[1]}" if block else f"g{w.group_size}")
         weights = f"w{w.bits}{w.type[0]}-{grain}-{'sym' if w.symmetric else 'asym'}"
         a = self.activations
         if a is None:
             return f"{weights}/a16"
-        return f"{weights}/a{a.bits}{a.type[0]}-{a.granularity}-{'dyn' if a.dynamic else 'static'}-{'sym' if a.symmetric else 'asym'}"
+        a_grain = f"group{a.group_size}" if a.group_size else a.granularity
+        return f"{weights}/a{a.bits}{a.type[0]}-{a_grain}-{'dyn' if a.dynamic else 'static'}-{'sym' if a.symmetric else 'asym'}"
 
     @property
     def label(self) -> str:
-        """Words for a person: "int4 weight-only, group 128, symmetric"."""
+        """Words for a person: "int4 weights group 128, 16-bit activations", "fp8 weights per channel, fp8 activations dynamic per token"."""
         w, a = self.weights, self.activations
-        grain = {"channel": "per channel", "tensor": "per tensor"}.get(w.granularity) or f"group {w.group_size}"
-        weights = f"{w.type}{w.bits} weights {grain}{'' if w.symmetric else ' with zero points'}"
+        block = w.block_shape
+        grain = {"channel": "per channel", "tensor": "per tensor"}.get(w.granularity) or (
+            f"per {block[0]}x{block[1]} block" if block else f"group {w.group_size}")
+        weights = f"{_number(w.type, w.bits)} weights {grain}{'' if w.symmetric else ' with zero points'}"
         if a is None:
             return f"{weights}, 16-bit activations"
-        return f"{weights}, {a.type}{a.bits} activations {'dynamic per ' + a.granularity if a.dynamic else 'static per ' + a.granularity}"
+        a_grain = f"token group of {a.group_size}" if a.group_size else a.granularity
+        return f"{weights}, {_number(a.type, a.bits)} activations {'dynamic' if a.dynamic else 'static'} per {a_grain}"
 
     def quantization_config(self) -> dict:
         """A checkpoint's `quantization_config` for this scheme, as llm-compressor writes it (compressed-tensors)."""
         w, a = self.weights, self.activations
-        weights = {"num_bits": w.bits, "type": w.type, "strategy": w.granularity, "group_size": w.group_size,
-                   "symmetric": w.symmetric, "dynamic": False}
+        weights: dict[str, Any] = {"num_bits": w.bits, "type": w.type, "strategy": w.granularity, "group_size": w.group_size,
+                                   "symmetric": w.symmetric, "dynamic": False}
+        if w.block_shape is not None:
+            weights["block_structure"] = list(w.block_shape)
         activations = None if a is None else {
-            "num_bits": a.bits, "type": a.type, "strategy": a.granularity, "symmetric": a.symmetric, "dynamic": a.dynamic}
-        quantized = "pack-quantized" if a is None else "int-quantized"
-        return {"quant_method": "compressed-tensors", "format": quantized, "quantization_status": "compressed",
+            "num_bits": a.bits, "type": a.type, "strategy": a.granularity, "symmetric": a.symmetric, "dynamic": a.dynamic,
+            "group_size": a.group_size}
+        return {"quant_method": "compressed-tensors", "format": checkpoint_format(w, a), "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
                 "ignore": ["lm_head"]}
 
     def probe_request(self) -> dict:
-        group = self.weights.group_size if isinstance(self.weights.group_size, int) else 1
+        block = self.weights.block_shape
+        group = self.weights.group_size if isinstance(self.weights.group_size, int) else (block[1] if block else 1)
         in_features = math.lcm(group, 32) * math.ceil(PROBE_IN_FEATURES / math.lcm(group, 32))
         return {"key": self.key, "config": self.quantization_config(), "in_features": in_features,
                 "out_features": PROBE_OUT_FEATURES}
+
+
+def checkpoint_format(weights: WeightScheme, activations: ActivationScheme | None) -> str:
+    """The compressed-tensors format llm-compressor writes (measured): FP8 W8A8 float-quantized, FP8 weight-only
+    naive-quantized (both one float8_e4m3fn per weight), int weights with quantized activations int-quantized, int
+    weight-only pack-quantized."""
+    if weights.type == "float":
+        return "naive-quantized" if activations is None else "float-quantized"
+    return "pack-quantized" if activations is None else "int-quantized"
+
+
+def _number(kind: str, bits: int) -> str:
+    return f"fp{bits}" if kind == "float" else f"int{bits}"
+
+
+class KvCase(FrozenModel):
+    """One KV cache precision as vLLM's CPU attention backend sees it: the dtype and the head size."""
+
+    kv_cache_dtype: str
+    head_size: int
+
+    @property
+    def key(self) -> str:
+        return f"kv-{self.kv_cache_dtype}-h{self.head_size}"
+
+    @property
+    def label(self) -> str:
+        return f"a KV cache of dtype {self.kv_cache_dtype} with {self.head_size}-wide heads"
+
+    def probe_request(self) -> dict:
+        return {"key": self.key, "kv_cache_dtype": self.kv_cache_dtype, "head_size": self.head_size}
 
 
 class KernelFact(BaseModel):
@@ -136,7 +176,14 @@ STANDARD_CASES: tuple[KernelCase, ...] = (
     _case({"bits": 8, "granularity": "channel"}),
     *(_case({"bits": 4, **weights}, {"granularity": "token", "dynamic": True})
       for weights in ({"granularity": "channel"}, {"granularity": "group", "group_size": 128})),
+    # FP8: fp8, fp8-block, fp8-w8a16
+    _case({"bits": 8, "type": "float", "granularity": "channel"}, {"type": "float", "granularity": "token", "dynamic": True}),
+    _case({"bits": 8, "type": "float", "granularity": "block"}, {"type": "float", "granularity": "group", "group_size": 128, "dynamic": True}),
+    _case({"bits": 8, "type": "float", "granularity": "channel"}),
 )
+# The KV caches of the shipped recipes at the head size of the demo model and SmolLM2.
+STANDARD_KV_CASES: tuple[KvCase, ...] = (KvCase(kv_cache_dtype="fp8", head_size=64),)
+Case = KernelCase | KvCase
 
 
 def _probe_version() -> str:
@@ -147,22 +194,30 @@ def _cache_path(profile: HostProfile, dtype: str) -> Path:
     return cache_dir() / f"kernels-{profile.fingerprint}-{dtype}-{_probe_version()}.json"
 
 
-def kernel_facts(profile: HostProfile, cases: Iterable[KernelCase] = (), dtype: str | None = None) -> dict[str, KernelFact]:
+def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | None = None) -> dict[str, KernelFact]:
     """The probe's facts for `cases` and the standard set on this host at `dtype` (default: the host's serve
-    dtype); only cases never probed here are probed, all in one run of the serve environment."""
+    dtype); only cases never probed here are probed, all in one run of the serve environment. A KV case's fact
+    names the attention kernel ISA vLLM picks (`kernel`) or why it refuses (`error`)."""
     dtype = dtype or profile.serve_dtype
     path = _cache_path(profile, dtype)
     known = dict(_cached(path))
-    wanted = {case.key: case for case in (*STANDARD_CASES, *cases)}
+    wanted = {case.key: case for case in (*STANDARD_CASES, *STANDARD_KV_CASES, *cases)}
     missing = [case for key, case in wanted.items() if key not in known]
     if missing:
 
         progress(f"probing vLLM's kernels on {profile.host_class} ({len(missing)} scheme(s), once per host; "
                  f"about {10 + len(missing)} s)")
         result = run_probe({"dtype": dtype, "rows": [DECODE_ROWS, PREFILL_ROWS], "budget_s": PROBE_BUDGET_S,
-                            "cases": [case.probe_request() for case in missing]}, timeout_s=PROBE_TIMEOUT_S)
+                            "cases": [case.probe_request() for case in missing if isinstance(case, KernelCase)],
+                            "kv_cases": [case.probe_request() for case in missing if isinstance(case, KvCase)]},
+                           timeout_s=PROBE_TIMEOUT_S)
         for key, found in result["cases"].items():
             known[key] = KernelFact.model_validate({**found, "key": key})
+        kv_found = result.get("kv_cases", {})
+        for case in (case for case in missing if isinstance(case, KvCase)):
+            found = kv_found.get(case.key)  # none on a CUDA host: the written rules decide there
+            known[case.key] = KernelFact(key=case.key, scheme="CPUAttentionBackend" if found else "not probed",
+                                         kernel=found.get("isa") if found else None, error=found.get("error") if found else None)
         _store(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
         _cached.cache_clear()
     return known

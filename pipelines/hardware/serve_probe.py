@@ -2,14 +2,23 @@
 torch only, so it must not import anything from `pipelines`.
 
 stdin: {"dtype": "bfloat16"|"float32"|..., "rows": [decode, prefill], "budget_s": s, "cases": [{"key", "config",
-"in_features", "out_features"}]}. Each case's `config` is a checkpoint's `quantization_config` (compressed-tensors)
-or null for the 16-bit layer. For every case the probe builds a Linear through vLLM's own path
+"in_features", "out_features"}], "kv_cases": [{"key", "kv_cache_dtype", "head_size"}]}. Each case's `config` is a
+checkpoint's `quantization_config` (compressed-tensors) or null for the 16-bit layer. For every case the probe builds a Linear through vLLM's own path
 (`CompressedTensorsConfig.from_config` -> `ReplicatedLinear(quant_config=...)` -> the scheme vLLM picks for the
 layer -> the kernel it picks for the scheme), fills its parameters, runs `process_weights_after_loading` and a
 forward pass, then times the forward at each row count against the 16-bit layer of the same shape, alternating.
 
+The FP8 schemes read the model's dtype from vLLM's current config, so the layers are built under a VllmConfig whose
+ModelConfig is a one-layer Llama config.json written to a temporary folder (no weights).
+
+A KV case asks vLLM's CPU attention what it asks when a server starts (v1/attention/backends/cpu_attn.py): which
+kernel ISA `_get_attn_isa` picks for the KV cache dtype and head size (it raises for an FP8 cache without AVX-512 or
+AMX, or with a head size that is not a multiple of 32). The backend's own list of KV dtypes is not asked: the CPU
+platform does not enforce it (a bfloat16 KV cache beside a float32 model serves on cpu:avx2, measured). On CUDA the
+backend is chosen per GPU and model and the KV cases are not probed.
+
 stdout: one line `QUANTGATE-PROBE <json>`: {"host": {...}, "cases": {key: {"scheme", "kernel", "error",
-"quant_ms", "base_ms"}}}. vLLM's own logging goes to stderr.
+"quant_ms", "base_ms"}}, "kv_cases": {key: {"isa", "error"}}}. vLLM's own logging goes to stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import os
 import platform
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -137,7 +147,8 @@ def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: flo
         result["scheme"] = type(scheme).__name__ if scheme is not None else type(layer.quant_method).__name__
         _fill(torch, layer, k, n)
         layer.quant_method.process_weights_after_loading(layer)
-        kernel = getattr(scheme, "kernel", None)
+        # int and mixed-precision schemes keep their kernel as `kernel`, W8A8 FP8 as `fp8_linear`, W8A16 FP8 as `linear_kernel`
+        kernel = next((k for k in (getattr(scheme, name, None) for name in ("kernel", "fp8_linear", "linear_kernel")) if k is not None), None)
         result["kernel"] = type(kernel).__name__ if kernel is not None else result["scheme"]
         for count in rows:
             inputs = torch.randn(count, k, dtype=dtype)
@@ -149,11 +160,43 @@ def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: flo
     return result
 
 
+def probe_kv_case(torch, case: dict, dtype) -> dict:
+    """vLLM's own start-up checks of the CPU attention backend for one KV cache dtype and head size."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    kv_dtype, head_size = case["kv_cache_dtype"], int(case["head_size"])
+    result: dict = {"isa": None, "error": None}
+    try:
+        result["isa"] = _get_attn_isa(dtype, 128, head_size, kv_dtype)
+    except Exception as error:
+        result["error"] = _error(error)
+    return result
+
+
+def _model_config(dtype_name: str):
+    """A ModelConfig for a one-layer Llama (config.json only): the FP8 schemes read the model dtype from it."""
+    from vllm.config import ModelConfig
+
+    folder = tempfile.mkdtemp(prefix="probe-model-")
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1024,
+                   "max_position_embeddings": 512, "torch_dtype": dtype_name}, handle)
+    return ModelConfig(model=folder, dtype=dtype_name, skip_tokenizer_init=True)
+
+
 def main() -> int:
     request = json.load(sys.stdin)
     import torch  # heavy: imported when used
 
-    output: dict = {"host": host_facts(torch), "cases": {}}
+    output: dict = {"host": host_facts(torch), "cases": {}, "kv_cases": {}}
+    if request.get("kv_cases") and not output["host"]["cuda"]:
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+        kv_dtype = getattr(torch, request.get("dtype") or "bfloat16")
+        for case in request["kv_cases"]:
+            output["kv_cases"][case["key"]] = probe_kv_case(torch, case, kv_dtype)
     if request.get("cases"):
         from vllm.config import VllmConfig, set_current_vllm_config  # heavy: imported when used
         from vllm.distributed import init_distributed_environment, initialize_model_parallel  # heavy: imported when used
@@ -167,7 +210,7 @@ def main() -> int:
         if output["host"]["cuda"]:
             torch.set_default_device("cuda")  # the layers, their weights and the inputs live where vLLM puts them
         torch.manual_seed(0)
-        with set_current_vllm_config(VllmConfig()):
+        with set_current_vllm_config(VllmConfig(model_config=_model_config(request.get("dtype") or "bfloat16"))):
             init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                          distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
             initialize_model_parallel(1, 1)

@@ -71,9 +71,11 @@ def _case(group: object) -> KernelCase | None:
         return KernelCase(
             weights=WeightScheme(bits=weights.get("num_bits"), type=weights.get("type", "int"), granularity=weights.get("strategy"),
                                  group_size=weights.get("group_size") if weights.get("strategy") == "group" else None,
+                                 block=weights.get("block_structure") if weights.get("strategy") == "block" else None,
                                  symmetric=weights.get("symmetric", True)),
             activations=None if not isinstance(activations, dict) else ActivationScheme(
                 bits=activations.get("num_bits"), type=activations.get("type", "int"), granularity=activations.get("strategy"),
+                group_size=activations.get("group_size") if activations.get("strategy") == "group" else None,
                 dynamic=activations.get("dynamic", True), symmetric=activations.get("symmetric", True)),
         )
     except (ValidationError, TypeError):

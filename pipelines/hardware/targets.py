@@ -28,8 +28,26 @@ inside the vllm package:
   Triton W4A16 (triton_w4a16.py: 4-bit only, group sizes -1/32/64/128/256, output % 8). Exllama needs float16
   activations (the serve dtype is bfloat16) and Conch/Humming are optional packages: not counted.
 
-What the recipe schema cannot express yet, for the record: FP8 W8A8 (sm89+; FP8 Marlin weight-only from sm75),
-NVFP4 (Blackwell, sm100), MXFP4/8, W4A8 int (vLLM's table: Arm CPUs only), block-wise FP8.
+FP8 (type: float): compressed-tensors' `_is_fp8_w8a8` (float weights per tensor, channel or block, symmetric; float
+activations dynamic, or static per tensor) -> CompressedTensorsW8A8Fp8 where the capability reaches 89, else
+CompressedTensorsW8A16Fp8 (the activations ignored); `_is_fp8_w8a16` (float weights, no activations) ->
+CompressedTensorsW8A16Fp8. Kernels (model_executor/kernels/linear/__init__.py `_POSSIBLE_FP8_KERNELS`,
+`_POSSIBLE_FP8_BLOCK_KERNELS`, `_POSSIBLE_WFP8A16_KERNELS`): on CUDA, CUTLASS / FlashInfer / torch._scaled_mm from sm89
+and Marlin FP8 (weight-only) from sm75; block-wise: DeepGEMM / CUTLASS / Triton from sm89, Marlin below. On CPU
+(scaled_mm/cpu.py, pytorch.py): CPUFP8W8A8ScaledMMLinearKernel, CPUFp8PerTensorScaledMMLinearKernel and both block
+kernels need AMX (and AMX-FP8), which the product reports unavailable on every CPU (its AMX kernels die with SIGILL on
+these VMs); what is left is torch._scaled_mm: ChannelWiseTorchFP8ScaledMMLinearKernel (per-channel weights, dynamic
+per-token activations: probed serving on cpu:avx2) and PerTensorTorchFP8ScaledMMLinearKernel, whose activation
+quantization (`static_scaled_fp8_quant`) is an empty stub in _C_AVX2 (probed); no weight-only FP8 kernel.
+
+The KV cache (`kv_cache:`, vLLM's --kv-cache-dtype): on CPU the attention backend (v1/attention/backends/cpu_attn.py)
+stores `auto` (the serve dtype), 16-bit (measured: bfloat16 beside a float32 model on cpu:avx2, although the backend's
+own list names only auto and FP8: the CPU platform does not enforce it) or FP8 (fp8, fp8_e4m3, fp8_e5m2), FP8 only on
+x86 with AVX-512 or AMX and with a head size that is a multiple of 32 (`_get_attn_isa`); on CUDA Triton attention
+stores 16-bit and FP8 on every capability (FlashAttention / FlashInfer natively on newer GPUs).
+
+What the recipe schema cannot express yet, for the record: NVFP4 (Blackwell, sm100), MXFP4/8, W4A8 int with FP8
+activations (sm90), 2-4-bit KV caches (turboquant, per-token-head).
 """
 
 from __future__ import annotations
@@ -42,8 +60,8 @@ from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError, ServeError
 from pipelines.hardware.host import CpuIsa, cpuinfo_class, gpu_capability, host_profile, serve_dtype_for
-from pipelines.hardware.probe_rules import probe_problem
-from pipelines.recipe import ActivationScheme, GroupScheme, WeightScheme
+from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
+from pipelines.recipe import ActivationScheme, GroupScheme, KvCache, WeightScheme
 from pipelines.settings import current as current_settings
 
 TARGET_HELP = (
@@ -61,6 +79,10 @@ MACHETE_GROUP_SIZES = (64, 128)  # with bfloat16/float16 activations; and per ch
 MACHETE_CAPABILITY = 90
 MACHETE_BLOCK = (64, 128)  # input, output: MACHETE_PREPACKED_BLOCK_SHAPE
 CPU_WNA16_MULTIPLE = 32
+FP8_COMPUTE_CAPABILITY = 89  # CompressedTensorsW8A8Fp8.get_min_capability: Ada Lovelace and newer
+FP8_MARLIN_CAPABILITY = 75  # is_fp8_marlin_supported: FP8 weights with 16-bit activations
+CPU_FP8_KV_HEAD_MULTIPLE = 32  # cpu_attn.py _get_attn_isa: "FP8 KV cache requires head_size divisible by 32 on CPU"
+CPU_FP8_KV_CLASSES = ("avx512", "avx512bf16")  # x86 with AVX-512 (AMX hosts are cpu:avx512bf16)
 # The vLLM library each CPU class loads (vllm/platforms/cpu.py import_kernels).
 CPU_LIBRARY: dict[str, str] = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "arm": "_C"}
 
@@ -136,6 +158,8 @@ def cpu_rules(scheme: GroupScheme, target: ServeTarget = CPU, layer: Layer | Non
     """vLLM's CPU build: weight-only at 4 bits (CPUWNA16, not in the AVX2 library), int8 W8A8
     (CPUInt8ScaledMMLinearKernel, oneDNN)."""
     weights, activations = scheme.weights, scheme.activations
+    if _is_fp8(scheme):
+        return _cpu_fp8_problem(scheme, target)
     if activations is not None and weights.bits == 4:
         return _w4a8_problem(weights, activations, layer)
     if activations is not None:
@@ -170,6 +194,8 @@ def cuda_rules(scheme: GroupScheme, target: ServeTarget, layer: Layer | None = N
     if target.sm < CT_MIN_CAPABILITY:
         return Problem("", f"vLLM's compressed-tensors int schemes need compute capability 7.5 (Turing) or newer; {target} is older")
     weights, activations = scheme.weights, scheme.activations
+    if _is_fp8(scheme):
+        return _cuda_fp8_problem(scheme, target, layer)
     if activations is not None:
         return _w8a8_problem(weights, activations, "vLLM's CUDA build serves int8 W8A8; its W4A8 kernels take FP8 activations, "
                                                    "W4A8 with int8 activations serves on CPUs only")
@@ -221,6 +247,104 @@ def _cuda_shape_problem(weights: WeightScheme, layer: Layer) -> Problem | None:
                                       f"sizes multiples of {MACHETE_BLOCK[1]}; {shape}")
     elif weights.group_size == 256 and layer.out_features % 8:
         return Problem("weights", f"group size 256 serves through Triton W4A16, which needs output sizes multiples of 8; {shape}")
+    return None
+
+
+def _is_fp8(scheme: GroupScheme) -> bool:
+    return scheme.weights.type == "float" or (scheme.activations is not None and scheme.activations.type == "float")
+
+
+def _fp8_shape_problem(scheme: GroupScheme) -> Problem | None:
+    """compressed-tensors' `_is_fp8_w8a8` / `_is_fp8_w8a16`, the same on every target: FP8 weights and FP8 activations
+    together, weights per tensor, channel or block, activations dynamic (per token, or per token and group with block
+    weights) or static per tensor."""
+    weights, activations = scheme.weights, scheme.activations
+    if weights.type != "float":
+        return Problem("activations.type", "vLLM serves FP8 activations with FP8 weights only (W8A8 FP8); write `type: float` "
+                                           "in weights too, or int8 activations with int8 weights")
+    if activations is not None and activations.type != "float":
+        return Problem("activations.type", "vLLM serves FP8 weights with FP8 activations or 16-bit ones, not int8 activations")
+    if weights.granularity == "group":
+        return Problem("weights.granularity", "vLLM serves FP8 weights per tensor, per channel or per block, not per group")
+    if activations is None:
+        return None
+    if activations.granularity == "group" and weights.granularity != "block":
+        return Problem("activations.granularity", "FP8 activations per token group go with block-wise FP8 weights (granularity: block)")
+    if weights.granularity == "block" and activations.granularity != "group":
+        return Problem("activations.granularity", "block-wise FP8 weights take dynamic FP8 activations per token group: write "
+                                                  "`granularity: group, group_size: <the block's input columns>`")
+    block = weights.block_shape
+    if block is not None and activations.group_size != block[1]:
+        return Problem("activations.group_size", f"the activation group size must equal the block's input columns ({block[1]}) "
+                                                 f"for vLLM's block FP8 kernels; got {activations.group_size}")
+    return None
+
+
+def _cpu_fp8_problem(scheme: GroupScheme, target: ServeTarget) -> Problem | None:
+    """What is left of vLLM's CPU FP8 kernels with AMX reported unavailable: torch._scaled_mm per channel with dynamic
+    per-token activations (ChannelWiseTorchFP8ScaledMMLinearKernel)."""
+    shape = _fp8_shape_problem(scheme)
+    if shape:
+        return shape
+    weights, activations = scheme.weights, scheme.activations
+    amx = ("vLLM's CPU build has it only with AMX (and AMX-FP8), which the product reports unavailable on every CPU (its AMX "
+           "kernels die with SIGILL on these VMs)")
+    if activations is None:
+        return Problem("activations", f"vLLM's CPU build has no weight-only FP8 kernel (W8A16 FP8) on {target}: serve FP8 weights "
+                                      "with FP8 dynamic per-token activations (the fp8 recipe), or int8 W8A8")
+    if weights.granularity == "block":
+        return Problem("weights.granularity", f"block-wise FP8 (the fp8-block recipe) has no kernel on {target}: {amx}. Use per-channel "
+                                              "FP8 weights with dynamic per-token activations (the fp8 recipe)")
+    if weights.granularity == "tensor" or not activations.dynamic:
+        where = "an empty stub in _C_AVX2 (probed)" if target.isa == "avx2" else "not probed on this class"
+        return Problem("weights.granularity" if weights.granularity == "tensor" else "activations.dynamic",
+                       f"per-tensor FP8 scales on {target}: CPUFp8PerTensorScaledMMLinearKernel needs AMX ({amx}) and the torch._scaled_mm "
+                       f"path quantizes activations with vLLM's static_scaled_fp8_quant, {where}. Use per-channel FP8 weights with "
+                       "dynamic per-token activations (the fp8 recipe)")
+    return None
+
+
+def _cuda_fp8_problem(scheme: GroupScheme, target: ServeTarget, layer: Layer | None) -> Problem | None:
+    shape = _fp8_shape_problem(scheme)
+    if shape:
+        return shape
+    if scheme.activations is not None and target.sm < FP8_COMPUTE_CAPABILITY:
+        return Problem("activations", f"FP8 compute (W8A8 FP8) needs compute capability 8.9 (Ada, Hopper, Blackwell); {target} has none, "
+                                      "and vLLM would serve the weights alone (Marlin W8A16 FP8), not what the gate measured. Use FP8 "
+                                      "weights with 16-bit activations there (the fp8-w8a16 recipe) or int8 W8A8")
+    if target.sm < FP8_MARLIN_CAPABILITY:
+        return Problem("", f"vLLM's FP8 kernels need compute capability 7.5 or newer (Marlin FP8); {target} is older")
+    block = scheme.weights.block_shape
+    if block is not None and layer is not None and layer.in_features % block[1]:
+        return Problem("weights.block", f"block-wise FP8 needs input sizes that are multiples of the block's {block[1]} columns "
+                                        f"(activation groups and weight blocks); {layer.name} has {layer.in_features}")
+    return None
+
+
+def kv_cache_problem(kv: KvCache, target: ServeTarget, head_dim: int | None) -> Problem | None:
+    """Why vLLM's attention on `target` cannot store the KV cache at `kv`'s precision for heads of `head_dim`, or None.
+    On the local target the probe's finding (vLLM's own start-up check) comes first."""
+    written = _kv_written_problem(kv, target, head_dim)
+    if target.local and target.kind == "cpu" and kv.quantized and head_dim is not None:
+        found = kv_probe_problem(kv.vllm_dtype, head_dim)
+        if found:
+            return Problem("dtype", found + (f" ({written.why})" if written else ""))
+    return written
+
+
+def _kv_written_problem(kv: KvCache, target: ServeTarget, head_dim: int | None) -> Problem | None:
+    if kv.dtype == "auto":
+        return None
+    if target.kind == "cuda":
+        return None  # Triton attention stores 16-bit and FP8 KV on every capability vLLM supports
+    if not kv.quantized:
+        return None  # 16-bit: the CPU attention converts on write (measured: bfloat16 KV beside a float32 model on cpu:avx2)
+    if target.isa not in CPU_FP8_KV_CLASSES:
+        return Problem("dtype", f"an FP8 KV cache ({kv.dtype}) cannot be served on {target}: vLLM's CPU attention stores FP8 only on x86 "
+                                "with AVX-512 or AMX (cpu:avx512, cpu:avx512bf16). Keep `kv_cache: auto` here, or serve on such a host")
+    if head_dim is not None and head_dim % CPU_FP8_KV_HEAD_MULTIPLE:
+        return Problem("dtype", f"vLLM's CPU attention stores an FP8 KV cache only for head sizes that are multiples of "
+                                f"{CPU_FP8_KV_HEAD_MULTIPLE}; this model's heads are {head_dim} wide")
     return None
 
 

@@ -20,6 +20,7 @@ import re
 import threading
 from pathlib import Path
 
+from pipelines.artifact import served_kv_cache_dtype
 from pipelines.planner import GiB, kv_capacity_tokens
 from pipelines.serve.serving import ServeSettings
 
@@ -60,7 +61,7 @@ def predicted_kv(model_dir: Path, serve: ServeSettings, target: str, log_path: P
             return None
         space, block = int(float(found.group(1)) * GiB), CUDA_BLOCK_SIZE
     return kv_capacity_tokens(model_dir / "config.json", space, block_size=block, max_model_len=serve.max_model_len,
-                              served_dtype=serve.served_dtype())
+                              served_dtype=serve.served_dtype(), kv_cache_dtype=served_kv_cache_dtype(model_dir))
 
 
 def _group_of(pid: str) -> int | None:

@@ -10,10 +10,12 @@ from typing import NamedTuple
 
 from pipelines.errors import InputError
 from pipelines.planner.shape import ModelShape, load_config, model_shape
+from pipelines.recipe import VLLM_KV_CACHE_DTYPES
 
-# Bytes per element of the KV cache for vLLM's --kv-cache-dtype values; "auto" follows the model dtype.
+# Bytes per element of the KV cache for the vLLM --kv-cache-dtype values the product counts (the recipe's vocabulary,
+# pipelines/recipe.py); "auto" follows the dtype the model is served in.
 KV_CACHE_DTYPES: dict[str, int | None] = {
-    "auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    name: (bits // 8 if bits else None) for name, bits in VLLM_KV_CACHE_DTYPES.items() if bits or name == "auto"
 }
 # vLLM 0.32's defaults for its OpenAI server (vllm/platforms/cpu.py, vllm/engine/arg_utils.py get_batch_defaults).
 CPU_BLOCK_SIZE = 128

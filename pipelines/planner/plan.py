@@ -15,8 +15,9 @@ from pydantic import ConfigDict, Field, computed_field
 from pipelines.artifact import is_model_dir
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT
 from pipelines.errors import InputError
+from pipelines.hardware.host import serve_dtype_for
 from pipelines.hardware.speed import ProbedSpeed
-from pipelines.hardware.targets import CPU, ServeTarget, installed_target, parse_target
+from pipelines.hardware.targets import CPU, ServeTarget, installed_target, kv_cache_problem, parse_target
 from pipelines.planner.gpus import GiB, GpuSpec
 from pipelines.planner.kv import (
     CPU_BATCHES_IN_FLIGHT,
@@ -33,7 +34,7 @@ from pipelines.planner.kv import (
 from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import WeightBreakdown, predict_weight_bytes, safetensors_bytes, shape_layout
 from pipelines.quantize.compiler import SIXTEEN_BIT, cannot_apply
-from pipelines.recipe import Recipe
+from pipelines.recipe import KvCache, Recipe
 from pipelines.schema import StrictModel
 
 MAX_BATCHED_TOKENS = 2**24
@@ -273,29 +274,44 @@ def _decode_ceiling(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, context: i
 
 
 def _schemes(
-    shape: ModelShape, recipes: list[Recipe | None], artifact_dir: Path | None, kv_cache_dtype: str, target: ServeTarget,
+    shape: ModelShape, recipes: list[Recipe | None], artifact_dir: Path | None, kv_cache_dtypes: list[str], target: ServeTarget,
 ) -> list[_Scheme]:
-    """One scheme per recipe (None: 16-bit), predicted; an artifact's measured bytes replace the 16-bit
-    row when the artifact is unquantized, otherwise the artifact gets its own row."""
-    kv_dtype, kv_bytes = kv_element_bytes(shape, kv_cache_dtype)
+    """One scheme per recipe (None: 16-bit) and KV cache precision, predicted: a recipe's own `kv_cache` wins over
+    the asked ones (one row); an artifact's measured bytes replace the 16-bit row when the artifact is unquantized,
+    otherwise the artifact gets its own row."""
     schemes = [
-        _Scheme(
-            recipe.name if recipe else SIXTEEN_BIT, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes,
-            recipe_problem(shape, recipe, target) if recipe else None,
-        )
+        _recipe_scheme(shape, recipe, kv_cache_dtype, target)
+        for kv_cache_dtype in kv_cache_dtypes
         for recipe in recipes
+        if kv_cache_dtype == kv_cache_dtypes[0] or recipe is None or recipe.kv_cache.dtype == "auto"
     ]
     if artifact_dir is None:
         return schemes
     artifact_shape = model_shape(*load_config(artifact_dir)) if is_model_dir(artifact_dir) else shape
     predicted = predict_weight_bytes(shape, None)
     measured = predicted.model_copy(update={"total_bytes": safetensors_bytes(Path(artifact_dir))})
-    kv_dtype, kv_bytes = kv_element_bytes(artifact_shape, kv_cache_dtype)
+    kv_dtype, kv_bytes = kv_element_bytes(artifact_shape, kv_cache_dtypes[0], serve_dtype_for(str(target))[0])
     label = Path(artifact_dir).name if artifact_shape.quantized else SIXTEEN_BIT
     row = _Scheme(label, measured, "measured", kv_dtype, kv_bytes)
     if label == SIXTEEN_BIT and any(s.label == SIXTEEN_BIT for s in schemes):
         return [row if s.label == SIXTEEN_BIT else s for s in schemes]
     return [*schemes, row]
+
+
+def _recipe_scheme(shape: ModelShape, recipe: Recipe | None, kv_cache_dtype: str, target: ServeTarget) -> _Scheme:
+    """One row's scheme: the recipe's weights (None: 16-bit) with its own KV precision, else `kv_cache_dtype`; labelled
+    `w8a8`, or `w8a8 + kv fp8` where the KV precision is asked for, not the recipe's."""
+    own = recipe is not None and recipe.kv_cache.dtype != "auto"
+    kv = recipe.kv_cache if recipe is not None and own else KvCache(dtype=kv_cache_dtype)
+    kv_dtype, kv_bytes = kv_element_bytes(shape, kv.vllm_dtype, serve_dtype_for(str(target))[0])  # auto: what the target serves
+    label = recipe.name if recipe else SIXTEEN_BIT
+    if not own and kv.dtype != "auto":
+        label += f" + kv {kv.dtype}"
+    problem = recipe_problem(shape, recipe, target) if recipe else None
+    if problem is None and not own and kv.dtype != "auto":
+        found = kv_cache_problem(kv, target, shape.head_dim)
+        problem = f"kv_cache.{found.field}: {found.why}" if found else None
+    return _Scheme(label, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes, problem)
 
 
 def recipe_problem(shape: ModelShape, recipe: Recipe, target: ServeTarget | None = None) -> str | None:
@@ -319,21 +335,23 @@ def plan(
     artifact_dir: Path | None = None,
     *,
     settings: PlanSettings | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str | list[str] = "auto",
     target: ServeTarget | None = None,
 ) -> Plan:
-    """The memory plan: one row per recipe (None for 16-bit), plus the artifact's measured row if given.
-    Recipes are checked against `target`'s kernels (default: gpu_target)."""
+    """The memory plan: one row per recipe (None for 16-bit) and KV cache precision (`kv_cache_dtype`, one or more of
+    vLLM's --kv-cache-dtype values), plus the artifact's measured row if given. Recipes and KV precisions are checked
+    against `target`'s kernels (default: gpu_target)."""
     settings = settings or PlanSettings()
     data, source = load_config(config)
     shape = model_shape(data, source)
     _check_sizes(shape, max_model_len, concurrency, source)
     if not recipes and artifact_dir is None:
         raise InputError("nothing to plan: give a recipe, None for 16-bit, or an artifact", field="recipes")
-    target = target or (gpu_target(gpu) if any(recipes) else None)
+    kv_cache_dtypes = list(dict.fromkeys([kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype)) or ["auto"]
+    target = target or (gpu_target(gpu) if any(recipes) or kv_cache_dtypes != ["auto"] else None)
     rows = [
         _row(shape, scheme, gpu, settings, max_model_len, concurrency, target)
-        for scheme in _schemes(shape, recipes, artifact_dir, kv_cache_dtype, target or CPU)
+        for scheme in _schemes(shape, recipes, artifact_dir, kv_cache_dtypes, target or CPU)
     ]
     return Plan(
         model=shape.name, config=source, gpu=gpu, max_model_len=max_model_len,

@@ -108,7 +108,7 @@ def shape_layout(shape: ModelShape) -> ModelLayout:
     lm_head = LinearInfo(name="lm_head", in_features=shape.hidden, out_features=shape.vocab)
     return ModelLayout(
         architecture=shape.name, num_layers=shape.layers, linears=linears, embeddings=["model.embed_tokens"],
-        lm_head="lm_head", lm_head_linear=lm_head,
+        lm_head="lm_head", lm_head_linear=lm_head, head_dim=shape.head_dim,
     )
 
 
@@ -116,7 +116,8 @@ def linear_bytes(out: int, inp: int, scheme: GroupScheme | None, param_bytes: in
     """Bytes a Linear's weight takes in a compressed-tensors checkpoint (bias excluded).
 
     With quantized activations the format is int-quantized (one int8 per weight); weight-only schemes
-    are pack-quantized (32 values in `bits` int32 words per row, plus the int64[2] original shape).
+    are pack-quantized (32 values in `bits` int32 words per row, plus the int64[2] original shape); FP8 weights
+    are float-quantized (one float8 per weight, with or without activations; block-wise: one scale per block).
     Scales are in the model dtype; zero points of asymmetric schemes are int8 or, when packed, int32.
     """
     if scheme is None:
@@ -125,9 +126,12 @@ def linear_bytes(out: int, inp: int, scheme: GroupScheme | None, param_bytes: in
     # `group_size: auto` is the layer's own size; where none divides (the recipe does not apply), the cap.
     written = weights.group_size
     group_size = weights.group_size_for(inp) or (written.auto if isinstance(written, AutoGroupSize) else written)
-    groups = {"tensor": 0, "channel": 1, "group": math.ceil(inp / (group_size or 1))}[weights.granularity]
-    scales = out * groups if groups else 1
-    if scheme.activations is None:  # pack-quantized; zero points packed into int32 along the output dim
+    block = weights.block_shape or (1, 1)
+    groups = {"tensor": 0, "channel": 1, "group": math.ceil(inp / (group_size or 1)), "block": math.ceil(inp / block[1])}[weights.granularity]
+    scales = (math.ceil(out / block[0]) if weights.block_shape else out) * groups if groups else 1
+    if weights.type == "float":  # float-quantized: one float8_e4m3fn per weight, symmetric (no zero points)
+        stored, zero_points = out * inp, 0
+    elif scheme.activations is None:  # pack-quantized; zero points packed into int32 along the output dim
         stored = out * math.ceil(inp / 32) * weights.bits * 4 + _WEIGHT_SHAPE_BYTES
         zero_points = math.ceil(out / 32) * weights.bits * 4 * groups if groups else 1
     else:  # int-quantized; int8 zero points beside the scales
@@ -152,6 +156,8 @@ def predict_weight_bytes(shape: ModelShape, recipe: Recipe | None) -> WeightBrea
     total += (shape.norms_per_layer * shape.layers + 1) * shape.hidden * pb  # RMS norms: per layer (2; Gemma 2/3: 4), a final one
     total += (2 * shape.layers * shape.head_dim * pb) if shape.qk_norm else 0  # q_norm and k_norm (Qwen3, Gemma 3)
     total += shape.layers * shape.experts * shape.hidden * pb  # MoE routers stay 16-bit
+    if recipe is not None and recipe.kv_cache.scales == "calibrated":
+        total += 2 * shape.layers * pb  # each attention layer's k_scale and v_scale (llm-compressor's kv_cache_scheme)
     experts = 0
     for layer in range(shape.layers):
         for linear in decoder_linears(shape, layer):

@@ -25,9 +25,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
-from pipelines.hardware.targets import Layer, ServeTarget, installed_target, serve_problem
+from pipelines.hardware.targets import Layer, ServeTarget, installed_target, kv_cache_problem, serve_problem
 from pipelines.quantize.layout import FUSED_SHARDS, GROUP_SUFFIX, GROUP_TARGET, KINDS, Kind, LinearInfo, ModelLayout, _matches, layout_from_model_dir
-from pipelines.recipe import Algorithm, AutoGroupSize, GroupScheme, Method, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
+from pipelines.recipe import Algorithm, AutoGroupSize, GroupScheme, KvCache, Method, Override, Recipe, WeightScheme, auto_group_sizes, load_recipe
 
 SIXTEEN_BIT = "16-bit"
 
@@ -49,6 +49,7 @@ class CompiledRecipe(BaseModel):
     yaml: str
     layers: dict[str, str]
     needs_calibration: bool
+    kv_cache: KvCache = KvCache()
 
 
 # ---------------------------------------------------------------------------------- compilation
@@ -68,6 +69,7 @@ def compile_recipe(
         yaml=yaml.safe_dump(modifiers, sort_keys=False, width=120),
         layers=_layer_table(recipe, layout, plan),
         needs_calibration=recipe.needs_calibration,
+        kv_cache=recipe.kv_cache,
     )
 
 
@@ -80,7 +82,15 @@ def check_recipe(
     check_lm_parts(recipe, layout, recipe_file, target)
     plan = concrete_schemes(resolve_schemes(recipe, layout, recipe_file), recipe_file)
     check_plan(plan, recipe_file, target)
+    check_kv_cache(recipe, layout, recipe_file, target)
     return plan
+
+
+def check_kv_cache(recipe: Recipe, layout: ModelLayout, recipe_file: Path | str, target: ServeTarget) -> None:
+    """The recipe's KV cache precision against what vLLM's attention stores on `target` for this model's head size."""
+    problem = kv_cache_problem(recipe.kv_cache, target, layout.head_dim)
+    if problem:
+        raise InputError(problem.why, file=recipe_file, field=_field("kv_cache", problem.field))
 
 
 def cannot_apply(
@@ -339,6 +349,9 @@ def _override_rank(entry: ModuleScheme) -> int:
 # ------------------------------------------------------------------------ llm-compressor recipe
 
 
+# llm-compressor's kv_cache_scheme for calibrated FP8 KV scales: one static per-tensor scale for each attention layer's
+# K and V (what vLLM's compressed-tensors KV method loads: float, 8 bits, tensor or attn_head, symmetric).
+KV_CACHE_SCHEME: dict[str, Any] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # The llm-compressor modifier that applies each weight algorithm; a recipe mixing them runs one of each in the same
 # stage, each over its own modules' config groups (GPTQModifier calibrates only the modules its targets match).
 MODIFIER_OF: dict[Method, str] = {"rtn": "QuantizationModifier", "gptq": "GPTQModifier"}
@@ -364,7 +377,12 @@ def _modifiers(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme
         }
     for method, config_groups in by_method.items():
         modifiers[MODIFIER_OF[method]] = {**_algorithm_args(recipe, method), "ignore": list(ignore), "config_groups": config_groups}
-    return {"quant_stage": {"quant_modifiers": modifiers}}
+    if recipe.kv_cache.scales == "calibrated":
+        # One modifier calibrates the KV scales: the round-to-nearest one when there is one (it runs first), else GPTQ's;
+        # a recipe that quantizes no weights gets a QuantizationModifier of its own.
+        holder = modifiers.setdefault(MODIFIER_OF["rtn"] if "rtn" in by_method or not by_method else MODIFIER_OF["gptq"], {})
+        holder["kv_cache_scheme"] = KV_CACHE_SCHEME
+    return {"quant_stage": {"quant_modifiers": modifiers}} if modifiers else {}
 
 
 def gptq_settings(recipe: Recipe) -> Algorithm:
@@ -450,6 +468,7 @@ def _scheme_args(scheme: GroupScheme) -> dict[str, Any]:
             "symmetric": activations.symmetric,
             "strategy": activations.granularity,
             "dynamic": activations.dynamic,
+            **({"group_size": activations.group_size} if activations.group_size is not None else {}),
         }
     return args
 
@@ -463,6 +482,8 @@ def _weight_args(weights: WeightScheme) -> dict[str, Any]:
     }
     if weights.group_size is not None:
         args["group_size"] = weights.group_size
+    if weights.block_shape is not None:
+        args["block_structure"] = list(weights.block_shape)
     return args
 
 
@@ -487,6 +508,11 @@ def _verify_targets(by_method: dict[Method, dict[str, Any]], ignore: list[str], 
 # ------------------------------------------------------------------------------- layer summary
 
 
+def kv_summary(kv: KvCache) -> str:
+    """e.g. 'auto (the serve dtype)', 'fp8, scales dynamic', 'fp8, scales calibrated'."""
+    return "auto (the serve dtype)" if kv.dtype == "auto" else f"{kv.dtype}, scales {kv.scales}"
+
+
 def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
     """e.g. 'w8 channel sym / a8 token dynamic', 'w4 group128 sym / a16', 'w4 group64 sym / a16, gptq' (GPTQ weights;
     round-to-nearest is not named), '16-bit'."""
@@ -497,18 +523,26 @@ def scheme_summary(scheme: GroupScheme | WeightScheme | None) -> str:
     weights = scheme if isinstance(scheme, WeightScheme) else scheme.weights
     activations = None if isinstance(scheme, WeightScheme) else scheme.activations
     granularity: str
-    if weights.granularity != "group":
+    if weights.block_shape is not None:
+        granularity = f"block{weights.block_shape[0]}x{weights.block_shape[1]}"
+    elif weights.granularity != "group":
         granularity = weights.granularity
     elif isinstance(weights.group_size, AutoGroupSize):
         granularity = f"group auto (up to {weights.group_size.auto})"
     else:
         granularity = f"group{weights.group_size}"
-    left = f"w{weights.bits} {granularity} {'sym' if weights.symmetric else 'asym'}"
+    left = f"{_number(weights.type, weights.bits)} {granularity} {'sym' if weights.symmetric else 'asym'}"
     if activations is None:
         return f"{left} / a16"
     mode = "dynamic" if activations.dynamic else "static"
     sym = "" if activations.symmetric else " asym"
-    return f"{left} / a{activations.bits} {activations.granularity} {mode}{sym}"
+    grain = f"group{activations.group_size}" if activations.group_size else activations.granularity
+    return f"{left} / {_number(activations.type, activations.bits, 'a')} {grain} {mode}{sym}"
+
+
+def _number(kind: str, bits: int, letter: str = "w") -> str:
+    """'w8' for int weights (as always), 'w-fp8' for float ones; 'a8' / 'a-fp8' for activations."""
+    return f"{letter}{bits}" if kind == "int" else f"{letter}-fp{bits}"
 
 
 def _layer_table(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[str, str]:

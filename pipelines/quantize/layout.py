@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.artifact import read_model_config
 from pipelines.bounds import check_config_bounds
@@ -61,6 +61,7 @@ class ModelLayout(BaseModel):
     lm_head: str | None
     # The lm_head's shape when known (a quantized lm_head's group size is checked against its input size).
     lm_head_linear: LinearInfo | None = None
+    head_dim: int | None = Field(default=None, description="the attention head size (an FP8 KV cache on CPU needs a multiple of 32)")
 
     def of_kind(self, kind: Kind) -> list[LinearInfo]:
         return [info for info in self.linears if info.kind == kind]
@@ -112,9 +113,20 @@ def layout_from_config(config: dict[str, Any], source: Path | str = "config.json
         embeddings=[name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)],
         lm_head=names.get(lm_head) if lm_head is not None else None,
         lm_head_linear=_linear_info(names[lm_head], lm_head) if isinstance(lm_head, torch.nn.Linear) and lm_head in names else None,
+        head_dim=_head_dim(hf_config),
     )
     _check_architecture(model, layout, arch, source)
     return layout
+
+
+def _head_dim(hf_config: Any) -> int | None:
+    """The attention head size as the model computes it: `head_dim` when the config says so, else hidden / heads."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    explicit = getattr(text, "head_dim", None)
+    if isinstance(explicit, int) and explicit > 0:
+        return explicit
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
 
 
 def architecture_name(config: dict[str, Any]) -> str:

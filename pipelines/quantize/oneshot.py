@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import resource
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from pipelines.artifact import (
     MANIFEST_NAME,
     CalibrationRecord,
+    KvCacheRecord,
     Manifest,
     PeakMemory,
     SmoothingRecord,
@@ -164,12 +166,17 @@ def artifact_path(artifacts_root: Path, inputs: _Inputs) -> Path:
 
 def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord | None]:
     """Load, calibrate + quantize with llm-compressor, save compressed with the tokenizer; returns seconds and
-    the SmoothQuant mappings used (derived from the model's forward and checked before calibration)."""
+    the SmoothQuant mappings used (derived from the model's forward and checked before calibration). A recipe that
+    changes only how the KV cache is served (dynamic scales) gives the source model's files, copied unchanged."""
     import torch  # heavy: imported when used
     from llmcompressor import oneshot  # heavy: imported when used
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: imported when used
 
     started = time.perf_counter()
+    if not inputs.compiled.llmcompressor:
+        progress(f"recipe {inputs.recipe.name} changes only the KV cache's precision when served: copying {inputs.model_dir} unchanged")
+        copy_model_files(inputs.model_dir, out_dir)
+        return time.perf_counter() - started, None
     seed = inputs.calibration.seed if inputs.calibration else 0
     with _deterministic(seed):
         progress(f"loading {inputs.model_dir}")
@@ -197,6 +204,14 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord 
         model.save_pretrained(out_dir, save_compressed=True)
         tokenizer.save_pretrained(out_dir)
     return time.perf_counter() - started, smoothing
+
+
+def copy_model_files(model_dir: Path, out_dir: Path) -> None:
+    """The model folder's own files (weights, config, tokenizer), byte for byte; never a manifest it may hold."""
+    for relative in file_hashes(model_dir, exclude=(MANIFEST_NAME,)):
+        target = ensure_inside(out_dir, out_dir / relative, "model")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(model_dir / relative, target)
 
 
 def _recipe_run(inputs: _Inputs, smoothing: SmoothingRecord | None) -> str:
@@ -259,6 +274,8 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         smoothing=smoothing,
         serve_target=inputs.target,
         host=host_record(),
+        kv_cache=KvCacheRecord(dtype=inputs.compiled.kv_cache.dtype, scales=inputs.compiled.kv_cache.scales,
+                               served_as=inputs.compiled.kv_cache.vllm_dtype),
     )
 
 

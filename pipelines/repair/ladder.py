@@ -1,7 +1,10 @@
 """Fallback ladders: per scheme family, the schemes a module may move to, least precise first.
 
 A ladder file (recipes/ladders/<target kind>.yaml, i.e. cpu.yaml or cuda.yaml; `--ladder FILE`) has one ladder
-per family: `weight_only` for modules whose activations stay 16-bit, `w8a8` for modules with int8 activations.
+per family: `weight_only` for modules whose activations stay 16-bit, `w8a8` for modules with int8 activations,
+`fp8` for modules with FP8 weights; and `kv_cache`, the KV cache's precisions least precise first (`auto`, the dtype
+the model is served in, last): a repair moves a quantized KV cache one rung up before any module (it costs no weight
+bytes), checked against the target's attention like a recipe's `kv_cache`.
 A rung is a scheme in the recipe vocabulary (pipelines.recipe.GroupScheme) or `16-bit`. Loading checks every
 rung against the serve target's kernels (pipelines.hardware.targets.serve_problem): a rung no kernel serves is refused,
 naming file and rung.
@@ -18,18 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.errors import InputError
 from pipelines.files.yamlio import parse_yaml_model, read_user_text
-from pipelines.hardware.targets import ServeTarget, serve_problem
+from pipelines.hardware.targets import ServeTarget, kv_cache_problem, serve_problem
 from pipelines.paths import RECIPES_DIR
 from pipelines.quantize.calibration import resolve_calibration_data
 from pipelines.quantize.compiler import SIXTEEN_BIT, ModuleScheme, check_plan, concrete_schemes, scheme_summary
-from pipelines.recipe import Calibration, GroupScheme, Recipe
+from pipelines.recipe import Calibration, GroupScheme, KvCache, Recipe
 from pipelines.repair.pricing import unit_bytes
 from pipelines.repair.units import Unit
 from pipelines.schema import FrozenModel
 
 LADDERS_DIR = RECIPES_DIR / "ladders"
 MAX_RUNGS = 32
-FamilyName = Literal["weight_only", "w8a8"]
+FamilyName = Literal["weight_only", "w8a8", "fp8"]
 
 
 class Family(FrozenModel):
@@ -59,18 +62,45 @@ class Family(FrozenModel):
 
 
 class Families(FrozenModel):
-    weight_only: Family | None = Field(default=None, description="modules with 16-bit activations (W4A16 and the like)")
+    weight_only: Family | None = Field(default=None, description="modules with int weights and 16-bit activations (W4A16 and the like)")
     w8a8: Family | None = Field(default=None, description="modules with int8 activations")
+    fp8: Family | None = Field(default=None, description="modules with FP8 weights")
+
+
+class KvRungs(FrozenModel):
+    description: str = ""
+    rungs: list[str] = Field(min_length=2, max_length=MAX_RUNGS, description="KV cache dtypes, least precise first; `auto` last")
+
+    @field_validator("rungs")
+    @classmethod
+    def _known_and_ordered(cls, value: list[str]) -> list[str]:
+        names = [KvCache(dtype=rung).dtype for rung in value]  # each a KV dtype the recipe vocabulary takes (aliases resolved)
+        if names[-1] != "auto" or "auto" in names[:-1]:
+            raise ValueError("`auto` (the dtype the model is served in) is the last KV rung, once: nothing is more precise")
+        if len(set(names)) < len(names):
+            raise ValueError("a KV rung is given twice")
+        return names
 
 
 class Ladder(FrozenModel):
     schema_version: Literal[1] = 1
     description: str = ""
     families: Families
+    kv_cache: KvRungs | None = Field(default=None, description="the KV cache's precisions, least precise first")
 
     def family_of(self, scheme: GroupScheme) -> tuple[FamilyName, Family | None]:
-        name: FamilyName = "weight_only" if scheme.activations is None else "w8a8"
+        name: FamilyName = "fp8" if scheme.weights.type == "float" else "weight_only" if scheme.activations is None else "w8a8"
         return name, getattr(self.families, name)
+
+    def kv_rungs_above(self, current: KvCache) -> list[str]:
+        """The KV precisions above `current` on this ladder: after it when it is a rung, else every rung storing more bits
+        (`auto` always: the serve dtype is at least 16 bits)."""
+        if self.kv_cache is None or current.dtype == "auto":
+            return []
+        rungs = self.kv_cache.rungs
+        if current.dtype in rungs:
+            return rungs[rungs.index(current.dtype) + 1:]
+        return [rung for rung in rungs if rung == "auto" or (KvCache(dtype=rung).bits or 0) > (current.bits or 0)]
 
 
 class LoadedLadder(BaseModel):
@@ -105,7 +135,8 @@ def load_ladder(path: Path | str | None, target: ServeTarget, *, calibrated: boo
 
 
 def check_kernels(ladder: Ladder, path: Path | str, target: ServeTarget) -> None:
-    """Every rung must be a scheme vLLM serves on `target`: refused at validation, not after minutes of quantizing."""
+    """Every rung must be a scheme vLLM serves on `target`: refused at validation, not after minutes of quantizing. A KV rung
+    the target's attention cannot store is skipped per model instead (kv_options: it also depends on the head size)."""
     for name in Families.model_fields:
         family = getattr(ladder.families, name)
         for index, rung in enumerate(family.rungs if family else []):
@@ -210,3 +241,16 @@ def unit_ladder(unit: Unit, ladder: Ladder, target: ServeTarget, calibrated: boo
         else:
             options.append(RungOption(scheme=rung, position=position))
     return UnitLadder(unit=unit.name, family=name, current=scheme_summary(unit.scheme), on_ladder=on_ladder, options=options, skipped=skipped)
+
+
+def kv_options(ladder: Ladder, current: KvCache, target: ServeTarget, head_dim: int | None) -> tuple[list[str], list[str]]:
+    """The KV precisions a repair may move the KV cache to (above `current`, stored by `target`'s attention for heads
+    of `head_dim`), and those skipped with the reason."""
+    options, skipped = [], []
+    for dtype in ladder.kv_rungs_above(current):
+        found = kv_cache_problem(KvCache(dtype=dtype), target, head_dim)
+        if found:
+            skipped.append(f"kv_cache {dtype}: {found.why}")
+        else:
+            options.append(dtype)
+    return options, skipped

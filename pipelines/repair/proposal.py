@@ -19,7 +19,7 @@ import yaml
 from pipelines.files.atomic import write_text_atomic
 from pipelines.files.hashing import sha256_json
 from pipelines.gate.policy import Policy
-from pipelines.recipe import Calibration, GroupScheme, LoadedRecipe, Recipe, parse_recipe
+from pipelines.recipe import KV_CALIBRATABLE, Calibration, GroupScheme, KvCache, LoadedRecipe, Recipe, parse_recipe
 from pipelines.repair.units import Unit
 
 MAX_NAME = 64
@@ -70,6 +70,26 @@ def proposal_text(parent: LoadedRecipe, overrides: list[dict[str, Any]], policy:
     data = {**head, **rest, "overrides": [*(data.get("overrides") or []), *overrides]}
     text = _dump(data)
     parse_recipe(text, name)  # overrides only add schemes: a parent's own calibration stays what it was
+    return text
+
+
+def kv_proposal_text(parent: LoadedRecipe, dtype: str, policy: Policy) -> str:
+    """The parent recipe with its KV cache moved to `dtype` (`auto`: the serve dtype), named `<parent>-repair-kv-<dtype>`:
+    same weights, another KV precision. Calibrated KV scales stay calibrated while the KV cache stays FP8; above it
+    the recipe's own calibration is kept only where something else reads it."""
+    data = yaml.safe_load(parent.text)
+    name = f"{parent.name[: MAX_NAME - len(SUFFIX) - 16]}{SUFFIX}kv-{dtype}"
+    description = (f"{parent.name} with its KV cache moved to {dtype} by `quantize repair` (docs/repair.md). "
+                   f"{parent.recipe.description}").strip()
+    head = {"name": name, "description": description, "base": policy_base(parent.recipe, policy)}
+    calibrated = parent.recipe.kv_cache.scales == "calibrated" and dtype in KV_CALIBRATABLE
+    kv = KvCache(dtype=dtype, scales="calibrated" if calibrated else "dynamic")
+    rest = {key: value for key, value in data.items() if key not in ("name", "description", "base", "kv_cache")}
+    rest["kv_cache"] = kv.model_dump()
+    if not parent.recipe.model_copy(update={"kv_cache": kv}).needs_calibration:
+        rest.pop("calibration", None)  # nothing reads it any more (a recipe refuses calibration it does not use)
+    text = _dump({**head, **rest})
+    parse_recipe(text, name)
     return text
 
 

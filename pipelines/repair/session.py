@@ -31,10 +31,10 @@ from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.recipe import GroupScheme, parse_recipe
 from pipelines.registry.store import Registry
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
-from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, load_ladder, unit_ladder
+from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, kv_options, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
-from pipelines.repair.proposal import overrides_for, proposal_text, write_proposal
+from pipelines.repair.proposal import kv_proposal_text, overrides_for, proposal_text, write_proposal
 from pipelines.repair.report import moved_by_rung, write_report
 from pipelines.repair.result import REPAIR_JSON, Attempt, Found, OrderChoice, RepairResult, SetMove, Status
 from pipelines.repair.search import (
@@ -94,8 +94,9 @@ class Repair:
             self.result = self._new_result()
             try:
                 self._prepare()
-                self._measure()
-                self._search()
+                if not self._move_kv_cache() and self.units:
+                    self._measure()
+                    self._search()
             except BaseException as error:
                 self.result.status, self.result.exit_code = "error", EXIT_ERROR
                 self.result.error = error.one_line() if isinstance(error, QuantGateError) else f"{type(error).__name__}: {error}"
@@ -124,8 +125,37 @@ class Repair:
         self.current = {unit.name: unit.scheme for unit in self.units if unit.scheme is not None}
         self.result.units = len(self.units)
         self.result.ladders_skipped = {name: ladder.skipped for name, ladder in self.ladders.items() if ladder.skipped}
+        self.base = parent.recipe  # what the proposals add overrides to: the parent, or the parent with its KV cache moved
+        self.kv_options, kv_skipped = kv_options(self.ladder.ladder, parent.recipe.recipe.kv_cache, self.target, layout.head_dim)
+        if not parent.recipe.recipe.quantizes_weights:
+            self.kv_options = [dtype for dtype in self.kv_options if dtype != "auto"]  # that would be the 16-bit baseline itself
+        if kv_skipped:
+            self.result.ladders_skipped["kv_cache"] = kv_skipped
         self.result.bytes = self._reference_bytes()
         self._save()
+
+    def _move_kv_cache(self) -> bool:
+        """A quantized KV cache moves one rung up its ladder first, in a proposal of its own: it costs no weight bytes (the
+        repair's measure), so it is the cheapest move there is. Passed: that is the repair. Failed: the KV cache stays
+        there in every later proposal, as a moved module does. Whether it passed."""
+        if not self.kv_options:
+            return False
+        before, dtype = self.parent.recipe.recipe.kv_cache.dtype, self.kv_options[0]
+        proposal = write_proposal(kv_proposal_text(self.parent.recipe, dtype, self.parent.settings.policy),
+                                  self.folder / f"attempt-{len(self.result.attempts) + 1}.yaml")
+        recipe = proposal.recipe
+        attempt = Attempt(
+            number=len(self.result.attempts) + 1, moves=0, why=f"the KV cache from {before} to {dtype}: no weight bytes added (not simulated)",
+            recipe_name=proposal.name, recipe_file=str(proposal.path), modules_moved={"kv_cache": dtype}, overrides_added=[],
+            predicted_kl=0.0, weight_bytes=recipe_bytes(self.shape, recipe),
+            price=price(self.parent.model_dir, self.shape, recipe, self.parent.settings.policy.fit_for(recipe.identity)),
+        )
+        progress(f"repair: attempt {attempt.number}: the KV cache from {before} to {dtype} (weights unchanged); gating {proposal.name}")
+        started = self.now()
+        outcome = self.gate_fn(proposal, self.parent.model_dir, self.parent.settings, calibration=self.parent.calibration)
+        self._record(attempt, outcome, round(self.now() - started, 2))
+        self.base = proposal
+        return outcome.verdict == "promoted"
 
     def _measure(self) -> None:
         parent = self.parent
@@ -201,7 +231,7 @@ class Repair:
         return moved_units(self.current, self.sequence, k)
 
     def _text(self, k: int) -> str:
-        return proposal_text(self.parent.recipe, overrides_for(self._moved(k), self.by_name), self.parent.settings.policy)
+        return proposal_text(self.base, overrides_for(self._moved(k), self.by_name), self.parent.settings.policy)
 
     def _price(self, k: int) -> Price:
         if k not in self._prices:
@@ -309,9 +339,8 @@ class Repair:
             self.result.found = self._found(best)
             self.result.status, self.result.exit_code = "repaired", EXIT_OK
         else:
-            assert search is not None
             stops: dict[str, Status] = {"ladder exhausted": "ladder exhausted", "does not fit": "does not fit"}
-            self.result.status = stops.get(search.stop, "budget exhausted")
+            self.result.status = stops.get(search.stop, "budget exhausted") if search is not None else "ladder exhausted"
             self.result.exit_code = EXIT_REJECTED
             self.result.closest = closest(self.result.attempts)
         self.result.shipped = self._shipped()

@@ -27,7 +27,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.artifact import CONFIG_NAME, ArtifactCheck, require_model_dir, verify_artifact, verify_before_serving
+from pipelines.artifact import (
+    CONFIG_NAME,
+    ArtifactCheck,
+    require_model_dir,
+    served_kv_cache_dtype,
+    verify_artifact,
+    verify_before_serving,
+)
 from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
@@ -42,12 +49,13 @@ from pipelines.gate.policy import Policy
 from pipelines.gate.report import render_markdown, with_unverified_note
 from pipelines.gate.verdict import FitCheck, GateReport, decide, load_report
 from pipelines.hardware.host import host_profile
-from pipelines.hardware.probe_rules import probe_problem
+from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
 from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed
 from pipelines.hardware.targets import host_record, installed_target
 from pipelines.loadtest.gate_hook import ServerPool, server_pool, stage_inputs
 from pipelines.loadtest.render import summary as performance_summary
 from pipelines.loadtest.results import PerformanceSummary
+from pipelines.planner.shape import load_config, model_shape
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
 from pipelines.registry.evidence import write_run_evidence
 from pipelines.registry.promotion import promote_signed
@@ -282,6 +290,11 @@ def check_served_here(artifact_dir: Path) -> None:
         problem = probe_problem(case)
         if problem is not None:
             raise InputError(problem[1], file=config, field="quantization_config")
+    kv_cache_dtype = served_kv_cache_dtype(artifact_dir)
+    if kv_cache_dtype != "auto" and installed_target().kind == "cpu":
+        found = kv_probe_problem(kv_cache_dtype, model_shape(*load_config(artifact_dir)).head_dim)
+        if found is not None:
+            raise InputError(found, file=artifact_dir / "manifest.json", field="kv_cache")
 
 
 def scoring_deadline(

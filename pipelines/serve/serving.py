@@ -31,7 +31,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.artifact import require_model_dir
+from pipelines.artifact import require_model_dir, served_kv_cache_dtype
 from pipelines.bounds import MAX_CONTEXT, MiB
 from pipelines.console.output import progress
 from pipelines.console.progress import track
@@ -228,6 +228,9 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
     ]
     if settings.enforce_eager:
         command.append("--enforce-eager")
+    kv_cache_dtype = served_kv_cache_dtype(model_dir)  # the artifact's own (its manifest): not a server setting
+    if kv_cache_dtype != "auto":
+        command += ["--kv-cache-dtype", kv_cache_dtype]
     return command
 
 

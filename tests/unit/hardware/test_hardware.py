@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes import answered_probe
 
 from pipelines.errors import InputError
-from pipelines.hardware import host, kernels, probe_rules, targets
+from pipelines.hardware import host, targets
 from pipelines.hardware.host import HostFacts, HostProfile, classify, emulated_class, emulation_env, serve_dtype_for, shim_source
 from pipelines.hardware.kernels import STANDARD_CASES, KernelCase, KernelFact, kernel_facts
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, estimate_scoring, probed_speed
@@ -139,12 +140,8 @@ def fake_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
                                       "quant_ms": {"4": 100.0 if slow else 2.0, "128": 60.0 if slow else 5.0}, "base_ms": {"4": 1.0, "128": 4.0}}
         return {"host": {}, "cases": found}
 
-    monkeypatch.setattr(kernels, "run_probe", run_probe)
-    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(probe_rules, "host_profile", lambda: PROFILE)
-    kernels._cached.cache_clear()
-    yield calls
-    kernels._cached.cache_clear()
+    with answered_probe(monkeypatch, tmp_path, PROFILE, run_probe):
+        yield calls
 
 
 def test_the_probe_runs_once_per_host_and_then_only_for_new_cases(fake_probe: list[dict]) -> None:
@@ -277,4 +274,5 @@ def test_doctor_tells_what_each_shipped_recipe_gets_here(fake_probe: list[dict],
     assert refused.kernel == "CPUWNA16LinearKernel" and "cpu_gemm_wna16" in refused.why
     elsewhere = doctor.diagnose(targets.parse_target("cpu"))
     assert not elsewhere.probed and elsewhere.negative_control == "aggressive"
-    assert set(elsewhere.recipe_actions().values()) == {"runs"}
+    refused_everywhere_on_cpu = {"fp8-block", "fp8-w8a16"}  # block FP8 needs AMX-FP8; no weight-only FP8 kernel on CPU
+    assert {name for name, action in elsewhere.recipe_actions().items() if action != "runs"} == refused_everywhere_on_cpu

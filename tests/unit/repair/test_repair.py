@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import make_artifact, make_eval_set
+from fakes import make_artifact, make_eval_set, promote
 
 from pipelines.artifact import CalibrationRecord, Manifest, PeakMemory, WeightBytes
 from pipelines.cli import main
@@ -27,7 +27,7 @@ from pipelines.registry.store import EvalSetRef, NewVersion, Registry
 from pipelines.repair import sensitivity as sensitivity_module
 from pipelines.repair.ladder import LADDERS_DIR, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
-from pipelines.repair.pricing import recipe_bytes, unit_bytes
+from pipelines.repair.pricing import recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text
 from pipelines.repair.result import load_result
 from pipelines.repair.search import (
@@ -367,7 +367,10 @@ class FakeGate:
         version = self.registry.register(NewVersion(
             source_model=model_dir.name, source_hash="s", artifact_path=artifact, recipe_name=loaded.name, recipe_hash=loaded.sha256,
             eval_sets=[EvalSetRef(name="tickets", hash="h")], gate_path=run_dir / "gate.json"))
-        (self.registry.promote if verdict == "promoted" else self.registry.reject)(version.id, verdict)
+        if verdict == "promoted":
+            promote(self.registry, version, verdict)  # through the one door: signed
+        else:
+            self.registry.reject(version.id, verdict)
         return RunOutcome(verdict=verdict, exit_code=0 if verdict == "promoted" else 1, run_dir=run_dir, gate_json=run_dir / "gate.json",
                           report_md=run_dir / "report.md", artifact_dir=artifact, registry_version=version.version,
                           reasons=report.gate.reasons, stages={})
@@ -591,12 +594,11 @@ def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, mo
 
     from pipelines.evaluation import evalsets
     from pipelines.jobs import job as job_module
-    from pipelines.repair import session
 
     sets = [make_eval_set(tmp_path / "eval_sets", "tickets")]
     monkeypatch.setattr(evalsets, "discover_eval_sets", lambda: sets)
     make_model(tmp_path / "models" / "demo-llama")
-    fake = FakeRunner(tmp_path, {"aggressive": "rejected"})
+    fake = FakeRunner(tmp_path, {"aggressive-w4a8": "rejected"})
     monkeypatch.setattr(job_module, "quantize_and_gate", fake)
     repaired = []
 
@@ -605,13 +607,14 @@ def test_a_job_candidate_with_repair_true_is_repaired_when_rejected(tmp_path, mo
         found = fake(load_recipe("w4a16"), tmp_path / "models" / "demo-llama", settings)  # stands for the passing attempt
         return found, type("Result", (), {"repair_dir": str(tmp_path / "runs" / "repair-1")})()
 
-    monkeypatch.setattr(session, "repair_outcome", fake_repair)
+    monkeypatch.setattr(job_module, "repair_outcome", fake_repair)
     job = tmp_path / "job.yaml"
-    job.write_text("name: nightly\nregistry: registry.db\ncandidates:\n  - model: models/demo-llama\n    recipes: [aggressive, w8a8]\n"
+    job.write_text("name: nightly\nregistry: registry.db\ncandidates:\n  - model: models/demo-llama\n    recipes: [aggressive-w4a8, w8a8]\n"
                    "    repair: true\n")
     summary = job_module.run_job(job, jobs_dir=tmp_path / "jobs")
     results = {r.recipe: r for r in summary.results}
-    assert results["aggressive"].status == "promoted" and results["aggressive"].repair_dir.endswith("repair-1")
+    assert results["aggressive-w4a8"].status == "promoted", results["aggressive-w4a8"]
+    assert results["aggressive-w4a8"].repair_dir.endswith("repair-1")
     assert results["w8a8"].status == "promoted" and results["w8a8"].repair_dir is None  # promoted at once: nothing to repair
     assert len(repaired) == 1
     plain = job_module.plan_candidates(job_module.load_job(job), job)[0].key
@@ -690,3 +693,42 @@ def test_near_ties_are_items_whose_baseline_answer_starts_on_two_close_tokens():
     ])
     assert sensitivity_module.near_tie_shares({"orders": entry}) == {"orders": round(1 / 3, 4)}
     assert sensitivity_module.near_tie_shares({"empty": BaselineEntry.model_construct(references=[])}) == {}
+
+
+# --- the KV cache's precision, moved like a unit --------------------------------------------------------------------
+
+
+def _with_kv(parent: ParentRun, tmp_path: Path, kv: str) -> ParentRun:
+    """The parent run with its recipe's KV cache quantized (`kv_cache: <kv>` added to aggressive)."""
+    path = tmp_path / "aggressive-kv.yaml"
+    path.write_text(parent.recipe.text.replace("name: aggressive", "name: aggressive-kv") + f"kv_cache: {kv}\n")
+    return parent.model_copy(update={"recipe": load_recipe(str(path))})
+
+
+def test_the_shipped_ladders_move_the_kv_cache_back_to_16_bit() -> None:
+    from pipelines.recipe import KvCache
+
+    cpu, cuda = load_ladder(None, CPU).ladder, load_ladder(None, parse_target("cuda:9.0")).ladder
+    assert cpu.kv_rungs_above(KvCache(dtype="fp8")) == ["bfloat16", "auto"] and cuda.kv_rungs_above(KvCache(dtype="fp8_e5m2")) == ["auto"]
+    assert cpu.kv_rungs_above(KvCache()) == []
+
+
+def test_a_quantized_kv_cache_moves_up_first_and_alone_when_that_passes(parent: ParentRun, tmp_path: Path):
+    kv_parent = _with_kv(parent, tmp_path, "fp8")
+    fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, lambda recipe: recipe.kv_cache.dtype != "fp8")
+    result = repair(kv_parent, RepairOptions(budget=Budget(max_gates=4), sensitivity=FAST), gate_fn=fake, target=CPU)
+    assert result.status == "repaired" and len(fake.calls) == 1 and result.sensitivity is None
+    first = fake.calls[0].recipe
+    assert first.kv_cache.dtype == "bfloat16" and first.overrides == [] and first.groups == kv_parent.recipe.recipe.groups
+    assert result.attempts[0].modules_moved == {"kv_cache": "bfloat16"} and result.found is not None
+    assert result.found.weight_bytes == recipe_bytes(shape_of(parent.model_dir), parent.recipe.recipe)
+
+
+def test_a_kv_move_that_fails_stays_in_every_later_proposal(parent: ParentRun, tmp_path: Path):
+    kv_parent = _with_kv(parent, tmp_path, "fp8")
+    fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(3))
+    result = repair(kv_parent, RepairOptions(budget=Budget(max_gates=6), sensitivity=FAST), gate_fn=fake, target=CPU)
+    assert result.attempts[0].modules_moved == {"kv_cache": "bfloat16"} and result.attempts[0].verdict == "rejected"
+    assert len(fake.calls) > 1 and all(call.recipe.kv_cache.dtype == "bfloat16" for call in fake.calls)
+    assert result.status == "repaired" and result.found is not None and result.found.attempt > 1
+
