@@ -26,7 +26,7 @@ import numpy as np
 TRUNCATION = 0.9  # of 1 / m: a bettor never stakes more than 90% of what a value of 0 would cost
 PERMUTATIONS = 16
 SEED = 0
-_GRID = 256
+_GRID = 64
 _CELLS = 4_000_000  # floats per step of the wealth computation
 
 

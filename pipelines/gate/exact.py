@@ -68,7 +68,7 @@ def _sf(k: np.ndarray, n: np.ndarray | int, p: float) -> np.ndarray:
 
 
 def _splits(tolerance: float, count: int) -> np.ndarray:
-    """p_gain from 0 (losses only) to (1 - T) / 2, denser near 0 where the discreteness bites."""
+    """p_gain from 0 (losses only) to (1 - T) / 2, denser near 0 where the discreteness bites (as worst_split's grid)."""
     return (1.0 - tolerance) / 2.0 * np.linspace(0.0, 1.0, count) ** 2
 
 
@@ -132,10 +132,13 @@ def region_probability(n: int, tolerance: float, passing_gains: np.ndarray, p_ga
     return float(np.sum(weight * np.where(fewest <= n - losses, passing, 0.0)))
 
 
-def worst_split(probability: Callable[[float], float], tolerance: float, *, splits: int = _FINE_SPLITS) -> tuple[float, float]:
-    """(sup over p_gain of probability(p_gain), the p_gain reaching it): a grid, then a bounded local maximisation
-    around each of the three largest grid values."""
-    grid = _splits(tolerance, splits)
+def worst_split(
+    probability: Callable[[float], float], tolerance: float, *, splits: int = _FINE_SPLITS, top: float | None = None,
+) -> tuple[float, float]:
+    """(sup over p_gain in [0, top] of probability(p_gain), the p_gain reaching it): a grid (denser near 0; top defaults to
+    (1 - T) / 2, every split), then a bounded local maximisation around each of the three largest grid values."""
+    highest = (1.0 - tolerance) / 2.0 if top is None else top
+    grid = highest * np.linspace(0.0, 1.0, splits) ** 2
     values = np.array([probability(float(p)) for p in grid])
     best_value, best_split = float(values.max()), float(grid[int(values.argmax())])
     for index in np.argsort(values)[-3:]:
@@ -146,6 +149,17 @@ def worst_split(probability: Callable[[float], float], tolerance: float, *, spli
         if -found.fun > best_value:
             best_value, best_split = float(-found.fun), float(found.x)
     return best_value, best_split
+
+
+def fixed_region_probability(n: int, right: int, passing_gains: np.ndarray, p_lose: float, p_gain: float) -> float:
+    """P(promote) with the baseline's score held fixed: L ~ Binomial(right, p_lose) among its right items, G ~
+    Binomial(n - right, p_gain) among its wrong ones, for a region {G >= passing_gains[L]}."""
+    if p_lose > 1.0 or p_gain > 1.0:
+        return 0.0
+    losses = np.arange(right + 1)
+    fewest = passing_gains[losses]
+    passing = _sf(fewest - 1, n - right, p_gain) if right < n else (fewest <= 0).astype(float)
+    return float(np.sum(_pmf(losses, right, p_lose) * np.where(fewest <= n - losses, passing, 0.0)))
 
 
 @dataclass(frozen=True)
@@ -238,13 +252,7 @@ def promote_at_tolerance(promotes: Callable[[int, int], bool], n: int, tolerance
     of its discordance into losses and gains with p_lose + p_gain <= max(max_discordance, tolerance) (losses only
     included), exact sums over the multinomial tables judged by `promotes`."""
     gains = passing_gains(promotes, n)
-    top_gain = max(0.0, (min(max(max_discordance, tolerance), 1.0) - tolerance) / 2.0)
-    if top_gain == 0.0:
+    top = max(0.0, (min(max(max_discordance, tolerance), 1.0) - tolerance) / 2.0)
+    if top == 0.0:
         return region_probability(n, tolerance, gains, 0.0), 0.0
-    scale = top_gain / ((1.0 - tolerance) / 2.0)
-
-    def probability(p_gain: float) -> float:
-        return region_probability(n, tolerance, gains, p_gain * scale)
-
-    rate, split = worst_split(probability, tolerance, splits=120)
-    return rate, split * scale
+    return worst_split(lambda p: region_probability(n, tolerance, gains, p), tolerance, splits=120, top=top)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from scipy.stats import norm
 
 from pipelines.artifact import read_json_object
@@ -42,8 +42,12 @@ class PairedItem(StrictModel):
     """One item scored by both models. `kl`: the item's mean per-token KL(baseline || candidate), nats.
 
     Values are the metric's per-item values as lm-eval logs them: a number for averaged metrics, a
-    list (for example [gold, prediction] or [loglikelihood, words]) for corpus-level ones.
+    list (for example [gold, prediction] or [loglikelihood, words]) for corpus-level ones. They may be
+    non-finite (a loglikelihood of -inf, a NaN score): SetComparison refuses them in the baseline and the
+    gate rejects a candidate with them (judge_set), naming the items.
     """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=True)
 
     item_id: str
     baseline: ItemValue
@@ -71,11 +75,20 @@ class SetComparison(StrictModel):
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def non_finite(value: ItemValue) -> bool:
+    """A NaN or an infinity: the value itself, or any number in its list (a loglikelihood of -inf in [ll, words])."""
+    numbers = value if isinstance(value, list) else [value]
+    return any(isinstance(number, float) and not math.isfinite(number) for number in numbers)
 
 
 def _check_value(metric: MetricSpec, item: PairedItem) -> None:
-    values = (item.baseline, item.candidate)
+    """The baseline's value must be finite; a candidate's non-finite value is the gate's to reject (judge_set)."""
+    if non_finite(item.baseline):
+        raise ValueError(f"the baseline's {metric.name} is not finite on item {item.item_id!r} ({item.baseline!r})")
+    values = tuple(value for value in (item.baseline, item.candidate) if not non_finite(value))
     if metric.kind == "corpus":
         # lm-eval logs [gold, pred] or [loglikelihood, count] pairs, but a bare loglikelihood for `perplexity`.
         if not all(isinstance(value, list) or _finite(value) for value in values):
@@ -252,10 +265,23 @@ def decide(comparisons: list[SetComparison], policy: Policy, recipe: str | Recip
     )
 
 
+_SHOWN_ITEMS = 5
+
+
 def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
-    """Measure one set and apply its rules."""
+    """Measure one set and apply its rules. Items where the candidate's value is not finite reject the set, named, and
+    the figures are those of the other items (an InputError, exit 2, when no item is left)."""
+    broken = [item.item_id for item in comparison.items if non_finite(item.candidate)]
+    if broken:
+        kept = [item for item in comparison.items if not non_finite(item.candidate)]
+        if not kept:
+            raise InputError(
+                f"eval set {comparison.eval_set}: the candidate's {comparison.metric.name} is not finite on any of its "
+                f"{len(broken)} items (first: {broken[0]})", field=f"eval set {comparison.eval_set}",
+            )
+        comparison = comparison.model_copy(update={"items": kept})
     measured = _measure(comparison, rules)
-    reasons = _reasons(comparison.eval_set, measured, rules)
+    reasons = _broken_reasons(comparison, broken) + _reasons(comparison.eval_set, measured, rules)
     return SetVerdict(
         **{key: value for key, value in measured.items() if not key.startswith("_")},
         rules=rules,
@@ -263,6 +289,16 @@ def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
         reasons=reasons,
         passed=not reasons,
     )
+
+
+def _broken_reasons(comparison: SetComparison, broken: list[str]) -> list[str]:
+    if not broken:
+        return []
+    shown = ", ".join(broken[:_SHOWN_ITEMS]) + (f", ... ({len(broken)} in all)" if len(broken) > _SHOWN_ITEMS else "")
+    return [
+        f"{comparison.eval_set}: the candidate's {comparison.metric.name} is not finite (NaN or infinite) on "
+        f"{len(broken)} of {len(broken) + len(comparison.items)} items: {shown} (the figures are the other items')"
+    ]
 
 
 def _nats(value: float) -> str:

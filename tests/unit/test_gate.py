@@ -270,7 +270,7 @@ def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
     result = decide([SetComparison(eval_set="intents", metric=spec, items=items)], policy(max_kl=None), "w8a8")
     verdict = result.sets[0]
     assert verdict.baseline_score == 100.0 and verdict.candidate_score == pytest.approx(100 * 140 / 170, abs=1e-4)
-    assert verdict.interval_method == "percentile-bootstrap-floored" and verdict.ci_high < 0
+    assert verdict.interval_method == "percentile-bootstrap-rare-damage" and verdict.ci_high < 0
     assert result.verdict == "rejected"
 
 
@@ -299,9 +299,26 @@ def test_inconsistent_comparisons_are_refused(items, metric, message):
         SetComparison(eval_set="x", metric=make_spec(metric), items=items)
 
 
-def test_item_values_must_be_finite():
-    with pytest.raises(ValidationError, match="finite number"):
-        PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)
+def test_a_baseline_value_must_be_finite():
+    with pytest.raises(ValidationError, match="the baseline's acc is not finite on item 'a'"):
+        SetComparison(eval_set="x", metric=make_spec("acc"), items=[PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)])
+
+
+def test_non_finite_candidate_values_reject_the_set_naming_the_items():
+    # A NaN exact_match and a -inf loglikelihood: the set is rejected with a reason naming the items; the figures are the
+    # other items'. Every item broken: one input error line (exit 2), never an internal error.
+    items = [PairedItem(item_id=str(i), baseline=1.0, candidate=float("nan") if i in (3, 7) else 1.0) for i in range(120)]
+    verdict = decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=items)], policy(), "w8a8").sets[0]
+    assert not verdict.passed and verdict.n == 118
+    assert verdict.reasons[0] == ("tickets: the candidate's exact_match is not finite (NaN or infinite) on 2 of 120 items: 3, 7 "
+                                  "(the figures are the other items')")
+    spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
+    words = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[float("-inf") if i == 5 else -20.0, 10]) for i in range(200)]
+    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=words)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
+    assert not verdict.passed and "not finite (NaN or infinite) on 1 of 200 items: 5" in verdict.reasons[0]
+    gone = [PairedItem(item_id=str(i), baseline=1.0, candidate=float("nan")) for i in range(60)]
+    with pytest.raises(InputError, match="not finite on any of its 60 items"):
+        decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=gone)], policy(), "w8a8")
 
 
 def test_corpus_items_are_lists_or_numbers():
