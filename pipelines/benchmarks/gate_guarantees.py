@@ -86,9 +86,9 @@ def print_scan(rows: list[dict], confidence: float) -> None:
 # --- averaged metrics: a few items broken outright, many nudged ---------------------------------------------------
 
 SKEWED_GRID = [  # (n, share broken outright, share nudged, nudge: "normal" N(mu, 0.03) or "t2" mu + 0.02 t(2))
-    (100, 0.01, 0.6, "normal"), (100, 0.03, 0.6, "normal"), (100, 0.02, 0.6, "t2"),
-    (250, 0.01, 0.6, "normal"), (250, 0.02, 0.6, "normal"), (250, 0.04, 0.6, "normal"), (250, 0.02, 0.6, "t2"),
-    (500, 0.02, 0.6, "normal"),
+    (100, 0.05, 0.3, "normal"), (100, 0.08, 0.9, "normal"), (100, 0.08, 0.6, "t2"),
+    (250, 0.03, 0.3, "normal"), (250, 0.05, 0.9, "normal"), (250, 0.08, 0.9, "normal"), (250, 0.05, 0.6, "t2"),
+    (500, 0.05, 0.6, "normal"),
 ]
 
 

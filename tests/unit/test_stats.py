@@ -179,36 +179,19 @@ def test_betting_bound_knows_its_answer_on_constant_values():
     assert betting.identical_bound(62, 0.95) <= 0.055 < betting.identical_bound(61, 0.95)
 
 
-def skewed_population(broken: float, nudged: float, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Baseline Beta(4, 1.5); a share `broken` drops to 0, a share `nudged` moves by N(-0.02, 0.03) (clipped)."""
-    rng = np.random.default_rng(seed)
-    base = rng.beta(4.0, 1.5, size)
-    kind = rng.random(size)
-    nudge = np.clip(base + rng.normal(-0.02, 0.03, size), 0, 1)
-    return base, np.where(kind < broken, 0.0, np.where(kind < broken + nudged, nudge, base))
-
-
-@pytest.mark.parametrize(("n", "broken", "nudged"), [
-    (60, 0.02, 0.5), pytest.param(150, 0.01, 0.6, marks=pytest.mark.slow), pytest.param(250, 0.03, 0.6, marks=pytest.mark.slow),
+@pytest.mark.parametrize(("n", "broken", "nudged", "nudge"), [
+    (100, 0.08, 0.9, "normal"), pytest.param(250, 0.05, 0.9, "normal", marks=pytest.mark.slow),
+    pytest.param(250, 0.05, 0.6, "t2", marks=pytest.mark.slow),
 ])
-def test_the_averaged_bound_covers_one_sided_when_a_few_items_break_outright(n, broken, nudged):
-    # Known answer by simulation: the one-sided 95% bound of the population's true mean worsening is missed (bound < truth)
-    # at most 5% of the time (+ 2 simulation standard errors) with a few items broken outright and many nudged slightly,
-    # where Tango's score interval on effective counts missed 6.5-11%. 300 seeded sets per case.
-    base, cand = skewed_population(broken, nudged, 100_000, n)
-    truth = float(np.mean(base - cand))
-    rng = np.random.default_rng(n + 1)
-    missed = 0
-    for _ in range(300):
-        picks = rng.integers(0, 100_000, n)
-        _, low, _ = stats.mean_difference_interval(base[picks], cand[picks], value_range=1.0, confidence=0.90)
-        missed += -low < truth
-    assert missed / 300 <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 300)
+def test_the_averaged_bound_covers_one_sided_when_a_few_items_break_outright(n, broken, nudged, nudge):
+    # Known answer by simulation: a population whose true mean worsening is exactly the tolerance (5.5 points), a few
+    # items broken outright and many nudged slightly (normal or t(2) nudges); its one-sided 95% bound is missed (bound <
+    # truth: the candidate promoted) at most 5% of the time, + 2 simulation standard errors. Tango's score interval on
+    # effective counts, which it replaced, missed 8.3% / 7.9% in the first two cases. 300 seeded sets each.
+    from pipelines.benchmarks.gate_guarantees import skewed_miss
 
-
-COVERAGE_CASES = [  # (share of items changed, size of a change: "uniform" U(0, 1) or "one" 1.0, P(a change is down))
-    (0.05, "one", 0.5), (0.1, "uniform", 0.8), (0.1, "uniform", 1.0), (0.3, "uniform", 0.8), (1.0, "uniform", 0.5),
-]
+    miss = skewed_miss(n, broken, nudged, nudge, 0.055, reps=300, confidence=0.95, seed=n)
+    assert miss <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 300)
 
 
 @pytest.mark.slow
