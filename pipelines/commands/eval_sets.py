@@ -135,8 +135,9 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordance
             row["identical_items_needed"] = identical.identical_items_needed(spec.kind, min(fraction, 1.0), rules.confidence)
         if spec.kind == "binary":
             right = round(baseline_score * n)
+            floor = identical.identical_bound("binary", n, fraction, rules.confidence)
             for psi in discordances:
-                certifies = spec.scale * stats.certifiable_tolerance(n, psi, confidence=rules.confidence)
+                certifies = spec.scale * max(stats.certifiable_tolerance(n, psi, confidence=rules.confidence), floor)
                 needed = None if fraction is None else (1 if fraction >= 1 else max(
                     stats.items_needed(fraction, psi, confidence=rules.confidence), row["identical_items_needed"] or 1))
                 row["by_discordance"].append({

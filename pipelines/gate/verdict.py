@@ -378,7 +378,9 @@ def _sizing(spec: MetricSpec, m: dict[str, Any], rules: SetPolicy) -> dict[str, 
     unit_range = scale * (1.0 if spec.kind == "binary" else m["_value_range"])  # one item's reach, in unit
     if spec.kind == "binary":
         psi = m["_discordance"]
-        certifiable = stats.certifiable_tolerance(n, psi, confidence=rules.confidence)
+        # Nam's planning figure, never below what the calibrated test gives an identical candidate
+        certifiable = max(stats.certifiable_tolerance(n, psi, confidence=rules.confidence),
+                          identical.identical_bound("binary", n, _fraction(allowed, scale), rules.confidence))
         needed = None
         if allowed is not None and allowed > 0:
             needed = 1 if allowed >= scale else max(

@@ -11,6 +11,7 @@ from fakes import make_eval_set, make_model
 
 from pipelines import cli
 from pipelines.commands import gate as gate_command
+from pipelines.gate import exact
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -38,7 +39,9 @@ def test_power_gives_each_set_s_minimum_certifiable_tolerance_and_items_needed(c
     assert (tickets["name"], tickets["items"], tickets["tolerance"], tickets["identical_items_needed"]) == ("tickets", 120, 5.5, 53)
     assert tickets["refused"] is None and tickets["guarantee"].startswith("P(promote | true worsening = tolerance) <= 1 - confidence, exact")
     zero, four = tickets["by_discordance"]
-    assert zero["certifies"] == pytest.approx(100 * 1.6448536**2 / (120 + 1.6448536**2), abs=1e-3) and zero["items_needed"] == 53
+    # at psi 0 an identical candidate's bound, z^2 / (120 + z^2) at the critical value calibrated for 120 items
+    z = exact.critical_value(120, 0.055, 0.95)
+    assert zero["certifies"] == pytest.approx(100 * z**2 / (120 + z**2), abs=1e-3) and zero["items_needed"] == 53
     assert four["items_needed"] == 126 and four["certifies"] > 5.5  # 120 items fall just short at 4% discordance
     # promote_at_tolerance: a true drop of 5.5 points, worst split of a discordance up to max(psi, 5.5%), exact over the
     # multinomial tables through the gate's own decision: never above 5%. At psi 0 only losses (p_lose 0.055, p_gain 0).
