@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +48,19 @@ def fixed_baseline_worst(n: int, allowed: float, gains: np.ndarray) -> tuple[flo
             continue
         top = max(0.0, min(right / n - allowed, (n - right) / n)) if right < n else 0.0
 
-        def probability(p_gain: float, right: int = right) -> float:
-            return exact.fixed_region_probability(n, right, gains, (p_gain + allowed) * n / right, p_gain * n / (n - right) if right < n else 0.0)
-
+        probability = partial(_fixed_probability, n, right, allowed, gains)
         rate, split = exact.worst_split(probability, allowed, splits=41, top=top) if top > 0 else (probability(0.0), 0.0)
         if rate > worst[0]:
             worst = (rate, score, split)
     return worst
+
+
+def _promotes(rules: SetPolicy, n: int, right: int, lost: int, gained: int) -> bool:
+    return not table_rejects(rules, True, n, right, lost, gained)
+
+
+def _fixed_probability(n: int, right: int, allowed: float, gains: np.ndarray, p_gain: float) -> float:
+    return exact.fixed_region_probability(n, right, gains, (p_gain + allowed) * n / right, p_gain * n / (n - right) if right < n else 0.0)
 
 
 def scan(rules: SetPolicy, sizes: list[int]) -> list[dict]:
@@ -64,8 +71,8 @@ def scan(rules: SetPolicy, sizes: list[int]) -> list[dict]:
     rows = []
     for n in sizes:
         right = round(0.8 * n)  # the default rules do not read the baseline's score; max_rel_drop would
-        gains = exact.passing_gains(lambda lost, gained, n=n, right=right: not table_rejects(rules, True, n, right, lost, gained), n)
-        multinomial, split = exact.worst_split(lambda p, n=n, gains=gains: exact.region_probability(n, fraction, gains, p), fraction)
+        gains = exact.passing_gains(partial(_promotes, rules, n, right), n)
+        multinomial, split = exact.worst_split(partial(exact.region_probability, n, fraction, gains), fraction)
         fixed, score, fixed_split = fixed_baseline_worst(n, fraction, gains)
         rows.append({"n": n, "multinomial": multinomial, "multinomial_p_gain": split,
                      "fixed": fixed, "fixed_baseline": score, "fixed_p_gain": fixed_split})

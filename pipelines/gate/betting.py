@@ -40,9 +40,8 @@ def _stakes(x: np.ndarray, confidence: float) -> np.ndarray:
     n = x.shape[-1]
     count = np.arange(1, n + 1)
     running_mean = (0.5 + np.cumsum(x, axis=-1)) / (count + 1)
-    previous_mean = np.concatenate([np.full(x.shape[:-1] + (1,), 0.5), running_mean[..., :-1]], axis=-1)
-    running_variance = (0.25 + np.cumsum((x - previous_mean) ** 2, axis=-1)) / (count + 1)
-    variance_before = np.concatenate([np.full(x.shape[:-1] + (1,), 0.25), running_variance[..., :-1]], axis=-1)
+    running_variance = (0.25 + np.cumsum((x - running_mean) ** 2, axis=-1)) / (count + 1)
+    variance_before = np.concatenate([np.full((*x.shape[:-1], 1), 0.25), running_variance[..., :-1]], axis=-1)
     return np.sqrt(2.0 * math.log(1.0 / (1.0 - confidence)) / (n * variance_before))
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 from scipy.optimize import minimize_scalar
@@ -178,8 +178,7 @@ def _calibrate(n: int, tolerance: float, confidence: float) -> Calibration:
         z = max(nominal, _above(n, tolerance, boundary))
         if math.isinf(z):
             return Calibration(z=math.inf, worst_rate=0.0, worst_gain=0.0)
-        gains = _smallest_passing_gains(n, tolerance, z)
-        rate, split = worst_split(lambda p, gains=gains: region_probability(n, tolerance, gains, p), tolerance)
+        rate, split = worst_split(partial(region_probability, n, tolerance, _smallest_passing_gains(n, tolerance, z)), tolerance)
         if rate <= alpha + 1e-12:
             return Calibration(z=z, worst_rate=rate, worst_gain=split)
         # the fine check found a split the coarse grid missed: its own boundary lies at or above z

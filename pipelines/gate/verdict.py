@@ -599,9 +599,9 @@ def _warnings(name: str, m: dict[str, Any], rules: SetPolicy, *, passed: bool) -
         floor, scale_range = m["_identical_bound"], m["_unit_range"]
         if floor > allowed + _EPS:
             needs = "no number of items can"
-            needed = identical.identical_items_needed(m["kind"], allowed / scale_range, rules.confidence) if allowed > 0 else None
-            if needed is not None:
-                needs = f"it needs at least {needed} items"
+            minimum = identical.identical_items_needed(m["kind"], allowed / scale_range, rules.confidence) if allowed > 0 else None
+            if minimum is not None:
+                needs = f"it needs at least {minimum} items"
             warnings.append(
                 f"{name}: {n} items cannot show a {word} under {allowed:.4g} {unit} at {sure} even against an identical model "
                 f"(its bound is at least {floor:.4g} {unit}); {needs}"

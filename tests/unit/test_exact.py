@@ -69,8 +69,8 @@ def test_the_bound_reads_the_same_decision_as_the_statistic():
     # worsening_bound <= T exactly when Z_T >= z*: every table of n = 100 (the critical value sits between two tables).
     n = 100
     z = exact.critical_value(n, TOLERANCE, 0.95)
-    for lost in range(0, 40):
-        for gained in range(0, 40):
+    for lost in range(40):
+        for gained in range(40):
             by_statistic = exact.tango_statistic(np.array([lost]), np.array([gained]), n, TOLERANCE)[0] >= z
             by_bound = -stats.tango_lower_bound(lost, gained, n, z=z) <= TOLERANCE + 1e-11
             assert by_statistic == by_bound, (lost, gained)

@@ -194,6 +194,11 @@ def test_the_averaged_bound_covers_one_sided_when_a_few_items_break_outright(n, 
     assert miss <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 300)
 
 
+COVERAGE_CASES = [  # (share of items changed, size of a change: "uniform" U(0, 1) or "one" 1.0, P(a change is down))
+    (0.05, "one", 0.5), (0.1, "uniform", 0.8), (0.1, "uniform", 1.0), (0.3, "uniform", 0.8), (1.0, "uniform", 0.5),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [50, 250])
 def test_the_per_item_interval_covers_at_least_93_percent_with_few_or_many_changed_items(n):
