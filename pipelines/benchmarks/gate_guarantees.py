@@ -15,7 +15,7 @@ slightly: the one-sided miss P(bound < true worsening) of the bound the toleranc
 tolerance (= P(promote) there), simulated over seeded sets drawn from a population of 400,000 items.
 
 concentrated: word perplexity under rel_margin when the whole true rise (the tolerance, 5%) sits in 2-5% of the documents:
-P(pass) through judge_set, simulated (the spread-evenly case of gate_oc.corpus_promote_rate for comparison).
+P(pass) through judge_set, simulated (gate_oc.corpus_promote_rate with `share`; share 1 is the spread-evenly case).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.benchmarks.gate_oc import corpus_promote_rate
 from pipelines.gate import exact, stats
 from pipelines.gate.policy import DEFAULT_POLICY, SetPolicy, load_policy
 from pipelines.gate.verdict import table_rejects, tolerance
@@ -140,28 +141,6 @@ def skewed_miss(n: int, broken: float, nudged: float, nudge: str, target: float,
 CONCENTRATED_GRID = [(250, 0.02), (250, 0.03), (250, 0.05), (150, 0.02), (150, 0.05), (100, 0.05), (60, 0.05)]
 
 
-def concentrated_pass_rate(rules: SetPolicy, n: int, share: float, rise: float, *, sims: int, seed: int = 0, noise: float = 0.3) -> float:
-    """P(pass) of a word-perplexity set (gate_oc.corpus_promote_rate's documents) whose true relative rise `rise` sits in
-    a share `share` of the documents: those rise by ln(1 + rise) / share nats per word, the others not at all (each with
-    the same per-document noise), judged by judge_set."""
-    from pipelines.evaluation.metrics import make_spec
-    from pipelines.gate.verdict import PairedItem, SetComparison, judge_set
-
-    spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
-    rng = np.random.default_rng(seed)
-    passed = 0
-    for _ in range(sims):
-        words = rng.integers(20, 200, n)
-        base = -words * rng.gamma(4.0, 0.5, n)
-        damaged = rng.random(n) < share
-        shift = np.where(damaged, np.log1p(rise) / share, 0.0)
-        cand = base - words * (shift + rng.normal(0.0, noise, n) / np.sqrt(words / 20))
-        items = [PairedItem(item_id=str(i), baseline=[float(b), int(w)], candidate=[float(c), int(w)])
-                 for i, (b, c, w) in enumerate(zip(base, cand, words, strict=True))]
-        passed += judge_set(SetComparison(eval_set="simulated", metric=spec, items=items), rules).passed
-    return passed / sims
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("check", choices=("scan", "skewed", "concentrated"))
@@ -194,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         rules = policy.for_set(args.recipe, "(a perplexity set)")
         print(f"Word perplexity, true rise {rules.rel_margin:.0%} (rel_margin) in a share of documents, {args.sims} sets per cell, P(pass):")
         for n, share in CONCENTRATED_GRID:
-            rate = concentrated_pass_rate(rules, n, share, rules.rel_margin or 0.05, sims=args.sims, seed=n)
+            rate = corpus_promote_rate(rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n, share=share)
             print(f"  n {n:4d}, {100 * share:.0f}% of documents: {100 * rate:5.1f}%")
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

@@ -100,10 +100,14 @@ def per_item_coverage(n: int, changed: float, *, reps: int, seed: int = 0, confi
     return hits / reps
 
 
-def corpus_promote_rate(rules: SetPolicy, n: int, rise: float, *, sims: int, seed: int = 0, noise: float = 0.3) -> float:
+def corpus_promote_rate(
+    rules: SetPolicy, n: int, rise: float, *, sims: int, seed: int = 0, noise: float = 0.3, share: float = 1.0,
+) -> float:
     """P(pass) of a word-perplexity set (lm-eval's weighted_perplexity) whose true relative rise is `rise`, simulated
     through judge_set: n items of 20-200 words, per-word loglikelihoods Gamma(4, 0.5) nats, the candidate's per-item
-    mean nats/word shifted by ln(1 + rise) plus N(0, noise / sqrt(words / 20))."""
+    mean nats/word shifted by ln(1 + rise) plus N(0, noise / sqrt(words / 20)). `share` < 1 concentrates the rise:
+    each document is damaged with that probability and shifted by ln(1 + rise) / share, the others not at all (the
+    same true rise, over the documents' words)."""
     from pipelines.evaluation.metrics import make_spec
     from pipelines.gate.verdict import PairedItem, SetComparison, judge_set
 
@@ -113,7 +117,8 @@ def corpus_promote_rate(rules: SetPolicy, n: int, rise: float, *, sims: int, see
     for _ in range(sims):
         words = rng.integers(20, 200, n)
         base = -words * rng.gamma(4.0, 0.5, n)
-        cand = base - words * (np.log1p(rise) + rng.normal(0.0, noise, n) / np.sqrt(words / 20))
+        shift = np.log1p(rise) if share >= 1.0 else np.where(rng.random(n) < share, np.log1p(rise) / share, 0.0)
+        cand = base - words * (shift + rng.normal(0.0, noise, n) / np.sqrt(words / 20))
         items = [PairedItem(item_id=str(i), baseline=[float(b), int(w)], candidate=[float(c), int(w)])
                  for i, (b, c, w) in enumerate(zip(base, cand, words, strict=True))]
         passed += judge_set(SetComparison(eval_set="simulated", metric=spec, items=items), rules).passed
