@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import binom
 
-from pipelines.gate import exact, stats
+from pipelines.gate import exact, identical, stats
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
 from pipelines.gate.verdict import load_report, table_rejects, tolerance
 from pipelines.paths import DEMO_EVAL_SETS
@@ -207,7 +207,7 @@ def print_sets(sets: list[SetCase], *, source: str) -> tuple[float, float]:
     print(f"\nYour sets ({source}):")
     for name, n, score, observed, rules in sets:
         seen = "" if observed is None else f", observed discordance {observed:.3f}"
-        minimum = stats.identical_items_needed(rules.ni_margin / 100, confidence=rules.confidence)
+        minimum = identical.identical_items_needed("binary", rules.ni_margin / 100, rules.confidence)
         print(f"  {name}: n = {n}, baseline {100 * score:.1f}{seen}, tolerance {tolerance(True, rules, 100 * score)} points "
               f"at {rules.confidence:.0%}, identical-model minimum {minimum} items")
     print(f"\nUnchanged candidate (true drop 0) over the {len(sets)} sets together, P(reject):")

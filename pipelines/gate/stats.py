@@ -367,16 +367,6 @@ def zero_count_items_needed(tolerance: float, *, confidence: float = CONFIDENCE)
     return max(1, math.ceil(math.log(1.0 - confidence) / math.log(1.0 - tolerance) - 1e-9))
 
 
-def identical_items_needed(tolerance: float, *, confidence: float = CONFIDENCE) -> int:
-    """Fewest items with identical_floor(n) <= tolerance (a fraction of the value range): ceil(z^2 (1 - T) / T)."""
-    if tolerance <= 0.0:
-        raise ValueError("tolerance must be positive")
-    if tolerance >= 1.0:
-        return 1
-    z = z_one_sided(confidence)
-    return max(1, math.ceil(z * z * (1.0 - tolerance) / tolerance - 1e-9))
-
-
 def tango_null_variance(tolerance: float, discordance: float) -> float:
     """Per-item variance of the paired difference at Tango's restricted MLE under H0: delta = -tolerance, for a
     table whose losses and gains are discordance / 2 each (Nam 1997's planning value)."""
@@ -392,7 +382,8 @@ def items_needed(tolerance: float, discordance: float, *, confidence: float = CO
 
     Nam (1997), non-inferiority of paired proportions with Tango's score test:
         n = ((z(c) sqrt(V0) + z(power) sqrt(psi)) / T)^2,
-    V0 = tango_null_variance(T, psi). With psi = 0 it is identical_items_needed(T) (up to rounding).
+    V0 = tango_null_variance(T, psi). With psi = 0 it is ceil(z_c^2 (1 - T) / T), the asymptotic identical minimum
+    (callers take at least the calibrated test's exact one: pipelines.gate.identical).
     """
     if not 0.0 < tolerance < 1.0:
         raise ValueError(f"tolerance must lie in (0, 1) (got {tolerance})")

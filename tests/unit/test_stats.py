@@ -102,17 +102,22 @@ def test_exact_lower_bound_is_the_beta_quantile():
     assert stats.exact_lower_bound(0, 50) == 0.0
 
 
-def test_identical_items_needed_is_the_smallest_n_whose_floor_fits():
-    # 5.5 points at 95%: z^2 (1 - T) / T = 2.7055 x 0.945 / 0.055 = 46.5 -> 47 items; 5.0 points -> 52.
-    assert stats.identical_items_needed(0.055) == 47 and stats.identical_items_needed(0.05) == 52
+def test_zero_count_floor_is_clopper_pearson_s_bound_of_a_rate_never_seen():
+    # 1 - 0.05^(1/n): 5.5 points need 53 items (0.945^53 = 0.0499 <= 5% < 0.945^52), 5 points 59, 3 points 99.
+    from scipy.stats import beta
+
+    assert stats.zero_count_bound(250) == pytest.approx(beta.ppf(0.95, 1, 250), abs=1e-12)
+    assert [stats.zero_count_items_needed(t) for t in (0.055, 0.05, 0.03)] == [53, 59, 99]
     for tolerance in (0.01, 0.03, 0.055, 0.2):
-        n = stats.identical_items_needed(tolerance)
-        assert stats.identical_floor(n) <= tolerance < stats.identical_floor(n - 1)
+        n = stats.zero_count_items_needed(tolerance)
+        assert stats.zero_count_bound(n) <= tolerance < stats.zero_count_bound(n - 1)
 
 
 def test_items_needed_is_nam_s_formula_and_has_the_stated_power():
     # Nam (1997): n = ((z_c sqrt(V0) + z_b sqrt(psi)) / T)^2; with psi = 0 it reduces to the identical-model minimum.
-    assert stats.items_needed(0.055, 0.0) == stats.identical_items_needed(0.055)
+    # With psi = 0 it is the asymptotic identical minimum z^2 (1 - T) / T: 47 for 5.5 points (the gate reports at least the
+    # calibrated test's exact minimum, 53).
+    assert stats.items_needed(0.055, 0.0) == 47
     assert stats.items_needed(0.055, 0.04) == 126
     assert stats.certifiable_tolerance(126, 0.04) <= 0.055 < stats.certifiable_tolerance(125, 0.04)
     # Power by exact summation over the binomial tables: Tango's bound within 5.5 points for an unchanged candidate.
