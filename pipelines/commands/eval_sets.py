@@ -9,7 +9,7 @@ from pathlib import Path
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
-from pipelines.gate import stats
+from pipelines.gate import exact, identical, stats
 from pipelines.gate.policy import load_gate_policy, unattainable
 from pipelines.gate.verdict import table_rejects
 from pipelines.paths import EVAL_SETS_DIR
@@ -97,11 +97,26 @@ def _fractions(text: str, option: str) -> list[float]:
     return values
 
 
-def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float]) -> list[dict]:
-    """Per set, under its rules: the tolerance, the identical-model minimum, and for each discordance psi the smallest
-    tolerance its n certifies (an unchanged candidate passing 80% of the time) and the items the tolerance needs
-    (Nam 1997 with Tango's score test: pipelines.gate.stats.items_needed). Pass/fail sets only have the last two; other
-    metrics' noise is known once scored (each run's report gives them)."""
+GUARANTEES = {
+    "binary": "P(promote | true worsening = tolerance) <= 1 - confidence, exact, for every split of the discordance into losses "
+              "and gains, under the multinomial model (items drawn independently; Tango's test at a critical value calibrated "
+              "per n); promote_at_tolerance gives the exact figure per discordance",
+    "continuous": "P(promote | true worsening = tolerance) <= 1 - confidence for any distribution of the per-item changes "
+                  "(skewed, heavy-tailed, a few items broken outright), items drawn independently (betting bound)",
+    "corpus": "P(promote | true worsening = tolerance) about 1 - confidence (paired bootstrap with a rare-damage allowance; "
+              "simulated, not exact), items drawn independently; damage confined to fewer documents than damage_share "
+              "is outside it for perplexities and bits_per_byte",
+}
+
+
+def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float = 0.8) -> list[dict]:
+    """Per set, under its rules: the tolerance, the identical-model minimum, the guarantee with its sampling model, and for
+    each discordance psi the smallest tolerance its n certifies (an unchanged candidate passing 80% of the time), the items
+    the tolerance needs (Nam 1997 with Tango's score test: pipelines.gate.stats.items_needed, at least the identical
+    minimum), and promote_at_tolerance: the exact P(promote) of a candidate whose true worsening is the tolerance, worst
+    over every split of a discordance up to max(psi, tolerance) into losses and gains (losses only included), summed over
+    the multinomial tables judged by the gate's own decision function (table_rejects). Pass/fail sets only have the
+    per-discordance figures; other metrics' noise is known once scored (each run's report gives them)."""
 
     rows = []
     for eval_set in eval_sets:
@@ -109,23 +124,41 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordance
         spec, n = eval_set.metric, eval_set.num_items
         refused = unattainable(policy, recipe, eval_set)
         row: dict = {
-            "name": eval_set.name, "metric": spec.name, "unit": spec.unit, "items": n, "confidence": rules.confidence,
+            "name": eval_set.name, "metric": spec.name, "kind": spec.kind, "unit": spec.unit, "items": n, "confidence": rules.confidence,
             "tolerance": (rules.ni_margin if rules.non_inferiority else None) if spec.in_points else rules.rel_margin,
             "tolerance_kind": "points" if spec.in_points else "relative",
             "refused": None if refused is None else f"{refused[1]}: {refused[0]}",
-            "identical_items_needed": None, "by_discordance": [],
+            "identical_items_needed": None, "guarantee": GUARANTEES[spec.kind], "by_discordance": [],
         }
         fraction = row["tolerance"] / spec.scale if spec.in_points and row["tolerance"] is not None else (
-            row["tolerance"] if spec.relative_scale else None)
+            row["tolerance"] if spec.relative_scale and spec.kind == "corpus" else None)
         if fraction is not None:
-            row["identical_items_needed"] = stats.identical_items_needed(fraction, confidence=rules.confidence)
+            row["identical_items_needed"] = identical.identical_items_needed(spec.kind, min(fraction, 1.0), rules.confidence)
         if spec.kind == "binary":
+            right = round(baseline_score * n)
+            floor = identical.identical_bound("binary", n, fraction, rules.confidence)
             for psi in discordances:
-                certifies = spec.scale * stats.certifiable_tolerance(n, psi, confidence=rules.confidence)
-                needed = None if fraction is None else (1 if fraction >= 1 else stats.items_needed(fraction, psi, confidence=rules.confidence))
-                row["by_discordance"].append({"discordance": psi, "certifies": round(certifies, 4), "items_needed": needed})
+                certifies = spec.scale * max(stats.certifiable_tolerance(n, psi, confidence=rules.confidence), floor)
+                needed = None if fraction is None else (1 if fraction >= 1 else max(
+                    stats.items_needed(fraction, psi, confidence=rules.confidence), row["identical_items_needed"] or 1))
+                row["by_discordance"].append({
+                    "discordance": psi, "certifies": round(certifies, 4), "items_needed": needed,
+                    **_promote_at_tolerance(rules, spec.higher_is_better, n, right, fraction, psi),
+                })
         rows.append(row)
     return rows
+
+
+def _promote_at_tolerance(rules, higher_is_better: bool, n: int, right: int, fraction: float | None, psi: float) -> dict:
+    """promote_at_tolerance and the split reaching it (p_lose, p_gain), or nulls when no tolerance in (0, 1) applies."""
+    if fraction is None or not 0.0 < fraction < 1.0:
+        return {"promote_at_tolerance": None, "worst_split": None}
+
+    def promotes(lost: int, gained: int) -> bool:
+        return not table_rejects(rules, higher_is_better, n, right, lost, gained)
+
+    rate, p_gain = exact.promote_at_tolerance(promotes, n, fraction, max_discordance=psi)
+    return {"promote_at_tolerance": round(rate, 6), "worst_split": {"p_lose": round(p_gain + fraction, 6), "p_gain": round(p_gain, 6)}}
 
 
 def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float) -> list[dict]:
@@ -170,7 +203,8 @@ def power_sets(args: argparse.Namespace) -> int:
 def _render_power(document: dict) -> None:
     sets = document["sets"]
     discordances = [entry["discordance"] for entry in document["whole_run"]]
-    columns = ["name", "metric", "items", "tolerance", "identical needs"] + [f"psi {psi:g}: certifies / needs" for psi in discordances]
+    columns = ["name", "metric", "items", "tolerance", "identical needs"] + [
+        f"psi {psi:g}: certifies / needs / P(promote at T)" for psi in discordances]
     rows = []
     for row in sets:
         unit = "" if row["tolerance_kind"] == "points" else " (relative)"
@@ -182,12 +216,16 @@ def _render_power(document: dict) -> None:
         for psi in discordances:
             entry = by.get(psi)
             needed = "-" if entry is None or entry["items_needed"] is None else str(entry["items_needed"])
-            cells.append("-" if entry is None else f"{entry['certifies']:.2f} / {needed}")
+            rate = "-" if entry is None or entry["promote_at_tolerance"] is None else f"{entry['promote_at_tolerance']:.1%}"
+            cells.append("-" if entry is None else f"{entry['certifies']:.2f} / {needed} / {rate}")
         rows.append(cells)
-    say(table(f"Sizing against {document['policy']} (one-sided bounds; an unchanged candidate passing 80% of the time)", columns, rows))
+    say(table(f"Sizing against {document['policy']} (one-sided bounds; an unchanged candidate passing 80% of the time; P(promote at "
+              f"T): a true worsening of the tolerance, worst split, multinomial model, exact)", columns, rows))
     for row in sets:
         if row["refused"]:
             say(f"refused at load: {row['refused']}")
+    for kind in sorted({row["kind"] for row in sets}):
+        say(f"guarantee ({kind} sets): {GUARANTEES[kind]}")
     for entry in document["whole_run"]:
         say(f"unchanged candidate, discordance {entry['discordance']:g}, baseline {document['baseline_score']:.0%}: rejected by at least "
             f"one of the {entry['sets']} pass/fail sets {entry['reject_probability']:.1%} of the time")

@@ -71,7 +71,14 @@ class MetricSpec(FrozenModel):
 
     @property
     def relative_scale(self) -> bool:
-        """Unbounded (perplexities, bits_per_byte): one item can move the score by about the score itself."""
+        """In its own unit (perplexities, bits_per_byte, bleu, chrf, ter): one item's reach scales with the score itself,
+        so the floor of its bound and its tolerance are fractions of the score, whatever the score."""
+        return self.name in OWN_UNIT_METRICS
+
+    @property
+    def unbounded_items(self) -> bool:
+        """Perplexities and bits_per_byte: one item can move the score without limit (a loglikelihood has no floor), so
+        damage confined to a few items is bounded by no tolerance; the policy's damage_share says how few."""
         return self.name in OWN_UNIT_METRICS and self.name not in PERCENT_SCALE_METRICS
 
     @property
@@ -81,11 +88,11 @@ class MetricSpec(FrozenModel):
 
 
 def value_range(spec: MetricSpec, scores: tuple[float, ...]) -> float:
-    """How far one item can move the set's score, in metric units: the width floor's scale."""
+    """How far one item can move the set's score, in metric units: 1 for metrics in [0, 1]; for a metric in its own unit
+    the largest of `scores` (the two models' corpus scores: one item's reach scales with the score; or the per-item
+    values' spread for a metric averaged per item)."""
     if spec.bounded_unit_interval:
         return 1.0
-    if spec.name in PERCENT_SCALE_METRICS:
-        return 100.0
     return max((abs(score) for score in scores), default=1.0) or 1.0
 
 

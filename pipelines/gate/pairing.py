@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from pipelines.errors import EvalError, InputError, from_validation_error
 from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.evaluate import ItemScore, SetScore
-from pipelines.gate.verdict import PairedItem, SetComparison
+from pipelines.gate.verdict import PairedItem, SetComparison, non_finite
 
 _SHOWN = 5  # doc ids named in an error before "..."
 
@@ -26,6 +26,8 @@ def pair_set(
     base, cand = _by_doc(eval_set, "baseline", baseline), _by_doc(eval_set, "candidate", candidate)
     _check_same_items(eval_set, base, cand)
     _check_same_docs(eval_set, base, cand)
+    _check_baseline_finite(eval_set, base)
+    _check_same_counts(eval_set, base, cand)
     stray = sorted(set(kl_by_doc) - set(base))
     if stray:
         raise EvalError(f"eval set {eval_set.name}: KL measured for items not in the set: {_docs(stray)}")
@@ -85,6 +87,44 @@ def _check_same_docs(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[i
             f"eval set {eval_set.name}: {len(differing)} item(s) differ between the baseline and candidate runs "
             f"(doc_hash): {_docs(differing)}"
         )
+
+
+def _check_baseline_finite(eval_set: EvalSet, base: dict[int, ItemScore]) -> None:
+    """The baseline is the reference: a NaN or infinite value in it leaves nothing to compare against (exit 2, naming the
+    items). A candidate's non-finite values are the gate's to reject."""
+    broken = [doc for doc in sorted(base) if non_finite(base[doc].value)]
+    if broken:
+        first = base[broken[0]].value
+        raise EvalError(
+            f"eval set {eval_set.name}: the baseline's {eval_set.metric.name} is not finite (NaN or infinite) on "
+            f"{_docs(broken)} (first: {first!r}); the baseline cannot be compared against", file=eval_set.data, field=f"doc {broken[0]}",
+        )
+
+
+# The corpus aggregations whose per-item values are [loglikelihood, count]: the count (words or bytes of the item's
+# text) is the same text measured twice, so it must agree; the others log [gold, prediction]: the gold must agree.
+COUNTED_AGGREGATIONS = frozenset({"weighted_perplexity", "bits_per_byte"})
+
+
+def _check_same_counts(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore]) -> None:
+    """Per-item word/byte counts (and the gold of [gold, prediction] values) must agree between the two runs: a count
+    that differs means the models were scored on different text, and the aggregate would weigh them differently."""
+    if eval_set.metric.kind != "corpus":
+        return
+    index = 1 if eval_set.metric.aggregation in COUNTED_AGGREGATIONS else 0
+    what = _counted(eval_set.metric.name) if index == 1 else "gold"
+    for doc in sorted(base):
+        b, c = base[doc].value, cand[doc].value
+        if isinstance(b, list) and isinstance(c, list) and len(b) > index and len(c) > index and b[index] != c[index]:
+            raise EvalError(
+                f"eval set {eval_set.name}: doc {doc}: the baseline's {what} is {b[index]!r}, the candidate's {c[index]!r}; "
+                f"per-item {what} must agree between the two models (the same text, measured twice)",
+                file=eval_set.data, field=f"doc {doc}",
+            )
+
+
+def _counted(metric: str) -> str:
+    return "byte count" if "byte" in metric else "word count" if "word" in metric else "count"
 
 
 def _docs(doc_ids: list[int]) -> str:

@@ -20,6 +20,7 @@ set cannot meet even with a candidate identical to its baseline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
@@ -54,7 +55,9 @@ RelMargin = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=MAX_ITEMS)]
 Confidence = Annotated[float, Field(ge=0.5, le=0.9999, allow_inf_nan=False)]
 KLAction = Literal["warn", "reject"]
+DamageShare = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 DEFAULT_CONFIDENCE = 0.95
+DEFAULT_DAMAGE_SHARE = 0.02
 
 
 class SetPolicy(FrozenModel):
@@ -79,6 +82,12 @@ class SetPolicy(FrozenModel):
         default=None, description="the tolerance for metrics in their own unit, as a fraction of the baseline score",
     )
     max_kl_action: KLAction = Field(default="warn", description="warn: max_kl only warns (it has no error rate); reject: it rejects")
+    damage_share: DamageShare = Field(
+        default=DEFAULT_DAMAGE_SHARE,
+        description="perplexities and bits_per_byte (one document can move them without limit): the smallest share of documents "
+                    "the tolerance's guarantee covers damage confined to; a set needs ln(1 - confidence) / ln(1 - damage_share) "
+                    "documents (149 at 0.02) to draw such damage at least once with probability `confidence`",
+    )
 
 
 class RuleOverrides(FrozenModel):
@@ -94,8 +103,9 @@ class RuleOverrides(FrozenModel):
     confidence: Confidence | None = None
     rel_margin: RelMargin | None = None
     max_kl_action: KLAction | None = None
+    damage_share: DamageShare | None = None
 
-    @field_validator("non_inferiority", "ni_margin", "min_items", "confidence", "max_kl_action")
+    @field_validator("non_inferiority", "ni_margin", "min_items", "confidence", "max_kl_action", "damage_share")
     @classmethod
     def _not_null(cls, value: object) -> object:
         if value is None:
@@ -244,47 +254,72 @@ def unattainable(policy: Policy, recipe: str | RecipeIdentity | None, eval_set: 
     """(message, policy field) when the set cannot pass under its rules even with a candidate identical to its
     baseline, or is left without a rule in its unit; None when it can.
 
-    An identical candidate's one-sided bound is identical_floor(n) of the value range (Tango's bound with no
-    discordant pair, the other intervals' floor). Checked here: the points tolerance (ni_margin) of a metric in
-    points, and the relative tolerances of perplexity-like metrics (value range = the score itself). Relative
-    tolerances of a metric in points or on a 0-100 scale depend on the baseline score and are checked by the
-    gate itself (its reasons and warnings say the n needed)."""
-    from pipelines.gate.stats import identical_floor, identical_items_needed  # scipy: only when sets are checked
-
+    An identical candidate's bound is what its kind's method gives n unchanged items (pipelines.gate.identical), a
+    fraction of one item's reach: the points tolerance (ni_margin) of a metric in points is checked against it, and the
+    relative tolerances of a corpus metric in its own unit (perplexities, bits_per_byte, bleu, chrf, ter: the reach is
+    the score itself, so the check needs no baseline). A perplexity-like set also needs the documents its damage_share
+    asks for (unseen_damage). Relative tolerances of a metric in points depend on the baseline score and are checked by
+    the gate itself (its reasons and warnings say the n needed)."""
     rules = policy.for_set(recipe, eval_set.name)
     spec, n, name = eval_set.metric, eval_set.num_items, eval_set.name
-    confidence = f"{rules.confidence:.0%} confidence"
-    if not spec.in_points:
-        if not relative_rule_in_force(rules):
-            field = policy.rule_source(recipe, name, "rel_margin")
-            return (
-                f"eval set {name} ({n} items): metric {spec.name} is in its own unit, not points, so ni_margin and "
-                f"max_abs_drop do not apply to it, and no relative tolerance does: set rel_margin (a fraction of the "
-                f"baseline score) or max_rel_drop", field,
-            )
-        if not spec.relative_scale:
+    if spec.in_points:
+        if not rules.non_inferiority:
             return None
-        for rule, tolerance in (("rel_margin", rules.rel_margin if rules.non_inferiority else None), ("max_rel_drop", rules.max_rel_drop)):
-            if tolerance is not None and identical_floor(n, confidence=rules.confidence) > tolerance:
-                needed = identical_items_needed(tolerance, confidence=rules.confidence)
-                return (
-                    f"eval set {name}: {n} items cannot show a relative worsening under {rule} {tolerance:g} at "
-                    f"{confidence} even against an identical model (its bound is at least "
-                    f"{identical_floor(n, confidence=rules.confidence):.3f} of the baseline); it needs at least {needed} items",
-                    policy.rule_source(recipe, name, rule),
-                )
+        return _identical_refusal(policy, recipe, eval_set, rules, "ni_margin", rules.ni_margin / spec.scale)
+    if not relative_rule_in_force(rules):
+        field = policy.rule_source(recipe, name, "rel_margin")
+        return (
+            f"eval set {name} ({n} items): metric {spec.name} is in its own unit, not points, so ni_margin and "
+            f"max_abs_drop do not apply to it, and no relative tolerance does: set rel_margin (a fraction of the "
+            f"baseline score) or max_rel_drop", field,
+        )
+    if spec.kind != "corpus":
+        return None  # averaged per item: its reach is the values' spread, known once scored
+    for rule, fraction in (("rel_margin", rules.rel_margin if rules.non_inferiority else None), ("max_rel_drop", rules.max_rel_drop)):
+        found = None if fraction is None else _identical_refusal(policy, recipe, eval_set, rules, rule, fraction)
+        if found is not None:
+            return found
+    unseen = unseen_damage(spec, n, rules)
+    return None if unseen is None else (f"eval set {name}: {unseen}", policy.rule_source(recipe, name, "damage_share"))
+
+
+def _identical_refusal(
+    policy: Policy, recipe: str | RecipeIdentity | None, eval_set: SizedSet, rules: SetPolicy, rule: str, fraction: float,
+) -> tuple[str, str] | None:
+    from pipelines.gate import identical  # scipy: only when sets are checked
+
+    spec, n = eval_set.metric, eval_set.num_items
+    floor = identical.identical_bound(spec.kind, n, min(fraction, 1.0), rules.confidence)
+    if floor <= fraction + 1e-12:
         return None
-    if rules.non_inferiority:
-        tolerance = rules.ni_margin / spec.scale
-        if identical_floor(n, confidence=rules.confidence) > tolerance:
-            needed = identical_items_needed(tolerance, confidence=rules.confidence)
-            floor = spec.scale * identical_floor(n, confidence=rules.confidence)
-            return (
-                f"eval set {name}: {n} items cannot show a worsening under ni_margin {rules.ni_margin:g} {spec.unit} at "
-                f"{confidence} even against an identical model (its bound is at least {floor:.2f} {spec.unit}); it needs "
-                f"at least {needed} items", policy.rule_source(recipe, name, "ni_margin"),
-            )
-    return None
+    needed = identical.identical_items_needed(spec.kind, fraction, rules.confidence)
+    needs = "no number of items can" if needed is None else f"it needs at least {needed} items"
+    if spec.in_points:
+        limit, shown = f"{rule} {getattr(rules, rule):g} {spec.unit}", f"{spec.scale * floor:.2f} {spec.unit}"
+    else:
+        limit, shown = f"relative worsening under {rule} {fraction:g}", f"{floor:.3f} of the baseline"
+    return (
+        f"eval set {eval_set.name}: {n} items cannot show a {'worsening under ' if spec.in_points else ''}{limit} at "
+        f"{rules.confidence:.0%} confidence even against an identical model (its bound is at least {shown}); {needs}",
+        policy.rule_source(recipe, eval_set.name, rule),
+    )
+
+
+def unseen_damage(spec: MetricSpec, n: int, rules: SetPolicy) -> str | None:
+    """Why a perplexity-like set is too small for its damage_share (None when it is not, or the rule does not apply): with
+    fewer than ln(1 - c) / ln(1 - share) documents, damage confined to that share of documents is absent from the sample
+    more than 1 - c of the time, and no bound can see what was not drawn."""
+    if not (spec.unbounded_items and spec.kind == "corpus" and relative_rule_in_force(rules)):
+        return None
+    share = rules.damage_share
+    missed = (1.0 - share) ** n
+    if missed <= 1.0 - rules.confidence:
+        return None
+    needed = math.ceil(math.log(1.0 - rules.confidence) / math.log(1.0 - share) - 1e-9)
+    return (
+        f"{n} documents cannot rule out damage confined to {share:.0%} of documents (damage_share {share:g}): the sample holds "
+        f"none of them {missed:.1%} of the time (> {1.0 - rules.confidence:.0%}); it needs at least {needed} documents"
+    )
 
 
 def check_attainable(

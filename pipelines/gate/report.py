@@ -27,6 +27,19 @@ SET_COLUMNS = [
 # The terminal table leaves out what the warnings already say, to stay readable at ~100 columns.
 _CONSOLE_SKIP = ("Metric", "Interval", "Min. detectable drop", "Certifiable / items needed", "P(reject unchanged)")
 INTERVAL_NOTES = {
+    "tango-score-calibrated": (
+        "Tango's score interval for a difference of paired proportions; the bound the tolerance reads is taken at a critical "
+        "value calibrated for the set's n, so that a true worsening of exactly the tolerance passes at most 1 - confidence "
+        "of the time for every split into losses and gains (multinomial model, exact)"
+    ),
+    "betting": (
+        "the betting confidence bound for a bounded mean (Waudby-Smith and Ramdas), valid at every n for any distribution of "
+        "the per-item changes"
+    ),
+    "percentile-bootstrap-rare-damage": (
+        "paired percentile bootstrap of the difference of corpus-level scores, each end moved out by -ln(1 - c) times the "
+        "largest pull of one item and kept at least range x (1 - (1 - c)^(1/n)) from the estimate"
+    ),
     "tango-score": "Tango's asymptotic score interval for a difference of paired proportions",
     "tango-score-scaled-floored": (
         "Tango's score interval on effective discordant counts (m = sum d^2 / sum |d|; losses, gains = sum of the negative, "
@@ -34,6 +47,12 @@ INTERVAL_NOTES = {
     ),
     "bca-bootstrap-floored": "paired BCa bootstrap of the mean difference, widened to at least range x z^2/(n+z^2) each side",
     "percentile-bootstrap-floored": "paired percentile bootstrap of the difference of corpus-level scores, widened likewise",
+}
+# Under which sampling model each kind's bound holds its rate (docs/gate-json.md, "Known error rates").
+SAMPLING_MODELS = {
+    "binary": "pass/fail: exact under the multinomial model, items drawn independently, for every split into losses and gains",
+    "continuous": "averaged per item: for any distribution of the per-item changes, items drawn independently",
+    "corpus": "corpus metric: a bootstrap, simulated not exact; for perplexities, damage reaching at least damage_share of documents",
 }
 RULE_COLUMNS = ["Eval set", *SetPolicy.model_fields]
 _HEADER_INPUTS = ("model", "artifact", "recipe", "policy")
@@ -109,10 +128,10 @@ def guarantee_notes(gate: GateResult) -> list[str]:
         miss = f"{1 - r.confidence:.0%}"
         if r.non_inferiority and v.unit == "points":
             notes[f"`ni_margin` {r.ni_margin}: a candidate whose true {_word(v)} is {r.ni_margin} points passes at most {miss} "
-                  f"of the time (the {sure} one-sided bound of the {_word(v)} must stay within it)"] = None
+                  f"of the time (the {sure} one-sided bound of the {_word(v)} must stay within it; {SAMPLING_MODELS[v.kind]})"] = None
         if r.non_inferiority and v.unit != "points" and r.rel_margin is not None:
             notes[f"`rel_margin` {r.rel_margin}: a metric in its own unit whose true worsening is {r.rel_margin:.0%} of its "
-                  f"baseline passes at most {miss} of the time"] = None
+                  f"baseline passes at most {miss} of the time ({SAMPLING_MODELS[v.kind]})"] = None
         if r.max_rel_drop is not None:
             notes[f"`max_rel_drop` {r.max_rel_drop}: read on the {sure} bound; a true worsening of {r.max_rel_drop:.0%} of the "
                   f"baseline passes at most {miss} of the time"] = None

@@ -4,16 +4,14 @@ Every function takes per-item scores in the same order for both models (item i o
 of `candidate` are the same question). Results are in the metric's own units; callers scale them.
 
 Which interval a set gets (docs/gate-json.md, "Intervals"):
-- pass/fail metrics: Tango's asymptotic score interval for a difference of paired proportions
-  (`tango_interval`). It depends only on the discordant counts and n, and keeps a width of
-  z^2 / (n + z^2) on each side when nothing flipped (0.161 at n = 20, 0.015 at n = 250).
-- per-item numbers averaged: the same score interval on effective discordant counts
-  (`paired_score_interval`): with m = sum(d^2) / sum(|d|), losses = sum(max(-d, 0)) / m and gains =
-  sum(max(d, 0)) / m, Tango's interval for delta / m, times m. On 0/1 data it is Tango's interval itself;
-  when every change has one size it is exact in the same sense. Widened to at least `width_floor` on each
-  side, so that a set on which nothing moved cannot show non-inferiority alone.
-- corpus-level metrics (f1, bleu, perplexity...): a paired percentile bootstrap of the difference of
-  the two aggregates over resampled items, with the same floor.
+- pass/fail metrics: Tango's score interval for a difference of paired proportions (`tango_interval`); the bound the
+  tolerance reads is taken at the critical value calibrated per n (pipelines.gate.exact), so that a true worsening of
+  exactly the tolerance passes at most 1 - c of the time under the multinomial model, whatever the split.
+- per-item numbers averaged: the betting bound for a bounded mean (pipelines.gate.betting), valid at every n for every
+  distribution of the changes (skewed, heavy-tailed, a few items broken outright).
+- corpus-level metrics (f1, bleu, perplexity...): a paired percentile bootstrap of the difference of the two
+  aggregates over resampled items, each end moved out by a rare-damage allowance (-ln(1 - c) times the largest pull
+  of one item, found by leaving each out) and kept at least the zero-count floor from the estimate.
 
 Confidence: a two-sided interval at level L has each bound a one-sided bound at (1 + L) / 2; the gate's
 rules read one-sided bounds at the policy's `confidence` (0.95: the two-sided 90% interval's bounds).
@@ -31,9 +29,12 @@ from numpy.typing import ArrayLike
 from scipy.optimize import brentq
 from scipy.stats import binom, binomtest, norm
 
+from pipelines.gate import betting
+
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
 CORPUS_RESAMPLES = 2_000
+JACKKNIFE_GROUPS = 2_000
 SEED = 0
 ALPHA = 0.05
 POWER = 0.8
@@ -209,10 +210,12 @@ def tango_interval(losses: float, gains: float, n: int, *, confidence: float = C
     return _tango_end(losses, gains, n, z, -1), _tango_end(losses, gains, n, z, +1)
 
 
-def tango_lower_bound(losses: float, gains: float, n: int, *, confidence: float = CONFIDENCE) -> float:
-    """One-sided lower confidence bound of delta at `confidence` (the low end of the 2c - 1 two-sided interval)."""
+def tango_lower_bound(losses: float, gains: float, n: int, *, confidence: float = CONFIDENCE, z: float | None = None) -> float:
+    """One-sided lower confidence bound of delta at `confidence` (the low end of the 2c - 1 two-sided interval), or at the
+    critical value `z` when given (pipelines.gate.exact.critical_value: calibrated per n; infinite: -1, nothing passes)."""
     _check_table(losses, gains, n)
-    return _tango_end(losses, gains, n, z_one_sided(confidence), -1)
+    critical = z_one_sided(confidence) if z is None else z
+    return -1.0 if math.isinf(critical) else _tango_end(losses, gains, n, critical, -1)
 
 
 def wilson_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE) -> float:
@@ -227,49 +230,6 @@ def exact_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE)
     return float(binomtest(successes, n).proportion_ci(confidence_level=two_sided_level(confidence), method="exact").low)
 
 
-def width_floor(n: int, value_range: float, *, confidence: float = CONFIDENCE) -> float:
-    """Smallest half-width an interval may claim: value_range * z^2 / (n + z^2), z two-sided at `confidence`.
-
-    The zero-discordance width of Tango's interval, scaled by how far one item can move the mean: a
-    set on which nothing changed cannot rule out that up to z^2/(n+z^2) of items would change elsewhere.
-    """
-    z = _z(confidence)
-    return float(value_range * z * z / (n + z * z))
-
-
-def _floored(estimate: float, low: float, high: float, floor: float) -> tuple[float, float]:
-    return min(low, estimate - floor), max(high, estimate + floor)
-
-
-def effective_counts(diffs: np.ndarray) -> tuple[float, float, float]:
-    """(losses, gains, m) of per-item differences: m = sum(d^2) / sum(|d|), losses / gains = sum(max(-+d, 0)) / m.
-
-    The trinomial table {-m, 0, +m} with these counts has the same mean and the same second moment as the
-    differences; on 0/1 data m = 1 and the counts are the flips. losses + gains = sum(|d|)^2 / sum(d^2) <= n.
-    m is 0 when nothing changed.
-    """
-    absolute = np.abs(diffs)
-    first, second = float(absolute.sum()), float(np.square(diffs).sum())
-    if second == 0.0:
-        return 0.0, 0.0, 0.0
-    m = second / first
-    return float(np.clip(-diffs, 0.0, None).sum() / m), float(np.clip(diffs, 0.0, None).sum() / m), m
-
-
-def paired_score_interval(diffs: ArrayLike, *, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """Tango's score interval on effective counts (effective_counts), scaled by m; (0, 0) when nothing changed."""
-    d = np.asarray(diffs, dtype=float)
-    losses, gains, m = effective_counts(d)
-    if m == 0.0:
-        return 0.0, 0.0
-    n = d.size
-    total = losses + gains
-    if total > n:  # float round-off only (Cauchy-Schwarz): keep the proportions
-        losses, gains = losses * n / total, gains * n / total
-    low, high = tango_interval(losses, gains, n, confidence=confidence)
-    return low * m, high * m
-
-
 def mean_difference_interval(
     baseline: ArrayLike,
     candidate: ArrayLike,
@@ -277,16 +237,15 @@ def mean_difference_interval(
     value_range: float,
     confidence: float = CONFIDENCE,
 ) -> tuple[float, float, float]:
-    """(delta, low, high) of mean(candidate - baseline): paired_score_interval widened to width_floor.
+    """(delta, low, high) of mean(candidate - baseline): the betting bounds (pipelines.gate.betting), each end one-sided
+    at (1 + confidence) / 2, for per-item values within a range of `value_range`.
 
-    It replaced a paired BCa bootstrap that covered 0.918 at n = 250 with 10% of items changed; this one
-    covers >= 0.94 from n = 50 on (tests/unit/gate/test_stats.py simulates it)."""
+    It replaced Tango's score interval on effective counts, whose one-sided miss reached 11% when a few items broke
+    outright and many moved slightly (and, before it, a BCa bootstrap that covered 0.918 at n = 250)."""
     base, cand = _paired(baseline, candidate)
     diffs = cand - base
-    delta = float(diffs.mean())
-    low, high = paired_score_interval(diffs, confidence=confidence)
-    low, high = _floored(delta, low, high, width_floor(diffs.size, value_range, confidence=confidence))
-    return delta, low, high
+    low, high = betting.mean_bounds(diffs, value_range, (1.0 + confidence) / 2.0)
+    return float(diffs.mean()), low, high
 
 
 def corpus_bootstrap(
@@ -306,11 +265,47 @@ def corpus_bootstrap(
     return base_score, cand_score, diffs
 
 
-def percentile_interval(diffs: np.ndarray, estimate: float, n: int, *, value_range: float, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """The percentile interval of resampled differences (numpy's default quantile), widened to width_floor."""
+def deletion_effects(aggregate: Aggregate, baseline: list, candidate: list, *, max_groups: int = JACKKNIFE_GROUPS) -> np.ndarray:
+    """For each item, D(without it) - D, D = aggregate(candidate) - aggregate(baseline): how much the item pulls the
+    difference down (positive) or up (negative). Above `max_groups` items, consecutive groups of ceil(n / max_groups)
+    items are left out instead (n aggregate calls would cost more than the bootstrap)."""
+    n = len(baseline)
+    whole = float(aggregate(candidate)) - float(aggregate(baseline))
+    if n < 2:
+        return np.zeros(1)
+    size = math.ceil(n / max_groups)
+    effects = []
+    for start in range(0, n, size):
+        kept = list(range(start)) + list(range(start + size, n))
+        if not kept:
+            effects.append(0.0)
+            continue
+        effects.append(float(aggregate([candidate[i] for i in kept])) - float(aggregate([baseline[i] for i in kept])) - whole)
+    return np.asarray(effects)
+
+
+def percentile_interval(
+    diffs: np.ndarray, estimate: float, n: int, *, value_range: float, confidence: float = CONFIDENCE, effects: np.ndarray | None = None,
+) -> tuple[float, float]:
+    """The percentile interval of resampled differences (numpy's default quantile), each end moved out by the rare-damage
+    allowance (rare_damage_allowance, when `effects` are given) and kept at least value_range x zero_count_bound from
+    the estimate (the one-sided level of each end: (1 + confidence) / 2)."""
     tail = (1.0 - confidence) / 2.0
     low, high = (float(q) for q in np.quantile(diffs, [tail, 1.0 - tail]))
-    return _floored(estimate, low, high, width_floor(n, value_range, confidence=confidence))
+    if effects is not None:
+        low -= rare_damage_allowance(effects, 1.0 - tail)
+        high += rare_damage_allowance(-effects, 1.0 - tail)
+    floor = value_range * zero_count_bound(n, confidence=1.0 - tail)
+    return min(low, estimate - floor), max(high, estimate + floor)
+
+
+def rare_damage_allowance(effects: np.ndarray, one_sided: float) -> float:
+    """-ln(1 - c) times the largest pull one item has (max of effects, 0 if none pulls): room for damage the sample
+    holds fewer of than the population. When damage sits in a few items, each pulling the score by about D, a sample
+    that drew k of them gives a bootstrap bound of about D (k + z sqrt(k)); the exact (Poisson) bound on their count
+    is about D (k + z sqrt(k) + 1.6 to 3): -ln(1 - c) = 3.0 items of the worst one seen covers the difference. Where
+    the change is spread over many items the largest pull is small and so is the allowance."""
+    return float(-math.log(1.0 - one_sided) * max(0.0, float(np.max(effects)) if effects.size else 0.0))
 
 
 def corpus_difference_interval(
@@ -326,10 +321,14 @@ def corpus_difference_interval(
     """(baseline score, candidate score, low, high) for a corpus-level metric.
 
     Items are resampled in pairs; each resample's difference is aggregate(candidate) - aggregate(baseline).
-    Percentile interval widened to width_floor. Returns the full-set scores, not the resample mean.
+    Percentile interval with the rare-damage allowance and the zero-count floor (percentile_interval). Returns the
+    full-set scores, not the resample mean.
     """
     base_score, cand_score, diffs = corpus_bootstrap(aggregate, baseline, candidate, resamples=resamples, seed=seed)
-    low, high = percentile_interval(diffs, cand_score - base_score, len(baseline), value_range=value_range, confidence=confidence)
+    effects = deletion_effects(aggregate, baseline, candidate)
+    low, high = percentile_interval(
+        diffs, cand_score - base_score, len(baseline), value_range=value_range, confidence=confidence, effects=effects,
+    )
     return base_score, cand_score, low, high
 
 
@@ -342,22 +341,30 @@ def min_detectable_drop_from_interval(
 
 # --- sizing: what a set of n items can certify --------------------------------------------------------------
 
-def identical_floor(n: int, *, confidence: float = CONFIDENCE) -> float:
-    """The one-sided bound (a fraction of the value range) an identical candidate gets: z^2 / (n + z^2), z = z(confidence).
+def identical_floor(n: int, *, confidence: float = CONFIDENCE, z: float | None = None) -> float:
+    """The one-sided bound (a fraction of the value range) Tango's test gives an identical candidate: z^2 / (n + z^2),
+    z = z(confidence) or the critical value given (1 when it is infinite)."""
+    critical = z_one_sided(confidence) if z is None else z
+    return 1.0 if math.isinf(critical) else critical * critical / (n + critical * critical)
 
-    Tango's bound with no discordant pair, and the width floor of the other intervals at the same confidence."""
-    z = z_one_sided(confidence)
-    return z * z / (n + z * z)
+
+def zero_count_bound(n: int, *, confidence: float = CONFIDENCE) -> float:
+    """Clopper-Pearson's one-sided upper bound of a rate never seen in n draws: 1 - (1 - c)^(1/n) (about 3 / n at 0.95).
+
+    The floor of the averaged and corpus bounds, as a fraction of one item's reach: a set on which nothing changed cannot
+    rule out that this share of items would change elsewhere. It fits a tolerance T from n >= ln(1 - c) / ln(1 - T)
+    items, the exact minimum of the pass/fail test too (a candidate losing a share T of items shows no loss at all with
+    probability (1 - T)^n)."""
+    return float(1.0 - (1.0 - confidence) ** (1.0 / n))
 
 
-def identical_items_needed(tolerance: float, *, confidence: float = CONFIDENCE) -> int:
-    """Fewest items with identical_floor(n) <= tolerance (a fraction of the value range): ceil(z^2 (1 - T) / T)."""
+def zero_count_items_needed(tolerance: float, *, confidence: float = CONFIDENCE) -> int:
+    """Fewest items with zero_count_bound(n) <= tolerance: ceil(ln(1 - c) / ln(1 - T))."""
     if tolerance <= 0.0:
         raise ValueError("tolerance must be positive")
     if tolerance >= 1.0:
         return 1
-    z = z_one_sided(confidence)
-    return max(1, math.ceil(z * z * (1.0 - tolerance) / tolerance - 1e-9))
+    return max(1, math.ceil(math.log(1.0 - confidence) / math.log(1.0 - tolerance) - 1e-9))
 
 
 def tango_null_variance(tolerance: float, discordance: float) -> float:
@@ -375,7 +382,8 @@ def items_needed(tolerance: float, discordance: float, *, confidence: float = CO
 
     Nam (1997), non-inferiority of paired proportions with Tango's score test:
         n = ((z(c) sqrt(V0) + z(power) sqrt(psi)) / T)^2,
-    V0 = tango_null_variance(T, psi). With psi = 0 it is identical_items_needed(T) (up to rounding).
+    V0 = tango_null_variance(T, psi). With psi = 0 it is ceil(z_c^2 (1 - T) / T), the asymptotic identical minimum
+    (callers take at least the calibrated test's exact one: pipelines.gate.identical).
     """
     if not 0.0 < tolerance < 1.0:
         raise ValueError(f"tolerance must lie in (0, 1) (got {tolerance})")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from scipy.stats import norm
 
 from pipelines.bounds import MiB
@@ -21,8 +21,8 @@ from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError, from_validation
 from pipelines.evaluation.metrics import MetricSpec, corpus_aggregation, value_range
 from pipelines.files.atomic import write_text_atomic
 from pipelines.files.jsonio import read_json_object
-from pipelines.gate import stats
-from pipelines.gate.policy import Policy, SetPolicy, relative_rule_in_force
+from pipelines.gate import betting, exact, identical, stats
+from pipelines.gate.policy import Policy, SetPolicy, relative_rule_in_force, unseen_damage
 from pipelines.loadtest.results import PerformanceReport
 from pipelines.planner.gpus import GiB
 from pipelines.recipe import RecipeIdentity
@@ -43,8 +43,12 @@ class PairedItem(StrictModel):
     """One item scored by both models. `kl`: the item's mean per-token KL(baseline || candidate), nats.
 
     Values are the metric's per-item values as lm-eval logs them: a number for averaged metrics, a
-    list (for example [gold, prediction] or [loglikelihood, words]) for corpus-level ones.
+    list (for example [gold, prediction] or [loglikelihood, words]) for corpus-level ones. They may be
+    non-finite (a loglikelihood of -inf, a NaN score): SetComparison refuses them in the baseline and the
+    gate rejects a candidate with them (judge_set), naming the items.
     """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=True)
 
     item_id: str
     baseline: ItemValue
@@ -72,11 +76,20 @@ class SetComparison(StrictModel):
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def non_finite(value: ItemValue) -> bool:
+    """A NaN or an infinity: the value itself, or any number in its list (a loglikelihood of -inf in [ll, words])."""
+    numbers = value if isinstance(value, list) else [value]
+    return any(isinstance(number, float) and not math.isfinite(number) for number in numbers)
 
 
 def _check_value(metric: MetricSpec, item: PairedItem) -> None:
-    values = (item.baseline, item.candidate)
+    """The baseline's value must be finite; a candidate's non-finite value is the gate's to reject (judge_set)."""
+    if non_finite(item.baseline):
+        raise ValueError(f"the baseline's {metric.name} is not finite on item {item.item_id!r} ({item.baseline!r})")
+    values = tuple(value for value in (item.baseline, item.candidate) if not non_finite(value))
     if metric.kind == "corpus":
         # lm-eval logs [gold, pred] or [loglikelihood, count] pairs, but a bare loglikelihood for `perplexity`.
         if not all(isinstance(value, list) or _finite(value) for value in values):
@@ -107,10 +120,14 @@ class StatsSettings(StrictModel):
     power: float = stats.POWER
 
 
-# "bca-bootstrap-floored" is what averaged metrics got before the scaled score interval (gate.json files of then).
-IntervalMethod = Literal["tango-score", "tango-score-scaled-floored", "bca-bootstrap-floored", "percentile-bootstrap-floored"]
+# Older gate.json files name what the sets got then: "tango-score" (Tango's bound at z(c)), "tango-score-scaled-floored"
+# and "bca-bootstrap-floored" (averaged metrics), "percentile-bootstrap-floored" (corpus metrics without the allowance).
+IntervalMethod = Literal[
+    "tango-score-calibrated", "betting", "percentile-bootstrap-rare-damage",
+    "tango-score", "tango-score-scaled-floored", "bca-bootstrap-floored", "percentile-bootstrap-floored",
+]
 INTERVAL_METHODS: dict[str, IntervalMethod] = {
-    "binary": "tango-score", "continuous": "tango-score-scaled-floored", "corpus": "percentile-bootstrap-floored",
+    "binary": "tango-score-calibrated", "continuous": "betting", "corpus": "percentile-bootstrap-rare-damage",
 }
 
 
@@ -249,10 +266,23 @@ def decide(comparisons: list[SetComparison], policy: Policy, recipe: str | Recip
     )
 
 
+_SHOWN_ITEMS = 5
+
+
 def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
-    """Measure one set and apply its rules."""
+    """Measure one set and apply its rules. Items where the candidate's value is not finite reject the set, named, and
+    the figures are those of the other items (an InputError, exit 2, when no item is left)."""
+    broken = [item.item_id for item in comparison.items if non_finite(item.candidate)]
+    if broken:
+        kept = [item for item in comparison.items if not non_finite(item.candidate)]
+        if not kept:
+            raise InputError(
+                f"eval set {comparison.eval_set}: the candidate's {comparison.metric.name} is not finite on any of its "
+                f"{len(broken)} items (first: {broken[0]})", field=f"eval set {comparison.eval_set}",
+            )
+        comparison = comparison.model_copy(update={"items": kept})
     measured = _measure(comparison, rules)
-    reasons = _reasons(comparison.eval_set, measured, rules)
+    reasons = _broken_reasons(comparison, broken) + _reasons(comparison.eval_set, measured, rules)
     return SetVerdict(
         **{key: value for key, value in measured.items() if not key.startswith("_")},
         rules=rules,
@@ -260,6 +290,16 @@ def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
         reasons=reasons,
         passed=not reasons,
     )
+
+
+def _broken_reasons(comparison: SetComparison, broken: list[str]) -> list[str]:
+    if not broken:
+        return []
+    shown = ", ".join(broken[:_SHOWN_ITEMS]) + (f", ... ({len(broken)} in all)" if len(broken) > _SHOWN_ITEMS else "")
+    return [
+        f"{comparison.eval_set}: the candidate's {comparison.metric.name} is not finite (NaN or infinite) on "
+        f"{len(broken)} of {len(broken) + len(comparison.items)} items: {shown} (the figures are the other items')"
+    ]
 
 
 def _nats(value: float) -> str:
@@ -304,6 +344,7 @@ def _measure(comparison: SetComparison, rules: SetPolicy) -> dict[str, Any]:
         "kl_method": comparison.kl_method,
         "bound_confidence": rules.confidence,
         "_in_points": spec.in_points,
+        "_unseen_damage": unseen_damage(spec, n, rules),
     }
     base_score = result["baseline_score"]
     result["relative_worsening_bound"] = round(result["worsening_bound"] / abs(base_score), 6) if base_score != 0 else None
@@ -326,6 +367,11 @@ def tolerance(in_points: bool, rules: SetPolicy, baseline_score: float) -> float
     return min(found) if found else None
 
 
+def _fraction(allowed: float | None, unit_range: float) -> float | None:
+    """A tolerance in unit as a fraction of one item's reach; None when there is none (or it is not positive)."""
+    return None if allowed is None or allowed <= 0 or unit_range <= 0 else allowed / unit_range
+
+
 def _sizing(spec: MetricSpec, m: dict[str, Any], rules: SetPolicy) -> dict[str, Any]:
     """tolerance, min_certifiable_tolerance, items_needed, unchanged_reject_probability (docs/gate-json.md, "Sizing")."""
     allowed = tolerance(spec.in_points, rules, m["baseline_score"])
@@ -333,17 +379,22 @@ def _sizing(spec: MetricSpec, m: dict[str, Any], rules: SetPolicy) -> dict[str, 
     unit_range = scale * (1.0 if spec.kind == "binary" else m["_value_range"])  # one item's reach, in unit
     if spec.kind == "binary":
         psi = m["_discordance"]
-        certifiable = stats.certifiable_tolerance(n, psi, confidence=rules.confidence)
+        # Nam's planning figure, never below what the calibrated test gives an identical candidate
+        certifiable = max(stats.certifiable_tolerance(n, psi, confidence=rules.confidence),
+                          identical.identical_bound("binary", n, _fraction(allowed, scale), rules.confidence))
         needed = None
         if allowed is not None and allowed > 0:
-            needed = 1 if allowed >= scale else stats.items_needed(allowed / scale, psi, confidence=rules.confidence)
+            needed = 1 if allowed >= scale else max(
+                stats.items_needed(allowed / scale, psi, confidence=rules.confidence),
+                identical.identical_items_needed("binary", allowed / scale, rules.confidence) or 1,
+            )
         rejected = _binary_unchanged_reject_probability(rules, spec.higher_is_better, n, m["_baseline_right"], psi)
     else:
         se, value_range = m["_se"], m["_value_range"]
 
         def reach(items: int) -> float:
-            return stats.normal_certifiable_tolerance(
-                se * math.sqrt(n / items), value_range * stats.identical_floor(items, confidence=rules.confidence), confidence=rules.confidence,
+            return stats.normal_certifiable_tolerance(  # the zero-count floor stands in for each kind's own (a planning figure)
+                se * math.sqrt(n / items), value_range * stats.zero_count_bound(items, confidence=rules.confidence), confidence=rules.confidence,
             )
 
         certifiable = reach(n)
@@ -354,7 +405,7 @@ def _sizing(spec: MetricSpec, m: dict[str, Any], rules: SetPolicy) -> dict[str, 
         "min_certifiable_tolerance": _scaled(certifiable, scale),
         "items_needed": needed,
         "unchanged_reject_probability": round(rejected, 6),
-        "_identical_bound": unit_range * stats.identical_floor(n, confidence=rules.confidence),
+        "_identical_bound": unit_range * identical.identical_bound(spec.kind, n, _fraction(allowed, unit_range), rules.confidence),
         "_unit_range": unit_range,
     }
 
@@ -365,7 +416,7 @@ def _normal_unchanged_reject_probability(spec: MetricSpec, rules: SetPolicy, m: 
     se, scale = m["_se"], spec.scale
     limits = []
     if allowed is not None:
-        floor = m["_value_range"] * stats.identical_floor(m["n"], confidence=rules.confidence)
+        floor = m["_value_range"] * stats.zero_count_bound(m["n"], confidence=rules.confidence)
         limits.append(allowed / scale - max(stats.z_one_sided(rules.confidence) * se, floor))
     if rules.max_abs_drop is not None and spec.in_points:
         limits.append(rules.max_abs_drop / scale)
@@ -390,7 +441,7 @@ def _binary_unchanged_reject_probability(rules: SetPolicy, higher_is_better: boo
 @lru_cache(maxsize=200_000)
 def table_rejects(rules: SetPolicy, higher_is_better: bool, n: int, right: int, lost: int, gained: int) -> bool:
     """Whether a set of n pass/fail items (baseline right on `right`) with these flips fails its rules, KL aside."""
-    measured = _binary_table(n, right, lost, gained, rules.confidence, higher_is_better, full=False)
+    measured = _binary_table(n, right, lost, gained, rules, higher_is_better, full=False)
     scaled = {key: _scaled(measured[key], 100.0) if key in _SCALED else value for key, value in measured.items()}
     delta = _scaled(measured["candidate_score"] - measured["baseline_score"], 100.0)
     scaled |= {"unit": "points", "higher_is_better": higher_is_better, "worsening": -delta if higher_is_better else delta,
@@ -403,13 +454,24 @@ def table_rejects(rules: SetPolicy, higher_is_better: bool, n: int, right: int, 
 _NO_FLIPS = {"mcnemar_p": None, "flips_right_to_wrong": None, "flips_wrong_to_right": None, "flip_rate": None, "flip_rate_lower_bound": None}
 
 
-def _binary_table(n: int, right: int, lost: int, gained: int, confidence: float, higher_is_better: bool, *, full: bool = True) -> dict[str, Any]:
+def binary_critical_value(rules: SetPolicy, n: int, right: int) -> float | None:
+    """The critical value of a pass/fail set's bound: calibrated (pipelines.gate.exact) at the tightest tolerance in force,
+    so that a true worsening of exactly that tolerance passes at most 1 - c of the time; None (Tango's z(c)) when no
+    tolerance applies."""
+    allowed = tolerance(True, rules, 100.0 * right / n)
+    if allowed is None or not 0.0 < allowed < 100.0:
+        return None
+    return exact.critical_value(n, allowed / 100.0, rules.confidence)
+
+
+def _binary_table(n: int, right: int, lost: int, gained: int, rules: SetPolicy, higher_is_better: bool, *, full: bool = True) -> dict[str, Any]:
     """A pass/fail set's figures from its 2x2 table alone, in metric units (fractions). `full`: also the 95% interval,
     McNemar and the sizing inputs (what the rules do not read)."""
     # Bound of the worsening: -(lower bound of delta) when higher is better; the upper bound of delta (the lower
-    # bound of -delta, losses and gains swapped) when lower is better.
-    bound = -(stats.tango_lower_bound(lost, gained, n, confidence=confidence) if higher_is_better
-              else stats.tango_lower_bound(gained, lost, n, confidence=confidence))
+    # bound of -delta, losses and gains swapped) when lower is better. Its critical value is calibrated per n.
+    confidence, z = rules.confidence, binary_critical_value(rules, n, right)
+    bound = -(stats.tango_lower_bound(lost, gained, n, z=z, confidence=confidence) if higher_is_better
+              else stats.tango_lower_bound(gained, lost, n, z=z, confidence=confidence))
     measured: dict[str, Any] = {
         "baseline_score": right / n,
         "candidate_score": (right - lost + gained) / n,
@@ -434,9 +496,7 @@ def _binary_table(n: int, right: int, lost: int, gained: int, confidence: float,
 
 def _measure_binary(spec: MetricSpec, base: np.ndarray, cand: np.ndarray, rules: SetPolicy) -> dict[str, Any]:
     flipped = stats.flips(base, cand)
-    return _binary_table(
-        flipped.n, int(base.sum()), flipped.right_to_wrong, flipped.wrong_to_right, rules.confidence, spec.higher_is_better,
-    )
+    return _binary_table(flipped.n, int(base.sum()), flipped.right_to_wrong, flipped.wrong_to_right, rules, spec.higher_is_better)
 
 
 def _bad_side(spec: MetricSpec, low: float, high: float) -> float:
@@ -447,7 +507,7 @@ def _bad_side(spec: MetricSpec, low: float, high: float) -> float:
 def _measure_continuous(spec: MetricSpec, base: np.ndarray, cand: np.ndarray, rules: SetPolicy) -> dict[str, Any]:
     spread = value_range(spec, (float(np.ptp(np.concatenate([base, cand]))),))
     _, low, high = stats.mean_difference_interval(base, cand, value_range=spread)
-    _, bound_low, bound_high = stats.mean_difference_interval(base, cand, value_range=spread, confidence=stats.two_sided_level(rules.confidence))
+    bound_low, bound_high = betting.mean_bounds(cand - base, spread, rules.confidence)
     sd = float(np.std(cand - base, ddof=1)) if base.size > 1 else 0.0
     return _NO_FLIPS | {
         "baseline_score": base.mean(),
@@ -469,8 +529,11 @@ def _measure_corpus(comparison: SetComparison, rules: SetPolicy) -> dict[str, An
     base_score, cand_score, diffs = stats.corpus_bootstrap(aggregate, base_values, cand_values)
     spread = value_range(spec, (base_score, cand_score))
     n, estimate = len(base_values), cand_score - base_score
-    low, high = stats.percentile_interval(diffs, estimate, n, value_range=spread)
-    bound_low, bound_high = stats.percentile_interval(diffs, estimate, n, value_range=spread, confidence=stats.two_sided_level(rules.confidence))
+    effects = stats.deletion_effects(aggregate, base_values, cand_values)
+    low, high = stats.percentile_interval(diffs, estimate, n, value_range=spread, effects=effects)
+    bound_low, bound_high = stats.percentile_interval(
+        diffs, estimate, n, value_range=spread, confidence=stats.two_sided_level(rules.confidence), effects=effects,
+    )
     return _NO_FLIPS | {
         "baseline_score": base_score,
         "candidate_score": cand_score,
@@ -510,6 +573,8 @@ def _reasons(name: str, m: dict[str, Any], rules: SetPolicy) -> list[str]:
             f"{name}: flip rate {m['flip_rate']:.3f} ({m['flips_right_to_wrong']}/{m['n']} right->wrong), "
             f"{rules.confidence:.0%} lower bound {m['flip_rate_lower_bound']:.3f} > max_flip_rate {rules.max_flip_rate}"
         )
+    if m.get("_unseen_damage"):
+        reasons.append(f"{name}: {m['_unseen_damage']}")
     if rules.max_kl_action == "reject" and _kl_over(m, rules):
         reasons.append(f"{name}: mean KL {_nats(m['kl_mean'])} nats/token > max_kl {rules.max_kl} (max_kl_action: reject)")
     return reasons
@@ -532,14 +597,15 @@ def _warnings(name: str, m: dict[str, Any], rules: SetPolicy, *, passed: bool) -
         warnings.append(f"{name}: {n} items < min_items {rules.min_items}")
     allowed, sure = m["tolerance"], f"{rules.confidence:.0%} confidence"
     if allowed is not None:
-        identical, scale_range = m["_identical_bound"], m["_unit_range"]
-        if identical > allowed + _EPS:
+        floor, scale_range = m["_identical_bound"], m["_unit_range"]
+        if floor > allowed + _EPS:
             needs = "no number of items can"
-            if allowed > 0:
-                needs = f"it needs at least {stats.identical_items_needed(allowed / scale_range, confidence=rules.confidence)} items"
+            minimum = identical.identical_items_needed(m["kind"], allowed / scale_range, rules.confidence) if allowed > 0 else None
+            if minimum is not None:
+                needs = f"it needs at least {minimum} items"
             warnings.append(
                 f"{name}: {n} items cannot show a {word} under {allowed:.4g} {unit} at {sure} even against an identical model "
-                f"(its bound is at least {identical:.4g} {unit}); {needs}"
+                f"(its bound is at least {floor:.4g} {unit}); {needs}"
             )
         elif not passed and m["worsening"] <= allowed + _EPS < m["worsening_bound"] and m["min_certifiable_tolerance"] > allowed:
             discordance = f"discordance {m['flips_right_to_wrong'] + m['flips_wrong_to_right']}/{n}, " if m["binary"] else ""

@@ -53,7 +53,7 @@ def test_identical_baseline_and_candidate_is_promoted_with_zero_delta_and_no_fli
     assert (verdict.baseline_score, verdict.candidate_score) == (80.0, 80.0)
     # Tango's interval with no discordant pair: z^2 / (n + z^2) on each side, never zero width.
     half_width = 100 * 1.959964**2 / (250 + 1.959964**2)
-    assert verdict.delta == 0.0 and verdict.interval_method == "tango-score"
+    assert verdict.delta == 0.0 and verdict.interval_method == "tango-score-calibrated"
     assert verdict.ci_low == pytest.approx(-half_width, abs=1e-4) and verdict.ci_high == pytest.approx(half_width, abs=1e-4)
     assert (verdict.flips_right_to_wrong, verdict.flips_wrong_to_right, verdict.flip_rate) == (0, 0, 0.0)
     assert verdict.mcnemar_p == 1.0
@@ -108,18 +108,23 @@ def test_drop_of_exactly_the_limit_passes():
 
 
 def test_zero_flips_on_a_small_set_do_not_show_non_inferiority():
-    # 20 identical items: the 95% interval is +/-16.1 points; the one-sided 95% bound (z = 1.6449) is
-    # 100 z^2 / (20 + z^2) = 11.92 points, so a 5-point tolerance is not shown, and 52 items would be needed.
+    # 20 identical items: the 95% interval is +/-16.1 points; the one-sided 95% bound at the critical value calibrated for
+    # n = 20 and 5 points (z = 1.7222, above the asymptotic 1.6449) is 100 z^2 / (20 + z^2) = 12.91 points, so a 5-point
+    # tolerance is not shown; an identical candidate needs 59 items (0.95^59 < 5% <= 0.95^58).
+    from pipelines.gate import exact
+
     result = decide([pass_fail_set("tiny", both_right=18, both_wrong=2)], policy(), "w8a8")
     verdict = result.sets[0]
+    z = exact.critical_value(20, 0.05, 0.95)
+    assert z == pytest.approx(1.7222, abs=1e-4)
     assert verdict.delta == 0.0 and verdict.ci_low == pytest.approx(-16.1125, abs=1e-3)
-    assert verdict.worsening_bound == pytest.approx(100 * 1.644854**2 / (20 + 1.644854**2), abs=1e-4)
+    assert verdict.worsening_bound == pytest.approx(100 * z**2 / (20 + z**2), abs=1e-4)
     assert result.verdict == "rejected"
     assert result.reasons == [
-        "tiny: the drop may be as large as 11.92 points (95% one-sided bound) > ni_margin 5.0 (non-inferiority not shown)"
+        "tiny: the drop may be as large as 12.91 points (95% one-sided bound) > ni_margin 5.0 (non-inferiority not shown)"
     ]
     assert ("tiny: 20 items cannot show a drop under 5 points at 95% confidence even against an identical model "
-            "(its bound is at least 11.92 points); it needs at least 52 items") in result.warnings
+            "(its bound is at least 12.91 points); it needs at least 59 items") in result.warnings
 
 
 def test_set_too_small_to_decide_warns_with_smallest_detectable_drop():
@@ -228,15 +233,16 @@ def test_continuous_metric_has_no_flips_or_mcnemar():
     verdict = decide([comparison], policy(max_kl=None), "w8a8").sets[0]
     assert verdict.mcnemar_p is None and verdict.flips_right_to_wrong is None and verdict.flip_rate is None
     assert verdict.delta == pytest.approx(-0.1 * (0 + 1 + 2) / 3, abs=0.01)
-    assert verdict.interval_method == "tango-score-scaled-floored" and verdict.kind == "continuous"
+    assert verdict.interval_method == "betting" and verdict.kind == "continuous"
     assert verdict.passed
     assert "summaries: metric 'rouge1' is not pass/fail; max_flip_rate not checked" in verdict.warnings
 
 
 def test_continuous_metric_with_no_change_keeps_a_width_floor():
+    # 20 unchanged items: the betting bound of 20 zero differences, 18.95 points each side at 97.5% (16.11 was Tango's).
     items = [PairedItem(item_id=str(i), baseline=0.5, candidate=0.5) for i in range(20)]
     verdict = decide([SetComparison(eval_set="same", metric=make_spec("rouge1"), items=items)], policy(max_kl=None), "w8a8").sets[0]
-    assert (verdict.ci_low, verdict.ci_high) == (pytest.approx(-16.1125, abs=1e-3), pytest.approx(16.1125, abs=1e-3))
+    assert (verdict.ci_low, verdict.ci_high) == (pytest.approx(-18.9539, abs=1e-3), pytest.approx(18.9539, abs=1e-3))
     assert not verdict.passed
 
 
@@ -265,7 +271,7 @@ def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
     result = decide([SetComparison(eval_set="intents", metric=spec, items=items)], policy(max_kl=None), "w8a8")
     verdict = result.sets[0]
     assert verdict.baseline_score == 100.0 and verdict.candidate_score == pytest.approx(100 * 140 / 170, abs=1e-4)
-    assert verdict.interval_method == "percentile-bootstrap-floored" and verdict.ci_high < 0
+    assert verdict.interval_method == "percentile-bootstrap-rare-damage" and verdict.ci_high < 0
     assert result.verdict == "rejected"
 
 
@@ -294,9 +300,26 @@ def test_inconsistent_comparisons_are_refused(items, metric, message):
         SetComparison(eval_set="x", metric=make_spec(metric), items=items)
 
 
-def test_item_values_must_be_finite():
-    with pytest.raises(ValidationError, match="finite number"):
-        PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)
+def test_a_baseline_value_must_be_finite():
+    with pytest.raises(ValidationError, match="the baseline's acc is not finite on item 'a'"):
+        SetComparison(eval_set="x", metric=make_spec("acc"), items=[PairedItem(item_id="a", baseline=float("nan"), candidate=1.0)])
+
+
+def test_non_finite_candidate_values_reject_the_set_naming_the_items():
+    # A NaN exact_match and a -inf loglikelihood: the set is rejected with a reason naming the items; the figures are the
+    # other items'. Every item broken: one input error line (exit 2), never an internal error.
+    items = [PairedItem(item_id=str(i), baseline=1.0, candidate=float("nan") if i in (3, 7) else 1.0) for i in range(120)]
+    verdict = decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=items)], policy(), "w8a8").sets[0]
+    assert not verdict.passed and verdict.n == 118
+    assert verdict.reasons[0] == ("tickets: the candidate's exact_match is not finite (NaN or infinite) on 2 of 120 items: 3, 7 "
+                                  "(the figures are the other items')")
+    spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
+    words = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[float("-inf") if i == 5 else -20.0, 10]) for i in range(200)]
+    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=words)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
+    assert not verdict.passed and "not finite (NaN or infinite) on 1 of 200 items: 5" in verdict.reasons[0]
+    gone = [PairedItem(item_id=str(i), baseline=1.0, candidate=float("nan")) for i in range(60)]
+    with pytest.raises(InputError, match="not finite on any of its 60 items"):
+        decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=gone)], policy(), "w8a8")
 
 
 def test_corpus_items_are_lists_or_numbers():
@@ -354,7 +377,9 @@ def test_demo_w8a8_is_promoted_and_aggressive_rejected_naming_max_abs_drop_under
     sets = ("ticket_routing", "payment_reference", "date_normalisation")
     w8a8 = decide([recorded(name, 250, 250, 0, 0, kl=3e-5) for name in sets], SHIPPED, "w8a8")
     assert w8a8.verdict == "promoted" and w8a8.reasons == [] and w8a8.unchanged_reject_probability == 0.0
-    assert all(v.worsening_bound == pytest.approx(1.070631, abs=1e-6) and v.items_needed == 47 for v in w8a8.sets)
+    # no flip: 100 z^2 / (250 + z^2) with the critical value calibrated for 250 items and 5.5 points (z = 1.6579); an
+    # identical candidate passes 5.5 points from 53 items
+    assert all(v.worsening_bound == pytest.approx(1.087556, abs=1e-6) and v.items_needed == 53 for v in w8a8.sets)
     aggressive = decide([recorded(n, 250, 250, lost, 0, kl=0.5) for n, lost in zip(sets, (65, 241, 170), strict=True)], SHIPPED, "aggressive")
     assert aggressive.verdict == "rejected" and aggressive.exit_code == 1
     for name in sets:
@@ -370,7 +395,7 @@ def test_demo_w8a8_is_promoted_and_aggressive_rejected_naming_max_abs_drop_under
 def test_smollm2_gptq_under_the_shipped_defaults():
     # docs/real-model.md, 240 items per set: sentiment 62.9 -> 63.8 (1 lost / 3 gained, KL 0.162), faulty item
     # 50.8 -> 49.2 (17 / 13, KL 0.069), order id 51.7 -> 64.6 (6 / 37, KL 0.032). max_kl only warns now; the faulty-item
-    # set's one-sided 95% bound of the drop is 5.58 points, over the 5.5-point tolerance: 240 items at 12.5% discordance
+    # set's one-sided 95% bound of the drop is 5.61 points (5.58 at the asymptotic z), over the 5.5-point tolerance: 240 items at 12.5% discordance
     # certify 5.93 points at best (an unchanged candidate passing 80% of the time); 5.5 needs 277.
     gate = decide([
         recorded("retail_sentiment", 240, 151, 1, 3, "acc", 0.162),
@@ -380,7 +405,7 @@ def test_smollm2_gptq_under_the_shipped_defaults():
     sentiment, faulty, order = gate.sets
     assert gate.verdict == "rejected"
     assert gate.reasons == [
-        "retail_faulty_item: the drop may be as large as 5.58 points (95% one-sided bound) > ni_margin 5.5 (non-inferiority not shown)"
+        "retail_faulty_item: the drop may be as large as 5.61 points (95% one-sided bound) > ni_margin 5.5 (non-inferiority not shown)"
     ]
     assert sentiment.passed and order.passed and sentiment.kl_mean == pytest.approx(0.162)
     assert any(w.startswith("retail_sentiment: mean KL 0.1620 nats/token > max_kl 0.1: a warning") for w in gate.warnings)
@@ -393,20 +418,22 @@ def test_smollm2_gptq_under_the_shipped_defaults():
 
 
 def test_the_real_model_against_itself_on_60_items_passes():
-    # tests/integration/test_real_model.py: the sets cut to 60 items, no flip: the bound is 100 z^2 / (60 + z^2) = 4.31 points.
+    # tests/integration/test_real_model.py: the sets cut to 60 items, no flip: the bound is 100 z^2 / (60 + z^2) = 4.71 points
+    # at the critical value calibrated for 60 items (z = 1.7215; 4.31 at the asymptotic 1.6449).
     gate = decide([recorded(name, 60, 33, 0, 0, "acc", 1e-3) for name in ("retail_sentiment", "retail_faulty_item", "retail_order_id")],
                   SHIPPED, "sixteen-bit")
-    assert gate.verdict == "promoted" and all(v.worsening_bound == pytest.approx(4.31468, abs=1e-5) for v in gate.sets)
+    assert gate.verdict == "promoted" and all(v.worsening_bound == pytest.approx(4.706904, abs=1e-5) for v in gate.sets)
 
 
 # --- sizing and the whole run ------------------------------------------------------------------------------------------
 
 def test_every_set_reports_its_tolerance_what_it_can_certify_and_the_items_it_needs():
     verdict = decide([pass_fail_set("tickets", right_to_wrong=5, wrong_to_right=5, both_right=195, both_wrong=45)], policy(), "w8a8").sets[0]
-    from pipelines.gate import stats
+    from pipelines.gate import exact, stats
 
     assert verdict.tolerance == 5.0 and verdict.bound_confidence == 0.95
-    assert verdict.worsening_bound == pytest.approx(-100 * stats.tango_lower_bound(5, 5, 250), abs=1e-5)
+    z = exact.critical_value(250, 0.05, 0.95)
+    assert verdict.worsening_bound == pytest.approx(-100 * stats.tango_lower_bound(5, 5, 250, z=z), abs=1e-5)
     assert verdict.min_certifiable_tolerance == pytest.approx(100 * stats.certifiable_tolerance(250, 0.04), abs=1e-5)
     assert verdict.items_needed == stats.items_needed(0.05, 0.04)
     assert 0 < verdict.unchanged_reject_probability < 0.05

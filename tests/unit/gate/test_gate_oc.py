@@ -68,13 +68,16 @@ def test_false_reject_over_sets_combines_independent_sets():
 def test_the_shipped_defaults_meet_their_stated_targets():
     # docs/gate-json.md: over the three shipped sets (n = 250, baseline 80%) an unchanged candidate with discordance up to
     # 0.04 is rejected at most 5% of the time (3.8%); a true drop of the tolerance, 5.5 points, is promoted at most 5% of
-    # the time at n = 250 whatever the discordance (4.3%).
+    # the time at n = 250: 4.2% with the baseline held at 80% (worst psi), 4.7% under the multinomial model over every
+    # split of the discordance (4.4% on payment_reference, whose flip rule is tighter).
     policy = load_policy(DEFAULT_POLICY)
     sets = gate_oc.set_rules(policy, "w8a8", [("ticket_routing", 250), ("payment_reference", 250), ("date_normalisation", 250)])
     assert max(gate_oc.false_reject_over_sets(sets, psi) for psi in (0.01, 0.02, 0.04)) == pytest.approx(0.038, abs=0.001)
     worst = [gate_oc.worst_promote_at_tolerance(rules, 250, baseline_score=0.8) for *_, rules in sets]
     assert all(drop == pytest.approx(5.5) for drop, _ in worst)
-    assert max(rate for _, rate in worst) == pytest.approx(0.043, abs=0.001)
+    assert max(rate for _, rate in worst) == pytest.approx(0.042, abs=0.001)
+    multinomial = [gate_oc.promote_at_tolerance(rules, 250, baseline_score=0.8) for *_, rules in sets]
+    assert multinomial == [pytest.approx(0.0467, abs=1e-4), pytest.approx(0.0438, abs=1e-4), pytest.approx(0.0467, abs=1e-4)]
 
 
 def test_tango_coverage_is_exact_over_the_tables():

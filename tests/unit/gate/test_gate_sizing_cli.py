@@ -11,6 +11,7 @@ from fakes import make_eval_set, make_model
 
 from pipelines import cli
 from pipelines.commands import gate as gate_command
+from pipelines.gate import exact
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -34,12 +35,19 @@ def test_power_gives_each_set_s_minimum_certifiable_tolerance_and_items_needed(c
     assert code == 0, err
     document = json.loads(out)
     tickets, tiny = document["sets"]
-    assert (tickets["name"], tickets["items"], tickets["tolerance"], tickets["identical_items_needed"]) == ("tickets", 120, 5.5, 47)
-    assert tickets["refused"] is None
+    # An identical candidate passes 5.5 points from 53 items (0.945^53 <= 5%: the calibrated test's exact minimum).
+    assert (tickets["name"], tickets["items"], tickets["tolerance"], tickets["identical_items_needed"]) == ("tickets", 120, 5.5, 53)
+    assert tickets["refused"] is None and tickets["guarantee"].startswith("P(promote | true worsening = tolerance) <= 1 - confidence, exact")
     zero, four = tickets["by_discordance"]
-    assert zero == {"discordance": 0.0, "certifies": pytest.approx(100 * 1.6448536**2 / (120 + 1.6448536**2), abs=1e-3), "items_needed": 47}
+    # at psi 0 an identical candidate's bound, z^2 / (120 + z^2) at the critical value calibrated for 120 items
+    z = exact.critical_value(120, 0.055, 0.95)
+    assert zero["certifies"] == pytest.approx(100 * z**2 / (120 + z**2), abs=1e-3) and zero["items_needed"] == 53
     assert four["items_needed"] == 126 and four["certifies"] > 5.5  # 120 items fall just short at 4% discordance
-    assert tiny["refused"].startswith("defaults.ni_margin: eval set tiny: 30 items cannot show") and "at least 47 items" in tiny["refused"]
+    # promote_at_tolerance: a true drop of 5.5 points, worst split of a discordance up to max(psi, 5.5%), exact over the
+    # multinomial tables through the gate's own decision: never above 5%. At psi 0 only losses (p_lose 0.055, p_gain 0).
+    assert zero["worst_split"] == {"p_lose": 0.055, "p_gain": 0.0}
+    assert 0.03 < zero["promote_at_tolerance"] <= 0.05 and zero["promote_at_tolerance"] <= four["promote_at_tolerance"] <= 0.05
+    assert tiny["refused"].startswith("defaults.ni_margin: eval set tiny: 30 items cannot show") and "at least 53 items" in tiny["refused"]
     assert [row["discordance"] for row in document["whole_run"]] == [0.0, 0.04]
     assert document["whole_run"][0]["reject_probability"] == 1.0  # tiny rejects even an identical candidate
 
@@ -58,4 +66,4 @@ def test_gate_refuses_a_policy_its_sets_cannot_meet_before_serving(capsys, sets_
     assert code == 2 and out == ""
     assert line.endswith("policies/default.yaml: defaults.ni_margin: eval set tiny: 30 items cannot show a worsening under "
                          "ni_margin 5.5 points at 95% confidence even against an identical model (its bound is at least "
-                         "8.27 points); it needs at least 47 items")
+                         "9.55 points); it needs at least 53 items")

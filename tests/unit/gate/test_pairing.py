@@ -110,12 +110,32 @@ def test_corpus_values_pair_as_lm_eval_logged_them() -> None:
     assert [(i.baseline, i.candidate) for i in comparison.items] == [([1, 1], [1, 0]), ([0, 1], [0, 0])]
 
 
-def test_a_value_the_gate_refuses_is_one_input_error_line_not_a_traceback() -> None:
+def test_a_non_finite_baseline_value_is_one_error_line_naming_the_file_and_doc() -> None:
     target = eval_set(2)
-    with pytest.raises(InputError) as caught:
+    with pytest.raises(EvalError) as caught:
         pair_set(target, score({0: 1.0, 1: float("nan")}, target), score({0: 1.0, 1: 1.0}, target), {}, None)
-    assert caught.value.one_line().startswith("eval set payment: ")
-    assert "\n" not in str(caught.value)
+    line = caught.value.one_line()
+    assert line.startswith("eval_sets/payment/data.jsonl: doc 1: eval set payment: the baseline's exact_match is not finite")
+    assert "\n" not in str(caught.value) and caught.value.exit_code == 2
+
+
+def test_a_non_finite_candidate_value_pairs_for_the_gate_to_reject() -> None:
+    target = eval_set(2, make_spec("word_perplexity", "weighted_perplexity", False))
+    comparison = pair_set(target, score({0: [-5.0, 4], 1: [-6.0, 3]}, target), score({0: [float("-inf"), 4], 1: [-6.0, 3]}, target), {}, None)
+    assert comparison.items[0].candidate[0] == float("-inf")
+
+
+@pytest.mark.parametrize(("metric", "base", "cand", "message"), [
+    (make_spec("word_perplexity", "weighted_perplexity", False), [-6.0, 3], [-6.0, 4],
+     "doc 1: the baseline's word count is 3, the candidate's 4; per-item word count must agree"),
+    (make_spec("bits_per_byte", "bits_per_byte", False), [-6.0, 30], [-6.0, 29], "the baseline's byte count is 30, the candidate's 29"),
+    (make_spec("bleu", "bleu", True), ["ref a", "hyp"], ["ref b", "hyp"], "the baseline's gold is 'ref a', the candidate's 'ref b'"),
+])
+def test_per_item_counts_must_agree_between_the_models(metric, base, cand, message) -> None:
+    target = eval_set(2, metric)
+    first = [-5.0, 4] if metric.aggregation != "bleu" else ["ref", "hyp"]
+    with pytest.raises(EvalError, match=message):
+        pair_set(target, score({0: first, 1: base}, target), score({0: first, 1: cand}, target), {}, None)
 
 
 def test_a_comparison_the_gate_refuses_is_one_input_error_line() -> None:

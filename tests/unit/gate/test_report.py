@@ -19,7 +19,7 @@ def test_markdown_has_header_sets_reasons_warnings_and_stage_times():
     assert "| Recipe | recipes/w8a8.yaml (cccccccccccc) |" in text
     # 25 of 200 lost: 100 -> 87.5, delta -12.5; the pipe in the set name is escaped.
     assert "| orders\\|v2 | exact_match (points, higher is better) | 200 | 100.0 | 87.5 | -12.5 [" in text
-    assert "tango-score" in text and "Tango's asymptotic score interval" in text
+    assert "tango-score-calibrated" in text and "a critical value calibrated for the set's n" in text
     assert "25 / 0 (12.5%)" in text
     assert "0.002 / 0.002" in text
     assert "- orders|v2: drop 12.50 points > max_abs_drop 2.0" in text
@@ -74,10 +74,11 @@ def test_console_renders_the_same_numbers_with_markup_escaped():
 
 def test_markdown_gives_each_set_s_bound_tolerance_sizing_and_what_the_rules_guarantee():
     text = render_markdown(make_report())
-    # 25 of 200 lost: one-sided 95% bound 16.85 points against ni_margin 5.0; at 12.5% discordance 200 items certify
-    # 6.54 points at best and 5.0 needs 331; 20 identical items cannot show 5.0 points (11.92), 52 would.
-    assert "| 16.85 / 5.00 | 6.54 / 331 | 0.0% | FAIL |" in text
-    assert "| 11.92 / 5.00 | 11.92 / 52 | 100.0% | FAIL |" in text
+    # 25 of 200 lost: one-sided 95% bound 17.02 points (at the critical value calibrated for 200 items) against ni_margin
+    # 5.0; at 12.5% discordance 200 items certify 6.54 points at best and 5.0 needs 331; 20 identical items cannot show
+    # 5.0 points (12.91), 59 would.
+    assert "| 17.02 / 5.00 | 6.54 / 331 | 0.0% | FAIL |" in text
+    assert "| 12.91 / 5.00 | 12.91 / 59 | 100.0% | FAIL |" in text
     assert "## What the rules guarantee" in text
     assert "- `ni_margin` 5.0: a candidate whose true drop is 5.0 points passes at most 5% of the time" in text
     assert "`max_abs_drop` 2.0: reads the observed drop, no error rate of its own" in text

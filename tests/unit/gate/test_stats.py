@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipelines.gate import stats
+from pipelines.gate import betting, stats
 
 
 def pass_fail(right_to_wrong: int, wrong_to_right: int, both_right: int, both_wrong: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,17 +102,22 @@ def test_exact_lower_bound_is_the_beta_quantile():
     assert stats.exact_lower_bound(0, 50) == 0.0
 
 
-def test_identical_items_needed_is_the_smallest_n_whose_floor_fits():
-    # 5.5 points at 95%: z^2 (1 - T) / T = 2.7055 x 0.945 / 0.055 = 46.5 -> 47 items; 5.0 points -> 52.
-    assert stats.identical_items_needed(0.055) == 47 and stats.identical_items_needed(0.05) == 52
+def test_zero_count_floor_is_clopper_pearson_s_bound_of_a_rate_never_seen():
+    # 1 - 0.05^(1/n): 5.5 points need 53 items (0.945^53 = 0.0499 <= 5% < 0.945^52), 5 points 59, 3 points 99.
+    from scipy.stats import beta
+
+    assert stats.zero_count_bound(250) == pytest.approx(beta.ppf(0.95, 1, 250), abs=1e-12)
+    assert [stats.zero_count_items_needed(t) for t in (0.055, 0.05, 0.03)] == [53, 59, 99]
     for tolerance in (0.01, 0.03, 0.055, 0.2):
-        n = stats.identical_items_needed(tolerance)
-        assert stats.identical_floor(n) <= tolerance < stats.identical_floor(n - 1)
+        n = stats.zero_count_items_needed(tolerance)
+        assert stats.zero_count_bound(n) <= tolerance < stats.zero_count_bound(n - 1)
 
 
 def test_items_needed_is_nam_s_formula_and_has_the_stated_power():
     # Nam (1997): n = ((z_c sqrt(V0) + z_b sqrt(psi)) / T)^2; with psi = 0 it reduces to the identical-model minimum.
-    assert stats.items_needed(0.055, 0.0) == stats.identical_items_needed(0.055)
+    # With psi = 0 it is the asymptotic identical minimum z^2 (1 - T) / T: 47 for 5.5 points (the gate reports at least the
+    # calibrated test's exact minimum, 53).
+    assert stats.items_needed(0.055, 0.0) == 47
     assert stats.items_needed(0.055, 0.04) == 126
     assert stats.certifiable_tolerance(126, 0.04) <= 0.055 < stats.certifiable_tolerance(125, 0.04)
     # Power by exact summation over the binomial tables: Tango's bound within 5.5 points for an unchanged candidate.
@@ -147,21 +152,22 @@ def test_wilson_lower_bound_matches_hand_computation():
     assert stats.wilson_lower_bound(0, 50) == 0.0
 
 
-def test_mean_difference_interval_is_never_narrower_than_its_floor():
+def test_mean_difference_interval_of_an_unchanged_set_is_the_betting_bound_of_zeros():
     base = np.full(20, 0.5)
     delta, low, high = stats.mean_difference_interval(base, base, value_range=1.0)
-    assert delta == 0.0 and high == -low == pytest.approx(stats.width_floor(20, 1.0))
-    assert stats.width_floor(250, 1.0) == pytest.approx(1.959964**2 / (250 + 1.959964**2), rel=1e-6)
+    assert delta == 0.0 and high == pytest.approx(-low) and high == pytest.approx(betting.identical_bound(20, 0.975), abs=1e-9)
+    assert high == pytest.approx(0.189539, abs=1e-5)
 
 
-def test_mean_difference_interval_matches_normal_theory_on_a_large_set():
+def test_mean_difference_interval_is_a_little_wider_than_normal_theory_on_a_large_set():
+    # The price of holding for every distribution: about 1.2x the normal-theory interval on 2,000 smooth differences.
     rng = np.random.default_rng(0)
     base = rng.random(2000)
     cand = (base + rng.normal(-0.01, 0.05, 2000)).clip(0, 1)
     delta, low, high = stats.mean_difference_interval(base, cand, value_range=1.0)
     standard_error = np.std(cand - base, ddof=1) / np.sqrt(2000)
     assert low < delta < high
-    assert high - low == pytest.approx(2 * 1.96 * standard_error, rel=0.05)
+    assert 1.0 <= (high - low) / (2 * 1.96 * standard_error) <= 1.5
 
 
 def test_mean_difference_interval_is_deterministic():
@@ -169,27 +175,28 @@ def test_mean_difference_interval_is_deterministic():
     assert stats.mean_difference_interval(base, cand, value_range=1.0) == stats.mean_difference_interval(base, cand, value_range=1.0)
 
 
-def test_the_per_item_interval_is_tango_s_on_pass_fail_data():
-    # Known answer: the Fagerland et al. (2014) table, losses 16, gains 6 of 161, as 0/1 scores averaged.
-    base, cand = pass_fail(16, 6, 100, 39)
-    delta, low, high = stats.mean_difference_interval(base, cand, value_range=1.0)
-    assert delta == pytest.approx(-10 / 161)
-    assert (round(low, 4), round(high, 4)) == (-0.1240, -0.0054)
-    assert stats.effective_counts(cand - base) == (16.0, 6.0, 1.0)
+def test_betting_bound_knows_its_answer_on_constant_values():
+    # Every value equal: the same bound whatever the order, rising towards the value as n grows; 62 unchanged items are
+    # the fewest whose bound is within 5.5 points.
+    assert betting.lower_bound(np.ones(400), 0.95) > 0.98
+    assert betting.identical_bound(1000, 0.95) < betting.identical_bound(100, 0.95) < betting.identical_bound(20, 0.95)
+    assert betting.identical_items_needed(0.055, 0.95) == 62
+    assert betting.identical_bound(62, 0.95) <= 0.055 < betting.identical_bound(61, 0.95)
 
 
-def test_the_per_item_interval_scales_with_one_size_of_change():
-    # Every change of size 0.3: the trinomial {-0.3, 0, 0.3} is Tango's table scaled by m = 0.3, exactly.
-    diffs = np.array([-0.3] * 12 + [0.3] * 4 + [0.0] * 84)
-    losses, gains, m = stats.effective_counts(diffs)
-    assert (losses, gains, m) == (pytest.approx(12), pytest.approx(4), pytest.approx(0.3))
-    low, high = stats.paired_score_interval(diffs)
-    tango_low, tango_high = stats.tango_interval(12, 4, 100)
-    assert (low, high) == (pytest.approx(0.3 * tango_low), pytest.approx(0.3 * tango_high))
-    # Mixed sizes: the counts match the first two moments (m = sum d^2 / sum |d|; (losses + gains) m = sum |d|).
-    mixed = np.array([-1.0, -0.5, 0.2, 0.0, 0.0])
-    losses, gains, m = stats.effective_counts(mixed)
-    assert m == pytest.approx(1.29 / 1.7) and (losses - gains) * m == pytest.approx(-mixed.sum()) and losses + gains <= 5
+@pytest.mark.parametrize(("n", "broken", "nudged", "nudge"), [
+    (100, 0.08, 0.9, "normal"), pytest.param(250, 0.05, 0.9, "normal", marks=pytest.mark.slow),
+    pytest.param(250, 0.05, 0.6, "t2", marks=pytest.mark.slow),
+])
+def test_the_averaged_bound_covers_one_sided_when_a_few_items_break_outright(n, broken, nudged, nudge):
+    # Known answer by simulation: a population whose true mean worsening is exactly the tolerance (5.5 points), a few
+    # items broken outright and many nudged slightly (normal or t(2) nudges); its one-sided 95% bound is missed (bound <
+    # truth: the candidate promoted) at most 5% of the time, + 2 simulation standard errors. Tango's score interval on
+    # effective counts, which it replaced, missed 8.3% / 7.9% in the first two cases. 300 seeded sets each.
+    from pipelines.benchmarks.gate_guarantees import skewed_miss
+
+    miss = skewed_miss(n, broken, nudged, nudge, 0.055, reps=300, confidence=0.95, seed=n)
+    assert miss <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 300)
 
 
 COVERAGE_CASES = [  # (share of items changed, size of a change: "uniform" U(0, 1) or "one" 1.0, P(a change is down))
@@ -197,21 +204,22 @@ COVERAGE_CASES = [  # (share of items changed, size of a change: "uniform" U(0, 
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [50, 250])
-def test_the_per_item_interval_covers_at_least_94_percent_with_few_or_many_changed_items(n):
+def test_the_per_item_interval_covers_at_least_93_percent_with_few_or_many_changed_items(n):
     # The BCa bootstrap it replaced covered 0.918 at n = 250 with 10% of items changed. Known answer: the true mean
-    # difference of the simulated population, share x E[size] x (1 - 2 P(down)). 3,000 seeded sets per case.
+    # difference of the simulated population, share x E[size] x (1 - 2 P(down)). 300 seeded sets per case.
     rng = np.random.default_rng(n)
     for share, size, down in COVERAGE_CASES:
         truth = share * (0.5 if size == "uniform" else 1.0) * (1 - 2 * down)
         hits = 0
-        for _ in range(3000):
+        for _ in range(300):
             moved = rng.random(n) < share
             magnitude = rng.random(n) if size == "uniform" else np.ones(n)
             diffs = np.where(moved, np.where(rng.random(n) < down, -1.0, 1.0) * magnitude, 0.0)
             _, low, high = stats.mean_difference_interval(np.zeros(n), diffs, value_range=1.0)
             hits += low <= truth <= high
-        assert hits / 3000 >= 0.94, (n, share, size, down, hits / 3000)
+        assert hits / 300 >= 0.93, (n, share, size, down, hits / 300)
 
 
 def test_corpus_interval_resamples_pairs_and_aggregates_each_model():

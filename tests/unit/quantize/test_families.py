@@ -1,7 +1,8 @@
 """Every decoder family of tests/families.py on the compile side, and the architectures the product refuses.
 
 Per family: every shipped recipe validates against the tiny model's config on the `cpu` target (what
-`quantize recipe validate` runs), or on a Hopper GPU for the formats vLLM's CPU build does not serve (block FP8), and the planner's predicted weight bytes are the bytes of the checkpoint
+`quantize recipe validate` runs), or on a Hopper GPU for the formats vLLM's CPU build does not serve (block FP8),
+and the planner's predicted weight bytes are the bytes of the checkpoint
 llm-compressor writes (16-bit, and quantized with w8a8's and w4a16's schemes through quantize_model).
 An architecture the compiler cannot cover is refused at `recipe validate` and at `plan`, exit 2, in one line
 that names it and what is missing: never a half-hour quantization that ends in a misleading verdict.
