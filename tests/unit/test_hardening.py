@@ -181,3 +181,91 @@ def test_key_folders_a_killed_verification_left_are_removed_at_the_next_start(tm
     os.utime(other, (long_ago, long_ago))
     assert signing.reclaim_key_folders(tmp_path) == [stale]
     assert not stale.exists() and fresh.exists() and other.exists()
+
+
+# ------------------------------------------------------------------------------------------- JSON Lines: bounded by lines
+
+
+TASK = {
+    "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "data.jsonl"}}, "test_split": "test",
+    "output_type": "generate_until", "doc_to_text": "{{q}}", "doc_to_target": "a",
+    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8},
+    "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+}
+
+
+def write_set(root: Path, name: str, data: bytes, **task: object) -> Path:
+    import yaml
+
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({**TASK, "task": name, **task}))
+    (folder / "data.jsonl").write_bytes(data)
+    return folder
+
+
+BLANK_60_MIB = b'{"q": "q", "a": "x", "text": "t"}\n' + b"\n" * (60 * 2**20)
+
+
+@pytest.mark.parametrize("reader", ["eval set", "calibration set", "eval-sets list"])
+def test_sixty_mib_of_blank_lines_end_within_seconds(tmp_path: Path, capsys, reader: str) -> None:
+    """Inside the 64 MiB and the 1 MiB-per-line limits, 63 million empty lines: refused at line 2,000,001."""
+    from pipelines.evaluation.evalsets import validate_calibration_set, validate_eval_set
+
+    folder = write_set(tmp_path, "blank", BLANK_60_MIB)
+    started = time.monotonic()
+    if reader == "eval-sets list":
+        (folder / "set.yaml").write_text("kind: calibration\n")
+        code = main(["eval-sets", "list", "--root", str(tmp_path)])
+        assert "more than 2,000,000 lines" in refused_fast(code, started, capsys, folder / "data.jsonl")
+        return
+    if reader == "calibration set":
+        (folder / "set.yaml").write_text("kind: calibration\n")
+    validate = validate_eval_set if reader == "eval set" else validate_calibration_set
+    with pytest.raises(InputError, match="more than 2,000,000 lines") as refused:
+        validate(folder)
+    assert time.monotonic() - started < 5.0
+    assert refused.value.field == "line 2000001"
+
+
+def test_a_calibration_file_of_blank_lines_is_refused_where_quantize_reads_it(tmp_path: Path) -> None:
+    from pipelines.quantize.calibration import load_calibration_texts
+
+    data = tmp_path / "calibration.jsonl"
+    data.write_bytes(BLANK_60_MIB)
+    started = time.monotonic()
+    with pytest.raises(InputError, match="more than 2,000,000 lines"):
+        load_calibration_texts(str(data), 1, 0)
+    assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    (b'{"q": "q1", "a": null}', "target 'a' is null"),
+    (b'{"q": "q1", "a": {"x": 1}}', "target 'a' is an object"),
+    (b'{"q": "q1", "a": true}', "target 'a' is a boolean"),
+    (b'{"q": "q1", "a": []}', "target 'a' is an empty list"),
+    (b'{"q": "q1", "a": ["x", null]}', "target 'a' is a list holding null"),
+    (b'{"q": "q1", "a": "\\ud800"}', "a lone surrogate \\ud800"),
+    (b'{"q": "\\udfff", "a": "x"}', "a lone surrogate \\udfff"),
+])
+def test_eval_set_targets_are_checked_by_type(tmp_path: Path, capsys, line: bytes, message: str) -> None:
+    root = tmp_path / "sets"
+    write_set(root, "targets", b'{"q": "q0", "a": "x"}\n' + line + b"\n")
+    code = main(["eval-sets", "validate", "--root", str(root)])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.jsonl: line 2:" in err and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("line", [b'{"q": "q1", "a": 7}', b'{"q": "q1", "a": ["x", "y"]}', b'{"q": "q1", "a": "\\ud83d\\ude00"}'])
+def test_good_targets_still_validate(tmp_path: Path, line: bytes) -> None:
+    from pipelines.evaluation.evalsets import validate_eval_set
+
+    assert validate_eval_set(write_set(tmp_path, "targets", b'{"q": "q0", "a": "x"}\n' + line + b"\n")).num_items == 2
+
+
+def test_a_template_target_reading_a_null_field_is_refused(tmp_path: Path) -> None:
+    from pipelines.evaluation.evalsets import validate_eval_set
+
+    folder = write_set(tmp_path, "templated", b'{"q": "q0", "a": null}\n', doc_to_target="{{a}}")
+    with pytest.raises(InputError, match="'a', which doc_to_target renders, is null"):
+        validate_eval_set(folder)
