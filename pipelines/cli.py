@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 from pipelines.console.output import printable
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
+from pipelines.evaluation.budget import new_command_budget
 from pipelines.settings import current as current_settings
 
 
@@ -219,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report("quantize: error: no command given (see `quantize --help`)", as_json,
                        {"error": "no command given", "file": None, "field": None, "kind": "usage"})
     _raise_keyboard_interrupt_on_sigterm()
+    new_command_budget()  # one rendering budget per command, over every eval set it renders
     try:
         code = args.handler(args)
     except QuantGateError as error:

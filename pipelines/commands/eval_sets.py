@@ -158,7 +158,10 @@ def power_sets(args: argparse.Namespace) -> int:
     if not 0.0 < args.baseline_score < 1.0:
         raise InputError(f"must lie in (0, 1) (got {args.baseline_score})", field="--baseline-score")
     names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
-    eval_sets = select_eval_sets(names, discover_eval_sets(args.root))
+    found = discover_eval_sets(args.root)
+    if not names and found.broken:  # sizing every set: one that does not validate is an error, never left out of the table
+        raise next(iter(found.broken.values()))
+    eval_sets = select_eval_sets(names, found)
     policy, policy_path = load_gate_policy(args.policy)
     document = {
         "policy": str(policy_path), "recipe": args.recipe, "sets": power_rows(eval_sets, policy, args.recipe, discordances),

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from pipelines.console.output import progress
 from pipelines.errors import InputError, from_validation_error
 from pipelines.evaluation.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
-from pipelines.evaluation.templates import SANDBOX, RenderBudget, TemplateBudgetError, compile_template, render_template
+from pipelines.evaluation.templates import SANDBOX, CommandBudgetError, RenderBudget, TemplateBudgetError, compile_template, render_template
 from pipelines.files.hashing import sha256_file, sha256_json
 from pipelines.files.jsonl import display_path, iter_jsonl
 from pipelines.files.yamlio import FunctionRef, dump_yaml, load_yaml_file
@@ -78,6 +78,10 @@ SYSTEM_INSTRUCTION_KEY = "system_instruction"
 # The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class CommandRenderStopped(InputError):
+    """The command's rendering budget ran out on this set: an error of the command, not of the set (never skipped)."""
 
 
 class EvalSet(FrozenModel):
@@ -241,6 +245,8 @@ def _render_item(
             continue  # lm-eval reads the field, it renders nothing
         try:
             text = budget.render(template, item)
+        except CommandBudgetError as error:
+            raise CommandRenderStopped(f"stopped: {error} (rendering {display_path(data)} line {number})", file=where, field=key) from None
         except TemplateBudgetError as error:
             problem = f"stopped: {error}"
         except jinja2.sandbox.SecurityError as error:
@@ -618,6 +624,8 @@ class DiscoveredSets(list):
         if name not in self._found and name not in self._broken:
             try:
                 self._found[name] = validate_eval_set(self._folders[name])
+            except CommandRenderStopped:
+                raise
             except InputError as error:
                 self._broken[name] = error
         return self._found.get(name)

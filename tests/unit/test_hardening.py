@@ -269,3 +269,57 @@ def test_a_template_target_reading_a_null_field_is_refused(tmp_path: Path) -> No
     folder = write_set(tmp_path, "templated", b'{"q": "q0", "a": null}\n', doc_to_target="{{a}}")
     with pytest.raises(InputError, match="'a', which doc_to_target renders, is null"):
         validate_eval_set(folder)
+
+
+# ------------------------------------------------------------------------------------------- rendering: one budget per command
+
+# a fraction of a second an item, inside every per-item budget
+SLOW = "{% for i in range(400) %}{% for j in range(500) %}{% endfor %}{% endfor %}{{q}}"
+
+
+def slow_sets(root: Path, count: int, items: int = 3) -> None:
+    data = b"".join(b'{"q": "q%d", "a": "x"}\n' % i for i in range(items))
+    for index in range(count):
+        write_set(root, f"slow{index:02d}", data, doc_to_text=SLOW)
+
+
+def test_many_sets_each_inside_its_own_budget_stop_at_the_command_s(tmp_path: Path, capsys, monkeypatch) -> None:
+    from pipelines.evaluation import budget
+
+    monkeypatch.setattr(budget, "COMMAND_SECONDS", 0.5)  # 30 s in the product: the same rule at a test's scale
+    slow_sets(tmp_path, 6)
+    code = main(["eval-sets", "validate", "--root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "this command's templates took more than 0.5 s" in err, err
+    spent = budget.command_budget()
+    assert spent.spent < 0.5 + 0.2 and spent.renders < 6 * 3, spent  # stopped at its budget: the later sets never rendered
+
+
+def test_power_fails_on_a_set_that_does_not_validate_instead_of_leaving_it_out(tmp_path: Path, capsys, monkeypatch) -> None:
+    from pipelines.evaluation import budget
+
+    monkeypatch.setattr(budget, "COMMAND_SECONDS", 0.5)
+    slow_sets(tmp_path, 6)
+    assert main(["eval-sets", "power", "--root", str(tmp_path), "--json"]) == 2
+    assert "this command's templates took more than" in capsys.readouterr().err
+    write_set(tmp_path / "other", "fine", b'{"q": "q", "a": "x"}\n')
+    write_set(tmp_path / "other", "broken", b'{"q": "q", "a": null}\n')
+    assert main(["eval-sets", "power", "--root", str(tmp_path / "other"), "--json"]) == 2
+    assert "target 'a' is null" in capsys.readouterr().err
+
+
+def test_time_budgets_grow_with_the_renderings(monkeypatch) -> None:
+    """A large legitimate set is never refused for its size: 5,000 trivial renderings take longer than the fixed part
+    of both budgets here (0.05 s), and fit the 1 ms each adds."""
+    from pipelines.evaluation.budget import CommandBudget
+    from pipelines.evaluation.templates import CommandBudgetError, RenderBudget, compile_template
+
+    command = CommandBudget(0.05)
+    budget = RenderBudget(seconds=0.05, command=command)
+    template = compile_template("Q: {{ q }}")
+    for index in range(5_000):
+        budget.render(template, {"q": index})
+    assert command.spent > 0.05 and command.renders == 5_000
+    spent = CommandBudget(0.0, per_render=0.0)
+    with pytest.raises(CommandBudgetError, match="this command's templates took more than 0 s"):
+        RenderBudget(command=spent).render(compile_template(SLOW), {"q": "x"})
