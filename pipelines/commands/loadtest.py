@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, read_model_config, require_model_dir, verify_artifact
 from pipelines.bounds import MAX_CONTEXT
-from pipelines.commands.args import int_arg
+from pipelines.commands.args import eval_set_names, int_arg
 from pipelines.commands.common import library_output_on_stderr
 from pipelines.console.capture import add_verbose_option
 from pipelines.console.output import emit, progress, say, table
@@ -90,7 +90,7 @@ def options(args: argparse.Namespace) -> Options:
     # The sweep's top, never above MAX_LEVEL (a fit's concurrency may be far higher): the servers' max_num_seqs.
     top = min(performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs, MAX_LEVEL)
     check_plan(performance.load, top, models=2 if artifact is not None else 1)  # before a folder is made or a file written
-    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    names = eval_set_names(args.eval_sets)
     return Options(
         model=model, artifact=artifact, performance=performance, fit=fit, eval_sets=select_eval_sets(names),
         # Servers started here may take the whole sweep (a gate run's servers keep their own max_num_seqs).

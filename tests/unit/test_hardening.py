@@ -323,3 +323,66 @@ def test_time_budgets_grow_with_the_renderings(monkeypatch) -> None:
     spent = CommandBudget(0.0, per_render=0.0)
     with pytest.raises(CommandBudgetError, match="this command's templates took more than 0 s"):
         RenderBudget(command=spent).render(compile_template(SLOW), {"q": "x"})
+
+
+# ------------------------------------------------------------------------------------------- GGUF: blocks bound by the architecture
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3", "phi3"])
+def test_a_gguf_deeper_than_its_family_is_refused_from_the_header(tmp_path: Path, capsys, architecture: str) -> None:
+    from test_models import write_gguf
+
+    from pipelines.models.catalog import MAX_BLOCKS
+
+    deep = write_gguf(tmp_path / "deep.gguf", architecture=architecture, blocks=MAX_BLOCKS[architecture] + 1)
+    started = time.monotonic()
+    code = main(["models", "add", "deep", "--gguf", str(deep)])
+    err = refused_fast(code, started, capsys, deep)
+    assert f"declares {MAX_BLOCKS[architecture] + 1:,} blocks; no {architecture} model has more than" in err
+    assert f"{architecture}.block_count" in err
+
+
+# ------------------------------------------------------------------------------------------- arguments: bounded lists, checked names
+
+
+@pytest.fixture
+def one_set(tmp_path: Path) -> Path:
+    root = tmp_path / "sets"
+    write_set(root, "small", b"".join(b'{"q": "q%d", "a": "x"}\n' % i for i in range(300)))
+    return root
+
+
+def test_five_thousand_discordances_are_refused_before_any_sum(one_set: Path, capsys) -> None:
+    values = ",".join(f"{0.001 + i * 1e-6:.6f}" for i in range(5000))
+    started = time.monotonic()
+    err = refused_fast(main(["eval-sets", "power", "--root", str(one_set), "--discordance", values]), started, capsys, "--discordance")
+    assert "44,999 characters: at most 10,000" in err and len(err) < 300
+    few = ",".join(["0.01"] * 17)
+    assert "17 values: at most 16" in refused_fast(main(["eval-sets", "power", "--root", str(one_set), "--discordance", few]),
+                                                   time.monotonic(), capsys, "--discordance")
+
+
+def test_an_overlong_eval_set_list_is_refused_naming_the_option(one_set: Path, capsys) -> None:
+    names = ",".join(f"set{i}" for i in range(300))
+    err = refused_fast(main(["eval-sets", "power", "--root", str(one_set), "--eval-sets", names]), time.monotonic(), capsys, "--eval-sets")
+    assert "300 values: at most 256" in err
+    err = refused_fast(main(["eval-sets", "power", "--root", str(one_set), "--eval-sets", "x" * 20_000]), time.monotonic(), capsys,
+                       "--eval-sets")
+    assert "20,000 characters" in err and len(err) < 300
+
+
+@pytest.mark.parametrize("recipe", ["../../etc/passwd", "r" * 100_000, "w8a8\n", "/etc/passwd"])
+def test_power_refuses_a_recipe_that_is_neither_a_recipe_nor_a_name(one_set: Path, capsys, recipe: str) -> None:
+    code = main(["eval-sets", "power", "--root", str(one_set), "--recipe", recipe, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "recipe" in out, (out, err)
+    assert len(out) < 1000
+
+
+def test_power_reads_a_shipped_recipe_s_identity_and_accepts_a_bare_name(one_set: Path, capsys) -> None:
+    import json
+
+    assert main(["eval-sets", "power", "--root", str(one_set), "--recipe", "w8a8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recipe"] == "w8a8"
+    assert main(["eval-sets", "power", "--root", str(one_set), "--recipe", "quantized-elsewhere", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recipe"] == "quantized-elsewhere"
