@@ -490,11 +490,11 @@ def inspect_gguf(path: Path) -> GgufHeader:
     _, block_names, _ = tensor_names(architecture)
     per_block = len(block_names) + len(BLOCK_BIASES.get(architecture, ()))
     blocks = _int_field(path, fields, f"{architecture}.block_count")
+    if blocks * per_block > len(scan.tensors):  # before a name is built for each block
+        raise _refuse(path, f"header declares {blocks:,} blocks of {per_block} tensors but the file lists {len(scan.tensors)} tensors")
     if blocks > MAX_BLOCKS[architecture]:
         raise _refuse(path, f"GGUF header declares {blocks:,} blocks; no {architecture} model has more than {MAX_BLOCKS[architecture]} "
                             f"({architecture}.block_count)")
-    if blocks * per_block > len(scan.tensors):  # before a name is built for each block
-        raise _refuse(path, f"header declares {blocks:,} blocks of {per_block} tensors but the file lists {len(scan.tensors)} tensors")
     tensors = {tensor.name: tensor for tensor in scan.tensors}
     required, optional = _expected_tensors(architecture, blocks)
     missing = [name for name in required if name not in tensors]
