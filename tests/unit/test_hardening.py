@@ -386,3 +386,56 @@ def test_power_reads_a_shipped_recipe_s_identity_and_accepts_a_bare_name(one_set
     assert json.loads(capsys.readouterr().out)["recipe"] == "w8a8"
     assert main(["eval-sets", "power", "--root", str(one_set), "--recipe", "quantized-elsewhere", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recipe"] == "quantized-elsewhere"
+
+
+# ------------------------------------------------------------------------------------------- numbers and flags as written
+
+
+def test_a_job_s_max_retries_true_is_refused_not_read_as_one(tmp_path: Path, capsys) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("name: probe\nexecutor: ray\nmax_retries: true\ncandidates:\n  - model: models/demo-llama\n    recipes: [w8a8]\n")
+    started = time.monotonic()
+    err = refused_fast(main(["job", str(job), "--ray-address", "127.0.0.1:1"]), started, capsys, job)
+    assert "max_retries: Value error, must be a number, not a boolean (true)" in err
+
+
+@pytest.mark.parametrize(("rule", "value", "message"), [
+    ("confidence", '"0.95"', "must be a number, not text ('0.95')"),
+    ("min_items", '"50"', "must be a number, not text ('50')"),
+    ("non_inferiority", '"yes"', "must be true or false, not text ('yes')"),
+    ("non_inferiority", "1", "must be true or false, not the number 1"),
+    ("ni_margin", "true", "must be a number, not a boolean (true)"),
+])
+def test_a_policy_rule_written_as_the_wrong_kind_is_refused(tmp_path: Path, capsys, one_set: Path, rule: str, value: str, message: str) -> None:
+    import re
+
+    from pipelines.gate.policy import DEFAULT_POLICY
+
+    text = DEFAULT_POLICY.read_text()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(re.sub(rf"(\n  {rule}:) [^\n#]*", rf"\1 {value}", text, count=1))
+    assert policy.read_text() != text
+    err = refused_fast(main(["eval-sets", "power", "--root", str(one_set), "--policy", str(policy)]), time.monotonic(), capsys, policy)
+    assert f"defaults.{rule}" in err and message in err, err
+
+
+def test_a_recipe_count_written_as_text_is_refused(tmp_path: Path, capsys) -> None:
+    from pipelines.recipe import RECIPES_DIR
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES_DIR / "w8a8.yaml").read_text().replace("num_samples: 64", 'num_samples: "64"'))
+    assert 'num_samples: "64"' in recipe.read_text()
+    code = main(["recipe", "validate", str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 2 and "calibration.num_samples" in err and "must be a number, not text ('64')" in err, err
+
+
+def test_a_huge_wrong_value_is_shown_shortened() -> None:
+    from pydantic import ValidationError
+
+    from pipelines.errors import from_validation_error
+    from pipelines.gate.policy import RuleOverrides
+
+    with pytest.raises(ValidationError) as caught:
+        RuleOverrides.model_validate({"confidence": "9" * 100_000})
+    assert len(from_validation_error(caught.value, "policy.yaml").one_line()) < 400
