@@ -395,7 +395,7 @@ def test_a_job_s_max_retries_true_is_refused_not_read_as_one(tmp_path: Path, cap
     job = tmp_path / "job.yaml"
     job.write_text("name: probe\nexecutor: ray\nmax_retries: true\ncandidates:\n  - model: models/demo-llama\n    recipes: [w8a8]\n")
     started = time.monotonic()
-    err = refused_fast(main(["job", str(job), "--ray-address", "127.0.0.1:1"]), started, capsys, job)
+    err = refused_fast(main(["job", str(job)]), started, capsys, job, within_s=30.0)
     assert "max_retries: Value error, must be a number, not a boolean (true)" in err
 
 
@@ -439,3 +439,120 @@ def test_a_huge_wrong_value_is_shown_shortened() -> None:
     with pytest.raises(ValidationError) as caught:
         RuleOverrides.model_validate({"confidence": "9" * 100_000})
     assert len(from_validation_error(caught.value, "policy.yaml").one_line()) < 400
+
+
+# ------------------------------------------------------------------------------------------- Ray addresses: a real handshake
+
+
+class Listener:
+    """A TCP listener on loopback that accepts and then answers `reply` (None: never answers, never closes)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        import socket
+        import threading
+
+        self.reply, self.held = reply, []
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(8)
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.held.append(connection)
+            if self.reply is not None:
+                connection.recv(64)
+                connection.sendall(self.reply)
+
+    def close(self) -> None:
+        for connection in self.held:
+            connection.close()
+        self.server.close()
+
+
+@pytest.fixture
+def listener(request):
+    made = Listener(request.param)
+    yield made
+    made.close()
+
+
+SETTINGS = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64"  # a server's SETTINGS: max concurrent streams 100
+
+
+@pytest.mark.parametrize("listener", [None], indirect=True)
+def test_a_listener_that_never_answers_is_refused_within_the_timeout(listener: Listener) -> None:
+    from pipelines.jobs.ray.address import CONNECT_TIMEOUT_S, check_address
+
+    started = time.monotonic()
+    with pytest.raises(InputError, match=rf"unreachable: no answer to a gRPC \(HTTP/2\) handshake within {CONNECT_TIMEOUT_S:g} s"):
+        check_address(f"127.0.0.1:{listener.port}")
+    assert CONNECT_TIMEOUT_S - 0.5 < time.monotonic() - started < CONNECT_TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("listener", [b"HTTP/1.1 400 Bad Request\r\n\r\n"], indirect=True)
+def test_a_listener_speaking_another_protocol_is_refused(listener: Listener) -> None:
+    from pipelines.jobs.ray.address import check_address
+
+    with pytest.raises(InputError, match=r"does not speak gRPC \(HTTP/2\)"):
+        check_address(f"127.0.0.1:{listener.port}")
+
+
+@pytest.mark.parametrize("listener", [SETTINGS], indirect=True)
+def test_a_grpc_server_passes_the_handshake(listener: Listener) -> None:
+    from pipelines.jobs.ray.address import check_address
+
+    check_address(f"127.0.0.1:{listener.port}")
+
+
+@pytest.mark.parametrize(("address", "message"), [
+    ("127.0.0.1:6379\n", "whitespace or a control character"),
+    (" 127.0.0.1:6379", "whitespace or a control character"),
+    ("a" * 100_000 + ":6379", "100,005 characters"),
+    ("a" * 64 + ".example:6379", "not a host name"),
+    ("127.0.0.1:6379/path", "not a Ray address"),
+])
+def test_an_address_that_is_not_one_is_refused_in_one_line(address: str, message: str) -> None:
+    from pipelines.jobs.ray.address import check_address
+
+    with pytest.raises(InputError, match=message) as refused:
+        check_address(address)
+    assert refused.value.field == "--ray-address" and len(refused.value.one_line()) < 400
+
+
+def test_a_ray_client_address_without_the_client_is_refused_in_one_line(monkeypatch) -> None:
+    import importlib.util
+
+    from pipelines.jobs.ray import address
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(address.importlib.util, "find_spec", lambda name, *a: None if name == "grpc" else real(name, *a))
+    with pytest.raises(InputError, match=r"a ray:// address needs the Ray client \(ray\[client\]"):
+        address.check_address("ray://127.0.0.1:10001")
+
+
+@pytest.mark.parametrize("listener", [None], indirect=True)
+@pytest.mark.parametrize("how", ["--ray-address", "RAY_ADDRESS", "RAY_ADDRESS with a newline"])
+def test_the_job_command_refuses_a_silent_cluster(tmp_path, monkeypatch, capsys, listener: Listener, how: str) -> None:
+    from pipelines.jobs.ray import address as ray_address
+    from pipelines.paths import DEMO_MODEL_DIR
+
+    monkeypatch.setattr(ray_address, "CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: probe\nexecutor: ray\nregistry: {tmp_path / 'registry.db'}\ncandidates:\n"
+                   f"  - model: {DEMO_MODEL_DIR}\n    recipes: [w8a8]\n    eval_sets: [ticket_routing]\n")
+    address = f"127.0.0.1:{listener.port}"
+    args = ["job", str(job)]
+    if how == "--ray-address":
+        args += ["--ray-address", address]
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address + ("\n" if "newline" in how else ""))
+    started = time.monotonic()
+    err = refused_fast(main(args), started, capsys, "--ray-address" if how == "--ray-address" else "RAY_ADDRESS", within_s=30.0)
+    assert ("whitespace or a control character" if "newline" in how else "no answer to a gRPC (HTTP/2) handshake within 1 s") in err
