@@ -556,3 +556,27 @@ def test_the_job_command_refuses_a_silent_cluster(tmp_path, monkeypatch, capsys,
     started = time.monotonic()
     err = refused_fast(main(args), started, capsys, "--ray-address" if how == "--ray-address" else "RAY_ADDRESS", within_s=30.0)
     assert ("whitespace or a control character" if "newline" in how else "no answer to a gRPC (HTTP/2) handshake within 1 s") in err
+
+
+# ------------------------------------------------------------------------------------------- nothing outside the artifacts root
+
+
+def test_loading_prompts_in_process_writes_no_datasets_cache_outside_the_run(tmp_path: Path) -> None:
+    """lm-eval's TaskManager loads each set with `datasets`, whose cache defaults to ~/.cache/huggingface/datasets."""
+    home, temporary, run = tmp_path / "home", tmp_path / "tmp", tmp_path / "artifacts" / "runs" / "r"
+    for folder in (home, temporary):
+        folder.mkdir(parents=True)
+    script = (
+        "from pathlib import Path\nfrom pipelines.evaluation.evalsets import validate_eval_set\n"
+        "from pipelines.evaluation.evaluate import load_all_prompts, materialize_tasks\n"
+        "from pipelines.paths import EVAL_SETS_DIR\n"
+        "s = validate_eval_set(EVAL_SETS_DIR / 'ticket_routing')\n"
+        f"tasks = materialize_tasks([s], Path({str(run)!r}) / 'tasks')\n"
+        "print(len(load_all_prompts([s], tasks)['ticket_routing']))\n"
+    )
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE"))}
+    env.update(HOME=str(home), TMPDIR=str(temporary), QUANTGATE_ARTIFACTS=str(tmp_path / "artifacts"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "250", done.stderr[-2000:]
+    assert [p for p in home.rglob("*")] == [] and [p for p in temporary.rglob("*")] == []
+    assert sorted(p.name for p in run.iterdir()) == ["tasks"]  # the cache was inside the run folder, and is gone
