@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pipelines.errors import InputError
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.files.jsonio import read_json_object
-from pipelines.files.safepath import inside, safe_relative
+from pipelines.files.safepath import inside, own_regular_file, safe_relative
 from pipelines.schema import StrictModel
 
 CONFIG_NAME = "config.json"
@@ -357,8 +357,10 @@ def verify_artifact(
 
     - `manifest_sha256`: the manifest's own hash as recorded earlier; a different manifest.json is refused.
     - `fingerprint`: from an earlier ArtifactCheck; a file whose (size, mtime, ctime, inode) is unchanged
-      is not re-hashed. Without it every file is hashed (sha256 of all the bytes).
-    A file listed but missing, changed, or present but not listed (manifest.json aside) is refused.
+      is not re-hashed, and a file whose size differs from it is refused before anything is hashed (a 30 GiB file
+      swapped in costs a stat, not a read). Without it every file is hashed (sha256 of all the bytes).
+    Everything that needs no reading comes first: a file listed but missing, present but not listed (manifest.json
+    aside), a link (symbolic or hard), a size that differs; then the hashes, each read bounded by the size just seen.
     """
     artifact_dir = Path(artifact_dir)
     document = load_manifest(artifact_dir)
@@ -367,32 +369,43 @@ def verify_artifact(
             f"manifest.json changed since it was recorded (sha256 {document.sha256[:12]}..., recorded {manifest_sha256[:12]}...)",
             file=document.path,
         )
-    seen: dict[str, list[int]] = {MANIFEST_NAME: stat_fingerprint(document.path)}
-    hashed: list[str] = []
-    for relative, digest in sorted(document.files.items()):
+    seen = {MANIFEST_NAME: stat_fingerprint(document.path)} | _listed_files(artifact_dir, document, fingerprint)
+    hashed = [relative for relative in sorted(document.files) if fingerprint is None or fingerprint.get(relative) != seen[relative]]
+    for relative in hashed:
+        path = artifact_dir / relative
+        if sha256_file(path, size=seen[relative][0]) != document.files[relative]:
+            raise InputError("file does not match its sha256 in the manifest (tampered or corrupt)", file=path)
+    return ArtifactCheck(
+        artifact_dir=artifact_dir, manifest_sha256=document.sha256, artifact_hash=sha256_json(document.files),
+        fingerprint=seen, files=dict(document.files), hashed=hashed, recipe_text=document.recipe_text,
+    )
+
+
+def _listed_files(artifact_dir: Path, document: ManifestDocument, fingerprint: dict[str, list[int]] | None) -> dict[str, list[int]]:
+    """The stat fingerprint of every file the manifest lists, after the checks that read no file's content."""
+    present = {
+        p.relative_to(artifact_dir).as_posix()
+        for p in artifact_dir.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.relative_to(artifact_dir).as_posix() != MANIFEST_NAME
+    }
+    extra = sorted(present - set(document.files))
+    if extra:
+        raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
+    seen: dict[str, list[int]] = {}
+    for relative in sorted(document.files):
         path = artifact_dir / relative
         if not path.is_file():
             raise InputError("file listed in the manifest is missing", file=path)
         if not inside(artifact_dir, path):
             raise InputError("file listed in the manifest resolves outside the artifact folder (symbolic link)", file=path)
-        stat = stat_fingerprint(path)
-        if fingerprint is None or fingerprint.get(relative) != stat:
-            hashed.append(relative)
-            if sha256_file(path) != digest:
-                raise InputError("file does not match its sha256 in the manifest (tampered or corrupt)", file=path)
-        seen[relative] = stat
-    present = {
-        p.relative_to(artifact_dir).as_posix()
-        for p in artifact_dir.rglob("*")
-        if p.is_file() and p.relative_to(artifact_dir).as_posix() != MANIFEST_NAME
-    }
-    extra = sorted(present - set(document.files))
-    if extra:
-        raise InputError("file is not in the manifest (added after quantization)", file=artifact_dir / extra[0])
-    return ArtifactCheck(
-        artifact_dir=artifact_dir, manifest_sha256=document.sha256, artifact_hash=sha256_json(document.files),
-        fingerprint=seen, files=dict(document.files), hashed=hashed, recipe_text=document.recipe_text,
-    )
+        if not path.is_symlink():
+            own_regular_file(path, "an artifact")
+        seen[relative] = stat_fingerprint(path)
+        recorded = (fingerprint or {}).get(relative)
+        if recorded and recorded[0] != seen[relative][0]:
+            raise InputError(f"file is {seen[relative][0]:,} bytes; it was {recorded[0]:,} bytes when last verified (tampered or corrupt)",
+                             file=path)
+    return seen
 
 
 def verify_before_serving(artifact_dir: Path, *, allow_unverified: bool = False) -> ArtifactCheck | None:

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 from pipelines.console.output import printable
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
+from pipelines.evaluation.budget import new_command_budget
 from pipelines.settings import current as current_settings
 
 
@@ -202,7 +203,16 @@ def _write_traceback(error: BaseException, argv: list[str]) -> Path | str:
 # --- main -------------------------------------------------------------------------------------------------
 
 
+def _caches_under_the_artifacts_root() -> None:
+    """torch's compiler cache defaults to <system temp>/torchinductor_<user>, made as soon as torch._dynamo is imported
+    (transformers and llm-compressor import it): this process's and its children's go under the artifacts root unless
+    the user chose a folder. Only for the command as a process (main() without argv), never inside a caller's process."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(current_settings().artifacts_dir.resolve() / "cache" / "torchinductor"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        _caches_under_the_artifacts_root()
     arguments = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     as_json = "--json" in arguments
     try:
@@ -219,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report("quantize: error: no command given (see `quantize --help`)", as_json,
                        {"error": "no command given", "file": None, "field": None, "kind": "usage"})
     _raise_keyboard_interrupt_on_sigterm()
+    new_command_budget()  # one rendering budget per command, over every eval set it renders
     try:
         code = args.handler(args)
     except QuantGateError as error:

@@ -52,7 +52,8 @@ def from_validation_error(error: ValidationError, file: str | Path) -> InputErro
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     elif "input" in first and first["type"] not in ("missing",):
-        message = f"{message} (got {first['input']!r})"
+        shown = repr(first["input"])
+        message = f"{message} (got {shown if len(shown) <= 120 else shown[:117] + '...'})"
     more = len(error.errors()) - 1
     if more:
         message += f" (+{more} more problem{'s' if more > 1 else ''})"

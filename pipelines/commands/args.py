@@ -6,6 +6,11 @@ import argparse
 import math
 from collections.abc import Callable
 
+from pipelines.errors import InputError
+
+MAX_LIST_CHARS = 10_000  # a comma-separated option: far more than any list it takes
+MAX_EVAL_SET_NAMES = 256
+
 
 def int_arg(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: a decimal integer in [low, high] (no float, no overflow past the bound)."""
@@ -39,3 +44,21 @@ def float_arg(low: float, high: float, *, low_open: bool = False) -> Callable[[s
 
     parse.__name__ = "number"
     return parse
+
+
+def comma_list(text: str | None, option: str, *, max_items: int) -> list[str] | None:
+    """The stripped, non-empty parts of a comma-separated option (None when it is not given): a text past MAX_LIST_CHARS or
+    more than `max_items` parts is an InputError naming the option, before any part is looked at."""
+    if not text:
+        return None
+    if len(text) > MAX_LIST_CHARS:
+        raise InputError(f"{len(text):,} characters: at most {MAX_LIST_CHARS:,} ({max_items} values at most)", field=option)
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if len(parts) > max_items:
+        raise InputError(f"{len(parts):,} values: at most {max_items}", field=option)
+    return parts
+
+
+def eval_set_names(text: str | None) -> list[str] | None:
+    """--eval-sets: comma-separated eval set names, bounded (None: every set)."""
+    return comma_list(text, "--eval-sets", max_items=MAX_EVAL_SET_NAMES)

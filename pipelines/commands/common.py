@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipelines.bounds import MAX_CONTEXT
-from pipelines.commands.args import int_arg
+from pipelines.commands.args import eval_set_names, int_arg
 from pipelines.console.capture import add_verbose_option, library_output_to_log
 from pipelines.console.output import emit, progress
 from pipelines.evaluation.evalsets import select_eval_sets
@@ -51,7 +51,7 @@ def add_gate_options(parser: argparse.ArgumentParser) -> None:
 def gate_settings(args: argparse.Namespace) -> GateSettings:
     """Everything the options say, validated before any heavy work starts."""
     policy, policy_path = load_gate_policy(args.policy)
-    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
+    names = eval_set_names(args.eval_sets)
     eval_sets = select_eval_sets(names)
     # A policy the selected sets cannot meet is refused now (exit 2), not after quantizing and serving.
     check_attainable(policy, eval_sets, getattr(args, "recipe", None), file=policy_path)

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pipelines.commands.args import comma_list, eval_set_names
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
+from pipelines.files.safepath import MAX_COMPONENT, safe_component
 from pipelines.gate import exact, identical, stats
 from pipelines.gate.policy import load_gate_policy, unattainable
 from pipelines.gate.verdict import table_rejects
 from pipelines.paths import EVAL_SETS_DIR
 
+if TYPE_CHECKING:
+    from pipelines.recipe import RecipeIdentity
+
 POWER_DISCORDANCES = (0.02, 0.04, 0.1)
+MAX_RECIPE_NAME = 64  # pipelines.recipe.Recipe's name
+MAX_DISCORDANCES = 16  # each is an exact sum over every 2x2 table of every set: seconds, not minutes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,12 +96,14 @@ def validate_sets(args: argparse.Namespace) -> int:
 
 
 def _fractions(text: str, option: str) -> list[float]:
+    parts = comma_list(text, option, max_items=MAX_DISCORDANCES) or []
+    shown = text if len(text) <= 80 else text[:77] + "..."
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = [float(part) for part in parts]
     except ValueError:
-        raise InputError(f"not a comma-separated list of numbers: {text!r}", field=option) from None
+        raise InputError(f"not a comma-separated list of numbers: {shown!r}", field=option) from None
     if not values or not all(0.0 <= value <= 1.0 for value in values):
-        raise InputError(f"each value must lie in [0, 1] (got {text!r})", field=option)
+        raise InputError(f"each value must lie in [0, 1] (got {shown!r})", field=option)
     return values
 
 
@@ -109,7 +119,21 @@ GUARANTEES = {
 }
 
 
-def power_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float = 0.8) -> list[dict]:
+def recipe_identity(text: str | None) -> RecipeIdentity | None:
+    """--recipe: a shipped recipe or a recipe YAML (its name, base and tags are what the policy's overrides match), or the
+    bare name of a recipe quantized elsewhere; anything else (a path to another file, a name no recipe can have) is
+    refused naming the option."""
+    from pipelines.recipe import RecipeIdentity, load_recipe, resolve_recipe_path
+
+    if text is None:
+        return None
+    if len(text) <= MAX_COMPONENT and (Path(text).suffix in (".yaml", ".yml") or resolve_recipe_path(text).is_file()):
+        return load_recipe(text).recipe.identity
+    return RecipeIdentity(name=safe_component(text, "--recipe", max_length=MAX_RECIPE_NAME))
+
+
+def power_rows(eval_sets: list[EvalSet], policy, recipe: str | RecipeIdentity | None, discordances: list[float],
+               baseline_score: float = 0.8) -> list[dict]:
     """Per set, under its rules: the tolerance, the identical-model minimum, the guarantee with its sampling model, and for
     each discordance psi the smallest tolerance its n certifies (an unchanged candidate passing 80% of the time), the items
     the tolerance needs (Nam 1997 with Tango's score test: pipelines.gate.stats.items_needed, at least the identical
@@ -161,7 +185,9 @@ def _promote_at_tolerance(rules, higher_is_better: bool, n: int, right: int, fra
     return {"promote_at_tolerance": round(rate, 6), "worst_split": {"p_lose": round(p_gain + fraction, 6), "p_gain": round(p_gain, 6)}}
 
 
-def whole_run_rows(eval_sets: list[EvalSet], policy, recipe: str | None, discordances: list[float], baseline_score: float) -> list[dict]:
+def whole_run_rows(
+    eval_sets: list[EvalSet], policy, recipe: str | RecipeIdentity | None, discordances: list[float], baseline_score: float,
+) -> list[dict]:
     """P(at least one pass/fail set rejects an unchanged candidate) per discordance, each set at `baseline_score`."""
 
     binary = [s for s in eval_sets if s.metric.kind == "binary"]
@@ -188,12 +214,16 @@ def power_sets(args: argparse.Namespace) -> int:
     discordances = _fractions(args.discordance, "--discordance")
     if not 0.0 < args.baseline_score < 1.0:
         raise InputError(f"must lie in (0, 1) (got {args.baseline_score})", field="--baseline-score")
-    names = [n.strip() for n in args.eval_sets.split(",") if n.strip()] if args.eval_sets else None
-    eval_sets = select_eval_sets(names, discover_eval_sets(args.root))
+    names = eval_set_names(args.eval_sets)
+    recipe = recipe_identity(args.recipe)
+    found = discover_eval_sets(args.root)
+    if not names and found.broken:  # sizing every set: one that does not validate is an error, never left out of the table
+        raise next(iter(found.broken.values()))
+    eval_sets = select_eval_sets(names, found)
     policy, policy_path = load_gate_policy(args.policy)
     document = {
-        "policy": str(policy_path), "recipe": args.recipe, "sets": power_rows(eval_sets, policy, args.recipe, discordances),
-        "whole_run": whole_run_rows(eval_sets, policy, args.recipe, discordances, args.baseline_score),
+        "policy": str(policy_path), "recipe": recipe.name if recipe else None, "sets": power_rows(eval_sets, policy, recipe, discordances),
+        "whole_run": whole_run_rows(eval_sets, policy, recipe, discordances, args.baseline_score),
         "baseline_score": args.baseline_score,
     }
     emit(document, as_json=args.json, render=_render_power)

@@ -4,13 +4,18 @@ the runner, here or on a Ray cluster (docs/scale-out.md); one summary at the end
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipelines.commands.common import library_output_on_stderr
 from pipelines.console.capture import add_verbose_option
 from pipelines.console.output import console, emit, table
 from pipelines.errors import InputError
-from pipelines.jobs.job import Executor, JobSummary, plan_job, run_locally
+from pipelines.files.yamlio import load_yaml_file
+from pipelines.jobs.ray.address import ADDRESS_FIELD, check_address
+
+if TYPE_CHECKING:  # the job machinery imports torch and the runner: seconds, after the address is checked
+    from pipelines.jobs.job import Executor, JobSummary
 
 
 def reasons_by_set(reasons: list[str]) -> str:
@@ -35,6 +40,8 @@ def _render(summary: JobSummary) -> None:
 
 def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | None = None) -> JobSummary:
     """The job by its executor: `executor` (--executor), else the job file's `executor:`."""
+    from pipelines.jobs.job import plan_job, run_locally
+
     planned = plan_job(path)
     if (executor or planned.job.executor) == "ray":
         from pipelines.jobs.ray.driver import run_on_ray  # ray: only for a job that uses it
@@ -45,7 +52,29 @@ def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | 
     return run_locally(planned)
 
 
+def _known_address(path: Path, executor: Executor | None, ray_address: str | None) -> tuple[str, str] | None:
+    """The address a Ray job will connect to and the option or variable it comes from, when the job runs on Ray: by
+    --executor ray, or by a job file that says `executor: ray` (read here for that key alone, bounded; the job file is
+    read and checked in full when planned). None for a local job, or a job file planning will refuse."""
+    if executor is None:
+        try:
+            document = load_yaml_file(path, what="job", field="job")
+        except InputError:
+            return None
+        executor = document.get("executor") if isinstance(document, dict) else None
+    if executor != "ray":
+        return None
+    if ray_address is not None:
+        return ray_address, ADDRESS_FIELD
+    return (os.environ["RAY_ADDRESS"], "RAY_ADDRESS") if os.environ.get("RAY_ADDRESS") else None
+
+
 def handle(args: argparse.Namespace) -> int:
+    early = _known_address(args.file, args.executor, args.ray_address)
+    if early is not None:  # the Ray cluster answers (seconds) before the job machinery is even imported
+        check_address(*early)
+    from pipelines.commands.common import library_output_on_stderr
+
     with library_output_on_stderr(verbose=args.verbose):
         summary = run_job(args.file, executor=args.executor, ray_address=args.ray_address)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))

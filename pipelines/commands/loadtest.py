@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from pipelines.bounds import MAX_CONTEXT
-from pipelines.commands.args import int_arg
+from pipelines.commands.args import eval_set_names, int_arg
 from pipelines.commands.common import library_output_on_stderr
 from pipelines.console.capture import add_verbose_option
 from pipelines.console.output import emit, progress, say, table
@@ -26,8 +26,8 @@ from pipelines.serve.serving import ServeSettings
 
 def handle(args: argparse.Namespace) -> int:
     chosen = options(  # bad input fails here, before a folder or a server exists
-        args.model, args.artifact, policy_path=args.policy, concurrency=args.concurrency, repeats=args.repeats, eval_sets=args.eval_sets,
-        max_model_len=args.max_model_len,
+        args.model, args.artifact, policy_path=args.policy, concurrency=args.concurrency, repeats=args.repeats,
+        eval_sets=eval_set_names(args.eval_sets), max_model_len=args.max_model_len,
     )
     with library_output_on_stderr(verbose=args.verbose):
         report, run_dir = run(chosen)

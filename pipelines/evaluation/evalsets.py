@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from pipelines.console.output import progress
 from pipelines.errors import InputError, from_validation_error
 from pipelines.evaluation.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
-from pipelines.evaluation.templates import SANDBOX, RenderBudget, TemplateBudgetError, compile_template, render_template
+from pipelines.evaluation.templates import SANDBOX, CommandBudgetError, RenderBudget, TemplateBudgetError, compile_template, render_template
 from pipelines.files.hashing import sha256_file, sha256_json
 from pipelines.files.jsonl import display_path, iter_jsonl
 from pipelines.files.yamlio import FunctionRef, dump_yaml, load_yaml_file
@@ -78,6 +78,10 @@ SYSTEM_INSTRUCTION_KEY = "system_instruction"
 # The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class CommandRenderStopped(InputError):
+    """The command's rendering budget ran out on this set: an error of the command, not of the set (never skipped)."""
 
 
 class EvalSet(FrozenModel):
@@ -241,6 +245,8 @@ def _render_item(
             continue  # lm-eval reads the field, it renders nothing
         try:
             text = budget.render(template, item)
+        except CommandBudgetError as error:
+            raise CommandRenderStopped(f"stopped: {error} (rendering {display_path(data)} line {number})", file=where, field=key) from None
         except TemplateBudgetError as error:
             problem = f"stopped: {error}"
         except jinja2.sandbox.SecurityError as error:
@@ -458,6 +464,7 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
             missing = sorted(fields - set(item))
             if missing:
                 raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=display_path(data), field=f"line {number}")
+        _check_target(item, target_field, needs["doc_to_target"], display_path(data), number)
         rendered = _render_item(compiled, config, item, where, data, number, budget)
         requests = None if requests is None else _add_requests(requests, config, rendered, item)
         label = item.get(target_field) if target_field else None
@@ -468,6 +475,38 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
     if count == 0:
         raise InputError("no items", file=display_path(data))
     return count, requests
+
+
+def _target_problem(value: Any) -> str | None:
+    """Why an item's target (the field doc_to_target names) is not one lm-eval can score, or None: text, a number (a
+    choice index), or a non-empty list of them (several accepted answers). lm-eval casts anything else to text, so a
+    null becomes the answer "None" and an object its Python repr, silently."""
+    if not isinstance(value, list):
+        return _scalar_target_problem(value)
+    if not value:
+        return "an empty list (no accepted answer)"
+    inner = [problem for problem in map(_scalar_target_problem, value) if problem]
+    return f"a list holding {inner[0]}" if inner else None
+
+
+def _scalar_target_problem(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (str, int, float)):
+        return None
+    return {type(None): "null", dict: "an object", list: "a nested list"}.get(type(value), type(value).__name__)
+
+
+def _check_target(item: dict, target_field: str | None, template_fields: set[str], where: str, number: int) -> None:
+    """The target of one item: a field named by doc_to_target holds text, a number or a list of them; a field the
+    doc_to_target template reads is not null (it would render "None")."""
+    problem = _target_problem(item[target_field]) if target_field else None
+    if problem is not None:
+        raise InputError(f"target {target_field!r} is {problem}: give text, a number or a list of them", file=where, field=f"line {number}")
+    for name in sorted(template_fields):
+        if name in item and item[name] is None:
+            raise InputError(f"field {name!r}, which doc_to_target renders, is null (the target would be the text 'None')",
+                             file=where, field=f"line {number}")
 
 
 def _add_requests(so_far: int, config: dict, rendered: dict[str, str], item: dict) -> int | None:
@@ -587,6 +626,8 @@ class DiscoveredSets(list):
         if name not in self._found and name not in self._broken:
             try:
                 self._found[name] = validate_eval_set(self._folders[name])
+            except CommandRenderStopped:
+                raise
             except InputError as error:
                 self._broken[name] = error
         return self._found.get(name)

@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -182,9 +183,33 @@ def load_all_prompts(eval_sets: list[EvalSet], include_dir: Path, tokenizer_dir:
         return {}
     from lm_eval.tasks import TaskManager  # heavy: imported when used
 
-    manager = TaskManager(include_path=str(include_dir), include_defaults=False)
-    tasks = manager.load([s.task_name for s in eval_sets])["tasks"]
-    return {s.name: _task_prompts(s, tasks[s.task_name], tokenizer_dir) for s in eval_sets}
+    with datasets_cache(Path(include_dir).parent):
+        manager = TaskManager(include_path=str(include_dir), include_defaults=False)
+        tasks = manager.load([s.task_name for s in eval_sets])["tasks"]
+        return {s.name: _task_prompts(s, tasks[s.task_name], tokenizer_dir) for s in eval_sets}
+
+
+@contextmanager
+def datasets_cache(parent: Path) -> Iterator[Path]:
+    """In this process, the redirect the lm-eval subprocess gets (lm_eval_environment): `datasets` writes every JSON file
+    it loads into its cache, HF_DATASETS_CACHE as read when it was imported (else ~/.cache/huggingface/datasets, outside
+    the artifacts root). For the block its cache is a fresh folder in `parent` (beside the materialized tasks, inside the
+    run folder), removed when the block ends, however it ends."""
+    import datasets.config as config
+
+    names = ("HF_DATASETS_CACHE", "DOWNLOADED_DATASETS_PATH", "EXTRACTED_DATASETS_PATH")
+    saved = {name: getattr(config, name) for name in names}
+    parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{LM_EVAL_SCRATCH}-datasets-", dir=parent))
+    config.HF_DATASETS_CACHE = folder
+    config.DOWNLOADED_DATASETS_PATH = folder / config.DOWNLOADED_DATASETS_DIR
+    config.EXTRACTED_DATASETS_PATH = config.DOWNLOADED_DATASETS_PATH / config.EXTRACTED_DATASETS_DIR
+    try:
+        yield folder
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _task_prompts(eval_set: EvalSet, task, tokenizer_dir: Path | None) -> list[Prompt]:

@@ -5,9 +5,11 @@ An eval set's doc_to_* templates are the user's code, rendered for every item at
 unsafe methods and changes to lists and dicts; this module adds budgets enforced while rendering, never
 checked only afterwards:
 
-- time: a deadline per item and one per set (RenderBudget), checked at every call, filter, attribute or
-  item access, operator, loop iteration and output chunk; every `{% for %}` iterates through a checked
-  iterator, so nested loops that write nothing still stop;
+- time: a deadline per item, one per set (RenderBudget) and one per command over every set it renders
+  (CommandBudget: twelve sets each just inside their own budget do not add up to minutes), the set's and the
+  command's growing with the number of renderings (a large legitimate set is never refused for its size);
+  checked at every call, filter, attribute or item access, operator, loop iteration and output chunk; every
+  `{% for %}` iterates through a checked iterator, so nested loops that write nothing still stop;
 - output: what a template writes is streamed and counted (per item and per set), and every value a call,
   filter, operator or `~` produces, and every value written or turned into text, is held to a size;
   operations whose result size an argument chooses (`center(2000000000)`, `'%2000000000s'`, `join`,
@@ -35,11 +37,14 @@ import jinja2.utils
 import jinja2.visitor
 import regex  # type: ignore[import-untyped]
 
+from pipelines.evaluation.budget import SECONDS_PER_RENDER, CommandBudget, TimeBudget, command_budget
+
 MAX_RENDERED_CHARS = 1_000_000  # one rendered template, and any one value a template builds or writes
-MAX_SET_RENDERED_CHARS = 100_000_000  # every template of a set over all its items
+MAX_SET_RENDERED_CHARS = 100_000_000  # every template of a set over all its items, plus CHARS_PER_RENDER a rendering
+CHARS_PER_RENDER = 1_000
 MAX_VALUE_WEIGHT = 10_000_000  # what a value may become as text (a list of a shared big list counts each reference)
 ITEM_SECONDS = 2.0  # one template against one item
-SET_SECONDS = 10.0  # every template of a set against all its items
+SET_SECONDS = 10.0  # every template of a set against all its items (+ SECONDS_PER_RENDER each: pipelines.evaluation.budget)
 MAX_EXPONENT = 1024
 # An integer no template needs is one Python cannot even print (about 4,300 digits): refused before it is computed,
 # since one C-level power or product cannot be interrupted by the time budget.
@@ -55,41 +60,64 @@ class TemplateBudgetError(jinja2.sandbox.SecurityError):
     """A template went past its time or output budget while rendering."""
 
 
+class CommandBudgetError(TemplateBudgetError):
+    """The command's templates, over every set it renders, went past the command's time budget."""
+
+
+
+
 @dataclass
 class RenderBudget:
-    """One set's rendering: a deadline and the characters it may still write, shared by its items."""
+    """One set's rendering: time and characters shared by its items, within the command's budget."""
 
     seconds: float = SET_SECONDS
-    chars: int = MAX_SET_RENDERED_CHARS  # what is left to write
-    deadline: float = field(init=False, default=float("inf"))  # set by the first render: reading the data is not rendering
+    chars: int = MAX_SET_RENDERED_CHARS  # what is left to write (grows by chars_per_render a rendering)
+    chars_per_render: int = CHARS_PER_RENDER
+    per_render: float = SECONDS_PER_RENDER
+    command: CommandBudget = field(default_factory=command_budget)
+    time: TimeBudget = field(init=False)
     chars_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.time = TimeBudget(self.seconds, self.per_render)
         self.chars_limit = self.chars
 
     def render(self, template: jinja2.Template, doc: dict) -> str:
         """`template` against one item, streamed: stops at the first check past a budget (TemplateBudgetError)."""
-        if self.deadline == float("inf"):
-            self.deadline = time.monotonic() + self.seconds
-        item = _ItemState(self, min(time.monotonic() + ITEM_SECONDS, self.deadline))
+        for budget in (self.time, self.command):
+            budget.renders += 1
+        self.chars += self.chars_per_render
+        self.chars_limit += self.chars_per_render
+        started = time.monotonic()
+        limits = ((ITEM_SECONDS, None), (self.time.left, self.time), (self.command.left, self.command))
+        seconds, limit = min(limits, key=lambda pair: pair[0])
+        item = _ItemState(self, started + seconds, limit)
         previous, _ACTIVE.item = getattr(_ACTIVE, "item", None), item
         try:
+            if seconds <= 0:
+                item.check_time()
             return "".join(item.written(chunk) for chunk in template.generate(**doc))
         finally:
             _ACTIVE.item = previous
+            spent = time.monotonic() - started
+            self.time.spent += spent
+            self.command.spent += spent
 
 
 @dataclass
 class _ItemState:
     budget: RenderBudget
     deadline: float
+    limit: TimeBudget | None  # the budget the deadline comes from: the item's own (None), the set's or the command's
     chars: int = 0
 
     def check_time(self) -> None:
         if time.monotonic() <= self.deadline:
             return
-        if self.deadline >= self.budget.deadline:
-            raise TemplateBudgetError(f"the set's templates took more than {self.budget.seconds:g} s to render in all")
+        if isinstance(self.limit, CommandBudget):
+            raise CommandBudgetError(f"this command's templates took more than {self.limit.describe()} to render in all")
+        if self.limit is not None:
+            raise TemplateBudgetError(f"the set's templates took more than {self.limit.describe()} to render in all")
         raise TemplateBudgetError(f"rendering one item took more than {ITEM_SECONDS:g} s")
 
     def written(self, chunk: str) -> str:

@@ -7,14 +7,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipelines.errors import InputError
+
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, *, size: int | None = None) -> str:
+    """sha256 of the file's bytes. With `size` (what a record says the file holds, its size already compared), at most
+    size + 1 bytes are read: a file that grew past it meanwhile is refused, never hashed to its end."""
     digest = hashlib.sha256()
+    left = None if size is None else size + 1
     with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(_CHUNK if left is None else min(_CHUNK, left)):
             digest.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+                if left == 0:
+                    raise InputError(f"file grew past its recorded {size} bytes while it was read", file=path)
     return digest.hexdigest()
 
 

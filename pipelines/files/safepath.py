@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from pipelines.errors import InputError
@@ -92,3 +93,16 @@ def ensure_inside(root: Path | str, path: Path | str, field: str) -> Path:
     if not inside(root, path):
         raise InputError(f"refusing to write outside {root}: {str(path)!r}", file=root, field=field)
     return Path(path)
+
+
+def own_regular_file(path: Path, where: str) -> os.stat_result:
+    """The lstat of a regular file that has no other name: a symbolic link, a hard link (another name anywhere on the
+    disk, whose owner could change these bytes later, unseen), or anything but a regular file is an InputError."""
+    status = path.lstat()
+    if stat.S_ISLNK(status.st_mode):
+        raise InputError(f"a symbolic link in {where}: its files must be its own", file=path)
+    if not stat.S_ISREG(status.st_mode):
+        raise InputError(f"not a regular file, in {where}", file=path)
+    if status.st_nlink > 1:
+        raise InputError(f"a hard link ({status.st_nlink} names for these bytes) in {where}: its files must be its own copies", file=path)
+    return status

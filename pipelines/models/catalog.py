@@ -72,6 +72,10 @@ BLOCK_TENSORS: dict[str, tuple[str, ...]] = {
     "phi3": ("ATTN_NORM", "ATTN_QKV", "ATTN_OUT", "FFN_NORM", "FFN_UP", "FFN_DOWN"),
 }
 BLOCK_BIASES: dict[str, tuple[str, ...]] = {"qwen2": ("ATTN_Q", "ATTN_K", "ATTN_V")}
+# The most blocks a model of each architecture may declare: about twice the deepest published model of the family (Llama
+# 3.1 405B 126, merged 120B Llamas ~140; Qwen2.5-72B 80; Qwen3-32B 64; Gemma 2 27B 46; Gemma 3 27B 62; Phi-3 medium and
+# Phi-4 40). A header past it is no model of that family, and converting thousands of tiny blocks takes minutes.
+MAX_BLOCKS: dict[str, int] = {"llama": 256, "qwen2": 160, "qwen3": 128, "gemma2": 96, "gemma3": 128, "phi3": 80}
 # Why a tensor outside those would matter: transformers' loader drops what it does not map, silently.
 _EXTRA_TENSORS = {
     "rope_freqs": "Llama 3.1+ rope scaling, which transformers' GGUF loader does not read",
@@ -491,6 +495,9 @@ def inspect_gguf(path: Path) -> GgufHeader:
     blocks = _int_field(path, fields, f"{architecture}.block_count")
     if blocks * per_block > len(scan.tensors):  # before a name is built for each block
         raise _refuse(path, f"header declares {blocks:,} blocks of {per_block} tensors but the file lists {len(scan.tensors)} tensors")
+    if blocks > MAX_BLOCKS[architecture]:
+        raise _refuse(path, f"GGUF header declares {blocks:,} blocks; no {architecture} model has more than {MAX_BLOCKS[architecture]} "
+                            f"({architecture}.block_count)")
     tensors = {tensor.name: tensor for tensor in scan.tensors}
     required, optional = _expected_tensors(architecture, blocks)
     missing = [name for name in required if name not in tensors]

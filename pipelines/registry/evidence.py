@@ -38,6 +38,7 @@ from pipelines.evaluation import baseline
 from pipelines.files.atomic import hidden_sibling, storage_error
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.files.safepath import safe_component
+from pipelines.files.yamlio import MAX_JSON_BYTES, read_user_bytes
 from pipelines.gate.verdict import GateReport, SetComparison
 from pipelines.registry.signing import SIGNATURE_NAME, BundleCheck, parse_record, verify_bundle
 
@@ -252,17 +253,23 @@ def registry_record(version: VersionLike) -> dict[str, Any]:
     }
 
 
+def check_registry_record(bundle: Path, version: VersionLike) -> None:
+    """The bundle's registry record (evidence/registry.json, read bounded) names this version: another version's bundle
+    in this one's place is named as such, before its signature (valid for that other version) is checked."""
+    recorded = bundle / EVIDENCE_DIR / REGISTRY_RECORD
+    try:
+        record = json.loads(read_user_bytes(recorded, what="registry record", max_bytes=MAX_JSON_BYTES))
+    except (InputError, ValueError, RecursionError):
+        raise InputError("the bundle has no readable registry record", file=recorded) from None
+    if record != registry_record(version):
+        raise InputError(f"the bundle is not version {version.version} of {version.model!r} (its registry record differs)", file=recorded)
+
+
 def check_bundle_evidence(bundle: Path, version: VersionLike, *, override_gate: bool) -> str:
     """After the signature verified: the bundle is this version's (its artifact, its gate evidence) and the
     evidence says promoted under the policy it records. Returns the verdict line for the report."""
     manifest = bundle / MANIFEST_NAME
-    recorded = bundle / EVIDENCE_DIR / REGISTRY_RECORD
-    try:
-        record = json.loads(recorded.read_bytes())
-    except (OSError, ValueError):
-        raise InputError("the bundle has no readable registry record", file=recorded) from None
-    if record != registry_record(version):
-        raise InputError(f"the bundle is not version {version.version} of {version.model!r} (its registry record differs)", file=recorded)
+    check_registry_record(bundle, version)
     document = load_manifest(bundle)
     if (version.manifest_hash is not None and document.sha256 != version.manifest_hash) or sha256_json(document.files) != version.artifact_hash:
         raise InputError("the bundle holds another artifact than the version's", file=manifest)
@@ -298,6 +305,7 @@ def verify_promotion(promoted: dict[str, Any] | None, version: VersionLike, *, r
             raise InputError(f"version {version.version} of {version.model!r} has no signed promotion bundle (not promoted, or"
                              " promoted before signing)", file=registry, field="signature")
         return None
+    check_registry_record(Path(record.bundle), version)
     check = verify_bundle(record)
     verdict = check_bundle_evidence(check.bundle, version, override_gate=bool((promoted or {}).get("override_gate")))
     return PromotionCheck(model=version.model, version=version.version, evidence=verdict, **check.model_dump())

@@ -13,7 +13,7 @@ from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_file
 from pipelines.registry.evidence import bundle_path, staged_bundle
 from pipelines.registry.signing import SIGNATURE_NAME, load_signer, sign_folder, signature_record
-from pipelines.registry.store import Registry, Version
+from pipelines.registry.store import Registry, Version, verify_version
 
 
 def promote_signed(registry: Registry, version: Version, reason: str, evidence: dict[str, Any] | None = None, *,
@@ -24,6 +24,7 @@ def promote_signed(registry: Registry, version: Version, reason: str, evidence: 
     signer = load_signer(registry.path)
     if not registry.promotable(version, override_gate=override_gate):
         return registry.get(version.id)  # promoted already: unchanged
+    verify_version(version)  # sizes against the last verification first: nothing is copied from a tampered artifact
     final = bundle_path(registry.path, version)
     with staged_bundle(version, final, run_dir) as folder:
         started = time.monotonic()

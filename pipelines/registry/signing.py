@@ -23,6 +23,7 @@ import binascii
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
 import time
@@ -39,7 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_file
+from pipelines.files.safepath import own_regular_file
 from pipelines.files.yamlio import read_user_bytes
+from pipelines.settings import current as current_settings
 
 SIGNATURE_NAME = "model.sig"
 KEY_ENV = "QUANTGATE_SIGNING_KEY"
@@ -52,6 +55,8 @@ PROJECT_PUBLIC_NAME = "public-key.pem"
 MAX_PEM_BYTES = 64 * 1024
 MAX_SIGNATURE_BYTES = 64 * 1024 * 1024  # the statement lists one digest per file: megabytes at most
 SUPPORTED_CURVES = ("secp256r1", "secp384r1", "secp521r1")  # what model-signing accepts (Sigstore's key specs)
+KEY_FOLDER_PREFIX = "quantgate-keys-"
+STALE_KEY_FOLDER_S = 60.0
 
 
 def require_signed_bundle(record: SignatureRecord) -> None:
@@ -82,6 +87,8 @@ class SignatureRecord(BaseModel):
     files: int
     bytes: int
     sign_s: float
+    # every signed file's size: checked before any byte is hashed (absent in records made before it: then the totals)
+    sizes: dict[str, int] = Field(default_factory=dict)
 
 
 class Signer(BaseModel):
@@ -269,14 +276,14 @@ def sign_folder(folder: Path, signer: Signer) -> Path:
 
 
 def signature_record(bundle: Path, signer: Signer, sign_s: float) -> SignatureRecord:
-    files = bundle_files(bundle)
+    sizes = {path.relative_to(bundle).as_posix(): path.stat().st_size for path in bundle_files(bundle)}
     return SignatureRecord(
         method=signer.method, bundle=str(bundle.resolve()), signature_sha256=sha256_file(bundle / SIGNATURE_NAME),
         key_id=signer.key_id, public_key=signer.public_key,
         certificate_chain=[path.read_text() for path in ([signer.certificate] if signer.certificate else []) + signer.chain],
         key_source=signer.source, signed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        files=len(files), bytes=sum(path.stat().st_size for path in files) + (bundle / SIGNATURE_NAME).stat().st_size,
-        sign_s=round(sign_s, 3),
+        files=len(sizes), bytes=sum(sizes.values()) + (bundle / SIGNATURE_NAME).stat().st_size, sign_s=round(sign_s, 3),
+        sizes=sizes,
     )
 
 
@@ -292,10 +299,13 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
     """The bundle against its signature, with the key the registry recorded, which must be trusted.
 
     A file that differs from what was signed is named (the first in path order: changed, missing or added);
-    a signature that is truncated, altered, or made with another key is refused naming model.sig."""
+    a signature that is truncated, altered, or made with another key is refused naming model.sig. Everything that
+    reads no file's content comes first (`check_bundle_shape`: names, links, sizes against the record), so a bundle
+    whose files are not the signed ones is refused in milliseconds, and hashing reads no more than the recorded bytes."""
     from model_signing import verifying  # heavy: imported when used
 
     started = time.monotonic()
+    reclaim_key_folders()
     bundle = Path(record.bundle)
     signature = bundle / SIGNATURE_NAME
     if not bundle.is_dir():
@@ -308,6 +318,7 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
         raise InputError("the registry's signature record is inconsistent: its key id is not the id of its public key", file=signature)
     if trust is not None and record.method == "key" and key_id(record.public_key) not in trust[0]:
         raise InputError(f"signed by key {record.key_id[:16]}..., which is not among the trusted keys", file=signature, field=TRUSTED_ENV)
+    check_bundle_shape(bundle, statement, record)
     config = verifying.Config().set_hashing_config(_hashing_config())
     with _pem_files([record.public_key]) as (public,), _pem_files(_chain(record, trust)) as chain:
         if record.method == "key":
@@ -328,6 +339,35 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
                        verify_s=round(time.monotonic() - started, 3))
 
 
+def check_bundle_shape(bundle: Path, signed: dict[str, str], record: SignatureRecord) -> None:
+    """What can be checked without reading a file's content: every entry is a regular file of its own (no symbolic or
+    hard link), the names are the signed ones, and each file's size is the recorded one (records made before per-file
+    sizes: the file count and the total bytes, signature included)."""
+    sizes = {name: own_regular_file(bundle / name, "a promotion bundle").st_size for name in _bundle_entries(bundle)}
+    for name in sorted(set(sizes) | set(signed)):
+        if name not in sizes:
+            raise InputError("file covered by the signature is missing", file=bundle / name)
+        if name not in signed:
+            raise InputError("file is not covered by the signature (added after signing)", file=bundle / name)
+        recorded = record.sizes.get(name)
+        if recorded is not None and sizes[name] != recorded:
+            raise InputError(f"file is {sizes[name]:,} bytes; {recorded:,} bytes were signed (tampered or corrupt)", file=bundle / name)
+    total = sum(sizes.values()) + (bundle / SIGNATURE_NAME).stat().st_size
+    if not record.sizes and (len(sizes), total) != (record.files, record.bytes):
+        raise InputError(f"the bundle holds {len(sizes)} files of {total:,} bytes; {record.files} files of {record.bytes:,} bytes"
+                         " were signed (tampered or corrupt)", file=bundle)
+
+
+def _bundle_entries(bundle: Path) -> list[str]:
+    """Every name below the bundle but model.sig, links included (never followed), folders left out."""
+    entries = []
+    for folder, subfolders, files in os.walk(bundle):
+        here = Path(folder)
+        entries += [(here / name).relative_to(bundle).as_posix() for name in files]
+        entries += [(here / name).relative_to(bundle).as_posix() for name in subfolders if (here / name).is_symlink()]
+    return sorted(name for name in entries if name != SIGNATURE_NAME)
+
+
 def _chain(record: SignatureRecord, trust: tuple[set[str], list[str]] | None) -> list[str]:
     """Certificate signing: the trusted CA certificates when configured, else the chain recorded at signing."""
     if record.method != "certificate":
@@ -341,14 +381,54 @@ def _chain(record: SignatureRecord, trust: tuple[set[str], list[str]] | None) ->
 
 @contextmanager
 def _pem_files(pems: list[str]) -> Iterator[list[Path]]:
-    """model-signing reads keys and chains from files: these PEMs as temporary files."""
-    with tempfile.TemporaryDirectory(prefix="quantgate-keys-") as folder:
-        paths = []
+    """model-signing reads keys and chains from files: these PEMs as anonymous in-memory files (memfd, read through
+    /proc/self/fd), so nothing is written to a disk and nothing is left behind, however the process ends. Where the
+    system has no memfd, a private folder under the artifacts root (reclaim_key_folders removes it if the process dies)."""
+    if not hasattr(os, "memfd_create"):
+        with _key_folder(pems) as paths:
+            yield paths
+        return
+    descriptors = []
+    try:
         for number, pem in enumerate(pems):
-            path = Path(folder) / f"{number}.pem"
+            descriptors.append(os.memfd_create(f"{KEY_FOLDER_PREFIX}{number}", os.MFD_CLOEXEC))
+            os.write(descriptors[-1], pem.encode())
+        yield [Path(f"/proc/self/fd/{descriptor}") for descriptor in descriptors]
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+
+
+@contextmanager
+def _key_folder(pems: list[str]) -> Iterator[list[Path]]:
+    root = current_settings().artifacts_dir / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{KEY_FOLDER_PREFIX}{os.getpid()}-", dir=root) as folder:
+        paths = [Path(folder) / f"{number}.pem" for number in range(len(pems))]
+        for path, pem in zip(paths, pems, strict=True):
             path.write_text(pem)
-            paths.append(path)
         yield paths
+
+
+def reclaim_key_folders(*roots: Path) -> list[Path]:
+    """Remove the key folders (`quantgate-keys-*`) a killed verification left in `roots` (default: the artifacts root's
+    tmp/ and the system's temporary folder, where versions before the in-memory keys wrote them): this user's, unchanged
+    for a minute. They hold public keys only; removing them is tidying, never a loss."""
+    removed = []
+    for root in roots or (current_settings().artifacts_dir / "tmp", Path(tempfile.gettempdir())):
+        try:
+            entries = [entry for entry in os.scandir(root) if entry.name.startswith(KEY_FOLDER_PREFIX)]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                status = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and time.time() - status.st_mtime > STALE_KEY_FOLDER_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def _short(error: BaseException, limit: int = 300) -> str:

@@ -45,6 +45,7 @@ from pipelines.recipe import FROM_EVAL_SETS, Calibration, GroupScheme, Recipe
 from pipelines.repair.ladder import UnitLadder
 from pipelines.repair.units import Assignment, RefPath, Unit
 from pipelines.serve.serving import ServeSettings
+from pipelines.settings import current as current_settings
 
 SENSITIVITY_VERSION = 2  # 2: GPTQ rungs measured with GPTQ applied
 LIBRARIES = ("torch", "transformers", "llmcompressor", "compressed-tensors")
@@ -168,7 +169,9 @@ def _prompt_ids(model_dir: Path, eval_sets: list[EvalSet]) -> dict[str, dict[int
 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    with tempfile.TemporaryDirectory(prefix="quantgate-repair-") as folder:
+    scratch = current_settings().artifacts_dir / "tmp"  # the tasks and the datasets cache: under the artifacts root
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quantgate-repair-", dir=scratch) as folder:
         include_dir = materialize_tasks(eval_sets, Path(folder) / "tasks")
         return {
             s.name: {p.doc_id: tokenizer(p.text, add_special_tokens=not s.chat_template)["input_ids"]

@@ -68,7 +68,7 @@ def servable_folder(path: Path, field: str) -> Path:
 
 def options(
     model_dir: Path, artifact_dir: Path | None, *, policy_path: Path | None, concurrency: int | None, repeats: int | None,
-    eval_sets: str | None, max_model_len: int,
+    eval_sets: list[str] | None, max_model_len: int,
 ) -> Options:
     """The command line's inputs, each checked (one line naming the option on a problem)."""
     model = servable_folder(model_dir, "--model")
@@ -83,9 +83,8 @@ def options(
     # The sweep's top, never above MAX_LEVEL (a fit's concurrency may be far higher): the servers' max_num_seqs.
     top = min(performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs, MAX_LEVEL)
     check_plan(performance.load, top, models=2 if artifact is not None else 1)  # before a folder is made or a file written
-    names = [n.strip() for n in eval_sets.split(",") if n.strip()] if eval_sets else None
     return Options(
-        model=model, artifact=artifact, performance=performance, fit=fit, eval_sets=select_eval_sets(names),
+        model=model, artifact=artifact, performance=performance, fit=fit, eval_sets=select_eval_sets(eval_sets),
         # Servers started here may take the whole sweep (a gate run's servers keep their own max_num_seqs).
         serve=ServeSettings(max_model_len=max_model_len, max_num_seqs=max(ServeSettings().max_num_seqs, top)),
     )

@@ -10,8 +10,9 @@ no Python clean-up runs:
   so every server gets a watchdog (`start_watchdog`): a small Python process in a session of its own that
   holds the read end of a pipe whose write end only `quantize` holds. When `quantize` dies the kernel
   closes the write end, the watchdog wakes (EOF) and stops the server's whole process group: SIGTERM,
-  a grace period, SIGKILL, as on a normal stop. It also polls its parent pid (a forked copy of
-  `quantize` that still holds the write end cannot keep it waiting) and exits once the group is empty.
+  a short grace period (ORPHANED_GRACE_S: nobody waits for a graceful shutdown), SIGKILL. It also polls its
+  parent pid (a forked copy of `quantize` that still holds the write end cannot keep it waiting) and exits
+  once the group is empty.
 
 Disk. `reclaim_stale` removes what dead runs left: the runner's staging folders `runs/.<run id>.tmp`
 (run id `<stamp>-<recipe>-<pid>-<hex>`) and serving's shim folders `<tmp>/quantgate-vllm-<pid>-*`, when the
@@ -46,6 +47,9 @@ STALE_AFTER_S = 60.0
 SHIM_PREFIX = "quantgate-vllm-"
 WATCHDOG_POLL_S = 0.5
 DEFAULT_GRACE_S = 10.0
+# When the starter died without stopping the group (SIGKILL, the OOM killer), nobody waits for a graceful shutdown: the
+# group gets this long after SIGTERM (the API server got its parent-death signal already), then SIGKILL.
+ORPHANED_GRACE_S = 2.0
 # A pid whose process started more than this after its folder was made is a reused pid. The margin
 # absorbs wall-clock steps since boot (start times are boot time + ticks); erring here keeps a folder.
 _START_MARGIN_S = 5.0
@@ -197,7 +201,7 @@ def watch(parent: int, pgid: int, fd: int, grace_s: float = DEFAULT_GRACE_S, pol
         if os.getppid() != parent:
             break
     started = time.monotonic()
-    found = stop_group(pgid, grace_s)
+    found = stop_group(pgid, min(grace_s, ORPHANED_GRACE_S))
     if found:
         print(
             f"quantgate watchdog: process {parent} is gone; stopped process group {pgid} "

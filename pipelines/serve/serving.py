@@ -38,6 +38,7 @@ from pipelines.console.progress import track
 from pipelines.errors import ServeError
 from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
+from pipelines.schema import StrictModel
 from pipelines.serve.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
@@ -56,10 +57,8 @@ MAX_CPU_KV_CACHE_GIB = 4096
 HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
 
 
-class ServeSettings(BaseModel):
+class ServeSettings(StrictModel):
     """How vLLM is started. Part of the baseline cache key: changing any of these re-scores the baseline."""
-
-    model_config = ConfigDict(extra="forbid")
 
     # Every field is bounded: these settings are also read back from a run's gate.json (a repair), a file a user can edit.
     memory_fraction: float = Field(default=0.2, gt=0, le=1, allow_inf_nan=False,

@@ -14,11 +14,17 @@ Every test collected here is marked `unit` (the fast tier: `make test-fast`, `py
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+# The unit tests mirror the package's folders; a test borrows another's helpers by module name (test_signing, test_models),
+# so every folder is importable whichever tests a run selects (pytest's default import mode adds only the collected ones).
+sys.path.extend(str(folder) for folder in sorted(Path(__file__).parent.iterdir()) if folder.is_dir() and not folder.name.startswith((".", "_")))
+
 from fakes import FakeStack, gate_workspace
 
 from pipelines.evaluation import baseline as baseline_cache

@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipelines.errors import InputError
+from pipelines.jobs.ray.address import ADDRESS_FIELD, check_address
 from pipelines.jobs.ray.probe import ProbeWritten, check_probes, new_nonce, write_probe
 from pipelines.jobs.ray.worker import DRIVER_SET_THREADS
+from pipelines.serve.reclaim import owner_alive
 from pipelines.settings import current as current_settings
 
-CONNECT_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 120.0
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # results are small pydantic models; the data is on the shared store
-ADDRESS_FIELD = "--ray-address"
+# Ray's deepest socket is <root>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store: about 65 characters below
+# the root, within the 107 bytes of a unix socket's path.
+MAX_SESSION_ROOT_CHARS = 40
+SESSION_LINK_PREFIX = "quantgate-ray-"
 
 
 class Node(dict):
@@ -49,44 +52,63 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
-def check_address(address: str) -> None:
-    """`auto`, `host:port` or `ray://host:port`; a host:port that refuses a TCP connection is an InputError."""
-    if address == "auto":
-        return
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if parts.scheme not in ("tcp", "ray") or not host or port is None:
-        raise InputError(f"not a Ray address (auto, HOST:PORT or ray://HOST:PORT): {address!r}", field=ADDRESS_FIELD)
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as error:
-        raise InputError(f"the Ray cluster at {address} is unreachable: {error}", field=ADDRESS_FIELD) from None
-
-
 @contextmanager
 def connected(address: str | None) -> Iterator[Any]:
     """Ray, connected for the block; on the way out (an error, SIGTERM) the tasks still pending are cancelled
-    (their workers and, through their watchdogs, their vLLM servers stopped) and the connection closed."""
-    import ray  # heavy: imported when used
-
+    (their workers and, through their watchdogs, their vLLM servers stopped) and the connection closed. The address is
+    checked before Ray is imported; a runtime started here keeps its session folder under the artifacts root."""
+    field = ADDRESS_FIELD if address is not None else "RAY_ADDRESS"
     address = address if address is not None else os.environ.get("RAY_ADDRESS") or None
     if address is not None:
-        check_address(address)
+        check_address(address, field)
+    import ray  # heavy: imported when used, after the address is checked
+
     options: dict[str, Any] = {"runtime_env": {"env_vars": worker_environment()}, "logging_level": logging.WARNING}
-    if address is None:  # "local": a new Ray for this job, never one another user started on this machine
-        options.update(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False)
+    with ExitStack() as cleanup:
+        if address is None:  # "local": a new Ray for this job, never one another user started on this machine
+            temp_dir = cleanup.enter_context(session_root())
+            options.update(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False, _temp_dir=str(temp_dir))
+        try:
+            ray.init(address=address or "local", **options)
+        except (ConnectionError, RuntimeError, ValueError, OSError) as error:
+            reason = " ".join(str(error.__cause__ or error).split())  # Ray's own cause (an auth token refused...) says more
+            raise InputError(f"cannot connect to the Ray cluster at {address or 'local'}: {reason[:400]}", field=field) from None
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@contextmanager
+def session_root() -> Iterator[Path]:
+    """Where a Ray runtime started for the job keeps its sessions (logs, sockets, spilled objects): <artifacts>/ray, never
+    the system's temporary folder. Ray puts unix sockets about 65 characters deep in it, and a socket's path is limited to
+    107 bytes: a root too deep for that is reached through a short link in the system's temporary folder
+    (`quantgate-ray-<pid>`, removed when the job ends, and by the next job if this one was killed), the files stay under it."""
+    root = current_settings().artifacts_dir.resolve() / "ray"
+    root.mkdir(parents=True, exist_ok=True)
+    if len(str(root)) <= MAX_SESSION_ROOT_CHARS:
+        yield root
+        return
+    reclaim_session_links()
+    link = Path(tempfile.gettempdir()) / f"{SESSION_LINK_PREFIX}{os.getpid()}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(root, target_is_directory=True)
     try:
-        ray.init(address=address or "local", **options)
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        reason = " ".join(str(error.__cause__ or error).split())  # Ray's own cause (an auth token refused...) says more
-        raise InputError(f"cannot connect to the Ray cluster at {address}: {reason[:400]}", field=ADDRESS_FIELD) from None
-    try:
-        yield ray
+        yield link
     finally:
-        ray.shutdown()
+        link.unlink(missing_ok=True)
+
+
+def reclaim_session_links() -> list[Path]:
+    """Remove the short links to session roots that killed jobs left in the system's temporary folder (their pid gone)."""
+    removed = []
+    for link in Path(tempfile.gettempdir()).glob(f"{SESSION_LINK_PREFIX}*"):
+        pid = link.name.removeprefix(SESSION_LINK_PREFIX)
+        if link.is_symlink() and pid.isdigit() and not owner_alive(int(pid), link.lstat().st_mtime):
+            link.unlink(missing_ok=True)
+            removed.append(link)
+    return removed
 
 
 def alive_nodes(ray: Any) -> list[Node]:

@@ -396,7 +396,7 @@ def test_the_manifest_hash_and_fingerprint_are_recorded_and_make_later_checks_ch
     assert "fingerprint" not in version.model_dump()  # internal: not printed by --json
     hashed: list[str] = []
     real = artifact_module.sha256_file
-    monkeypatch.setattr(artifact_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    monkeypatch.setattr(artifact_module, "sha256_file", lambda path, **bound: hashed.append(Path(path).name) or real(path, **bound))
     promote(registry, version, "gate passed")
     registry.set_alias("demo-llama", "production", 1)
     registry.resolve("demo-llama", "production")
