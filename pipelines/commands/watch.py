@@ -57,8 +57,6 @@ def _watch(args: argparse.Namespace) -> int:
     settings = WatchSettings(url=args.url, window_s=args.window, windows=args.windows, timeout_s=args.timeout, prometheus=args.prometheus,
                              sample_every_s=args.sample_every or min(15.0, max(1.0, args.window / 30)), rollback_after=args.rollback_after)
     out = args.out or default_folder(current_settings().artifacts_dir, spec)
-    if args.shadow is not None:
-        read_sample(args.shadow, args.shadow_items)  # a bad sample is refused before any window is watched
     report, raw = watch(settings, spec, registry=registry, on_window=_window_line)
     if args.shadow is not None and spec is not None and registry is not None:
         gate = registry.show(spec.model, spec.version).gate
@@ -80,6 +78,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise InputError("needs --version: the shadow replay serves that version and its 16-bit baseline", field="--shadow")
     if args.sample_every is not None and args.sample_every > args.window:
         raise InputError(f"samples every {args.sample_every:g} s in a window of {args.window:g} s", field="--sample-every")
+    if args.shadow is not None:
+        read_sample(args.shadow, args.shadow_items)  # a bad sample is refused before anything is resolved or watched
 
 
 def _window_line(window: WindowReport, total: int) -> None:

@@ -2,10 +2,11 @@
 16-bit baseline, paired, with the gate's own statistics.
 
 SAMPLE.jsonl is the user's export, one object per line: {"prompt": "..."} and, when the right answer is known,
-"expected": "..." (read by the bounded reader, pipelines/files/jsonl.py; at most `max_items` prompts). Both models are served
-by the product's own vllm_server (the version's verified bundle with its measured arguments; the baseline from the folder
-its gate.json names, checked against the hash the gate recorded), one after the other, and asked for the same greedy
-completions (temperature 0, MAX_TOKENS). Per prompt:
+"expected": "...", and the application's "stop" sequences when it sends some (read by the bounded reader,
+pipelines/files/jsonl.py; at most `max_items` prompts). Both models are served by the product's own vllm_server (the
+version's verified bundle with its measured arguments; the baseline from the folder its gate.json names, checked against
+the hash the gate recorded), one after the other, and asked for the same greedy completions (temperature 0, MAX_TOKENS).
+Per prompt:
 
 - agreement: the two answers are the same text. Reported as the disagreement rate with its one-sided Clopper-Pearson
   upper bound at the policy's confidence (pipelines/gate/stats.py exact_lower_bound on the agreements);
@@ -18,18 +19,21 @@ completions (temperature 0, MAX_TOKENS). Per prompt:
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+from pydantic import Field, ValidationError
 
 from pipelines.deploy.spec import ServedSpec
-from pipelines.errors import InputError, ServeError
+from pipelines.errors import InputError, ServeError, from_validation_error
 from pipelines.evaluation.divergence import KL_METHOD, baseline_references, candidate_topk, item_kl
 from pipelines.files.hashing import folder_hash
 from pipelines.files.jsonl import display_path, iter_jsonl
 from pipelines.gate import stats
 from pipelines.gate.verdict import GateReport
+from pipelines.schema import FrozenModel
 from pipelines.serve.serving import RunningServer, ServeSettings, vllm_server
 
 MAX_TOKENS = 32
@@ -37,36 +41,43 @@ MAX_PROMPT_CHARS = 100_000
 _CONCURRENCY = 8
 
 
-def read_sample(path: Path, max_items: int) -> tuple[list[str], list[str | None]]:
-    """Prompts and their expected answers (None where not given), at most `max_items`."""
+class SampleItem(FrozenModel):
+    """One line of SAMPLE.jsonl."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    expected: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, description="the right answer, when known")
+    stop: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(default_factory=list, max_length=4,
+                                                                            description="stop sequences, as the application sends them")
+
+
+def read_sample(path: Path, max_items: int) -> list[SampleItem]:
+    """The sample's items, at most `max_items`; a bad line is one InputError naming the file, the line and the field."""
     where = display_path(path)
-    prompts, expected = [], []
-    for number, item in iter_jsonl(path):
-        prompt, answer = item.get("prompt"), item.get("expected")
-        if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_PROMPT_CHARS:
-            raise InputError(f"needs a \"prompt\": a non-empty string of at most {MAX_PROMPT_CHARS} characters", file=where,
-                             field=f"line {number}")
-        if answer is not None and not isinstance(answer, str):
-            raise InputError("\"expected\" must be a string when given", file=where, field=f"line {number}")
-        prompts.append(prompt)
-        expected.append(answer)
-        if len(prompts) >= max_items:
+    items: list[SampleItem] = []
+    for number, line in iter_jsonl(path):
+        try:
+            items.append(SampleItem.model_validate(line))
+        except ValidationError as error:
+            problem = from_validation_error(error, where)
+            raise InputError(problem.message, file=where, field=f"line {number}: {problem.field}") from None
+        if len(items) >= max_items:
             break
-    if not prompts:
+    if not items:
         raise InputError("no prompt to replay", file=where, field="--shadow")
-    return prompts, expected
+    return items
 
 
 def shadow_report(spec: ServedSpec, gate: GateReport, sample: Path, *, max_items: int, logs: Path) -> dict[str, Any]:
     """Serve the 16-bit baseline, then the deployed version (server logs in `logs`), and compare their answers."""
-    prompts, expected = read_sample(sample, max_items)
+    items = read_sample(sample, max_items)
     baseline_dir = _baseline_dir(gate)
     settings = spec.args.serve_settings()
+    prompts, expected = [item.prompt for item in items], [item.expected for item in items]
     with vllm_server(baseline_dir, log_path=logs / "baseline-server.log", settings=settings, served_name="baseline") as server:
-        baseline_answers = _answers(server, prompts, settings)
+        baseline_answers = _answers(server, items, settings)
         references = baseline_references(server, list(enumerate(prompts)))
     with vllm_server(spec.folder, log_path=logs / "deployed-server.log", settings=settings, served_name=spec.served_name) as server:
-        deployed_answers = _answers(server, prompts, settings)
+        deployed_answers = _answers(server, items, settings)
         topk = candidate_topk(server, references)
     return paired_statistics(gate, prompts, expected, baseline_answers, deployed_answers,
                              [item_kl(r, c) for r, c in zip(references, topk, strict=True)], sample)
@@ -140,13 +151,12 @@ def _baseline_dir(gate: GateReport) -> Path:
     return folder
 
 
-def _answers(server: RunningServer, prompts: list[str], settings: ServeSettings) -> list[str]:
-    import asyncio
-
-    async def one(client: httpx.AsyncClient, semaphore: asyncio.Semaphore, prompt: str) -> str:
+def _answers(server: RunningServer, items: list[SampleItem], settings: ServeSettings) -> list[str]:
+    async def one(client: httpx.AsyncClient, semaphore: asyncio.Semaphore, item: SampleItem) -> str:
         async with semaphore:
             response = await client.post(f"{server.base_url}/completions", headers=server.auth_headers, json={
-                "model": server.served_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+                "model": server.served_name, "prompt": item.prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                **({"stop": item.stop} if item.stop else {})})
         if response.status_code != 200:
             server.check_engine()
             raise ServeError(f"/v1/completions answered HTTP {response.status_code}: {response.text[:200]}", file=server.log_path)
@@ -155,6 +165,6 @@ def _answers(server: RunningServer, prompts: list[str], settings: ServeSettings)
     async def run() -> list[str]:
         semaphore = asyncio.Semaphore(_CONCURRENCY)
         async with httpx.AsyncClient(timeout=settings.request_timeout_s) as client:
-            return list(await asyncio.gather(*(one(client, semaphore, prompt) for prompt in prompts)))
+            return list(await asyncio.gather(*(one(client, semaphore, item) for item in items)))
 
     return asyncio.run(run())

@@ -374,3 +374,39 @@ def test_the_merged_windows_add_counters_and_buckets():
     assert both.counters == {"preemptions": 5.0} and both.histograms["ttft"].buckets == [(0.1, 1.0), (None, 3.0)]
     assert both.start == 0 and both.end == 20 and both.gauges["waiting"] == [(5, 1.0), (15, 3.0)]
     assert not math.isnan(window_figures(both).waiting_mean or math.nan)
+
+
+# --- the shadow replay's reading and statistics ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"expected": "x"}', "line 1: prompt: Field required"), ('{"prompt": ""}', "line 1: prompt"),
+    ('{"prompt": "a", "expected": 3}', "line 1: expected"), ('{"prompt": "a", "stop": ["", "b"]}', "line 1: stop.0"),
+    ('{"prompt": "a", "colour": "red"}', "line 1: colour: unknown key"), ("[1, 2]", "expected a JSON object"),
+])
+def test_a_bad_shadow_sample_is_refused_before_watching(line, message, tmp_path, capsys):
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text(line + "\n")
+    assert watch("--url", "http://127.0.0.1:9/metrics", "--version", "demo-llama@production", "--shadow", str(sample)) == 2
+    error = capsys.readouterr().err
+    assert message in error and "sample.jsonl" in error and error.count("\n") == 1
+
+
+def test_shadow_statistics_speak_the_gates_language(tool, servers, workspace, tmp_path):
+    from pipelines.watch.shadow import paired_statistics
+
+    assert gate(workspace).verdict == "promoted"
+    report = Registry(workspace.registry).list(MODEL)[-1].gate
+    n = 250
+    prompts = [f"q{i}" for i in range(n)]
+    expected = ["right"] * n
+    baseline = ["right"] * n
+    deployed = ["right"] * (n - 5) + ["wrong"] * 5
+    result = paired_statistics(report, prompts, expected, baseline, deployed, [0.01] * n, tmp_path / "s.jsonl")
+    assert result["disagreements"] == 5 and result["flips_right_to_wrong"] == 5 and result["flips_wrong_to_right"] == 0
+    assert 0.02 < result["disagreement_upper_bound"] < 0.05 and result["worsening_bound_points"] > 2.0
+    assert result["non_inferiority_shown"] is True and result["kl_mean"] == pytest.approx(0.01)
+    assert "at 95% confidence the deployed version changes at most" in result["lines"][0]
+    assert "(95% one-sided bound): within ni_margin 5.5 (non-inferiority shown)" in result["lines"][1]
+    unlabelled = paired_statistics(report, prompts[:10], [None] * 10, baseline[:10], baseline[:10], [None] * 10, tmp_path / "s.jsonl")
+    assert unlabelled["agreement"] == 1.0 and "labelled" not in unlabelled and unlabelled["kl_mean"] is None
