@@ -14,7 +14,8 @@ from pipelines.deploy.spec import served_spec
 from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError
 from pipelines.registry.store import open_registry
 from pipelines.settings import current as current_settings
-from pipelines.watch.session import WatchReport, WatchSettings, WindowReport, default_folder, finish, watch
+from pipelines.watch.report import WatchReport, WindowReport
+from pipelines.watch.session import WatchSettings, default_folder, finish, watch
 from pipelines.watch.shadow import read_sample, shadow_report
 
 MAX_WINDOWS = 10_000

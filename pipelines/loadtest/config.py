@@ -7,6 +7,10 @@
       max_ttft_p95_ratio: 1.25
       slo: {ttft_ms: 2000, tpot_ms: 200, min_good_fraction: 0.9}
       load: {repeats: 3, min_requests: 8, requests_per_slot: 2, max_concurrency: null, output_tokens: baseline}
+      production: {max_error_rate: 0.01, max_kv_cache_usage: 0.95, max_preemptions: 0, envelope_tolerance: 1.5}
+
+`production` is what a deployed version is held to afterwards (`quantize watch`, the alert rules of `quantize deploy`):
+ttft_p95_ms / itl_p95_ms default to slo.ttft_ms / slo.tpot_ms, max_waiting to the measured max_num_seqs (docs/watch.md).
 
 A recipe override (`recipes: {w4a16: {performance: {...}}}`) names only what it changes, nested blocks
 included; setting a threshold to null turns that check off. Values that no measurement can meet by

@@ -4,10 +4,8 @@ KV cache and the queue as sampled; breaching windows shaded."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pipelines.watch.session import WatchReport
+from pipelines.watch.report import WatchReport
 
 
 def write_plot(report: WatchReport, path: Path, samples: dict[str, list[tuple[float, float]]]) -> Path:

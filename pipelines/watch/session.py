@@ -13,23 +13,24 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from pydantic import Field
 
-from pipelines.deploy.spec import Envelope, ServedSpec
+from pipelines.deploy.spec import ServedSpec
 from pipelines.files.atomic import storage_error, write_text_atomic
 from pipelines.registry.store import Registry
-from pipelines.schema import FrozenModel, StrictModel
+from pipelines.schema import FrozenModel
 from pipelines.watch.exposition import scrape, window_between
-from pipelines.watch.figures import Figures, window_figures
+from pipelines.watch.figures import window_figures
 from pipelines.watch.plots import write_plot
 from pipelines.watch.prometheus import PrometheusWindows, instance_of
-from pipelines.watch.recommend import Recommendation, recommendations
-from pipelines.watch.rollback import RollbackResult, roll_back
+from pipelines.watch.recommend import recommendations
+from pipelines.watch.report import WatchReport, WindowReport
+from pipelines.watch.rollback import roll_back
 from pipelines.watch.series import WindowData, merged
-from pipelines.watch.verdict import FigureLimit, FigureVerdict, breached, judge, limits
+from pipelines.watch.verdict import FigureLimit, breached, judge, limits
 
 REPORT_FILE, PLOT_FILE = "watch.json", "watch.png"
 
@@ -42,40 +43,6 @@ class WatchSettings(FrozenModel):
     timeout_s: float = Field(gt=0)
     prometheus: str | None = None
     rollback_after: int | None = Field(default=None, ge=1)
-
-
-class WindowReport(StrictModel):
-    index: int
-    start: float
-    end: float
-    figures: Figures
-    verdicts: list[FigureVerdict] = Field(default_factory=list)
-    breached: list[str] = Field(default_factory=list)
-
-
-class WatchReport(StrictModel):
-    url: str
-    source: Literal["metrics", "prometheus"]
-    prometheus: str | None = None
-    window_s: float
-    version: dict[str, Any] | None = None
-    envelope: Envelope | None = None
-    limits: list[FigureLimit] = Field(default_factory=list)
-    windows: list[WindowReport] = Field(default_factory=list)
-    overall: WindowReport | None = None
-    verdict: Literal["within", "breach", "figures only"] = "figures only"
-    breached_windows: list[int] = Field(default_factory=list)
-    recommendations: list[Recommendation] = Field(default_factory=list)
-    recommendation_notes: list[str] = Field(default_factory=list)
-    rollback: RollbackResult | None = None
-    shadow: dict[str, Any] | None = None
-    folder: str | None = None
-    plot: str | None = None
-
-    def document(self) -> dict[str, Any]:
-        """The JSON document: the whole session's figures at the top level (keys naming each figure), then the rest."""
-        overall = self.overall.figures.model_dump(mode="json") if self.overall else {}
-        return {**overall, **self.model_dump(mode="json")}
 
 
 def live_windows(client: httpx.Client, settings: WatchSettings) -> Iterator[WindowData]:

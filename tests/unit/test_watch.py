@@ -240,12 +240,12 @@ HOSTILE = {
 def test_hostile_pages_and_servers_are_one_line_exit_2(name, tmp_path, capsys):
     respond, message = HOSTILE[name]
     started = time.monotonic()
-    with serving(respond) as server:
-        code = watch("--url", server.url, *FAST, "--timeout", "1s", "--out", str(tmp_path / "w"), "--json")
+    with serving(respond) as server:  # a page of 100,000 series takes seconds to make and read on a busy machine
+        code = watch("--url", server.url, *FAST, "--timeout", "1s" if name == "slow" else "15s", "--out", str(tmp_path / "w"), "--json")
     captured = capsys.readouterr()
     assert code == 2, captured
     assert captured.err.count("\n") == 1 and message in captured.err, captured.err
-    assert json.loads(captured.out)["exit_code"] == 2 and time.monotonic() - started < 20
+    assert json.loads(captured.out)["exit_code"] == 2 and time.monotonic() - started < 40
     assert not (tmp_path / "w").exists(), "nothing is written for a session that failed"
 
 
