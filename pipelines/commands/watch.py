@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--prometheus: the target as Prometheus scrapes it)")
     parser.add_argument("--version", metavar="NAME@ALIAS", default=None,
                         help="the registry version deployed there (verified first); without it, the figures alone and exit 0")
+    parser.add_argument("--served-name", default=None, help="the model name the server serves, when deployed under another than the "
+                        "model's (quantize deploy --served-name)")
     parser.add_argument("--window", type=duration_arg(1, 86_400), default=300.0, metavar="DURATION", help="window length (default: 5m)")
     parser.add_argument("--windows", type=int_arg(1, MAX_WINDOWS), default=1, help="windows to watch (default: 1)")
     parser.add_argument("--sample-every", type=duration_arg(0.2, 3600), default=None, metavar="DURATION",
@@ -51,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _watch(args: argparse.Namespace) -> int:
     _check_options(args)
     registry = open_registry(args.registry) if args.version else None
-    spec = served_spec(args.version, registry=registry) if args.version else None
+    spec = served_spec(args.version, registry=registry, served_name=args.served_name) if args.version else None
     if spec is not None:
         spec.require_envelope()
         progress(f"{spec.model} v{spec.version} verified; holding {args.url} to the envelope it was promoted on")

@@ -43,6 +43,7 @@ MAX_LINE_CHARS = 64 * 1024
 MAX_SERIES = 100_000  # series kept (the ones read), after the others are dropped unparsed
 SCRAPE_TIMEOUT_S = 10.0
 START_TIME = "process_start_time_seconds"
+MAX_MODEL_NAMES = 16
 
 _BUCKET_NAMES = {f"{base}_bucket": key for key, base in HISTOGRAMS.items()}
 _SUM_NAMES = {f"{base}_sum": key for key, base in HISTOGRAMS.items()}
@@ -62,6 +63,7 @@ class Scrape(StrictModel):
     gauges: dict[str, float]
     kv: KvCacheInfo | None = None
     started: float | None = Field(default=None, description="process_start_time_seconds: a change means a restart")
+    model_names: list[str] = Field(default_factory=list, description="the model_name labels of the vllm:* series (the served names)")
 
 
 def fetch_page(client: httpx.Client, url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes:
@@ -116,8 +118,11 @@ def _collect(samples: Iterable, source: str, at: float) -> Scrape:
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     kv, started = None, None
+    names: set[str] = set()
     for sample in samples:
         name, labels, value = sample.name, sample.labels, float(sample.value)
+        if "model_name" in labels and len(names) < MAX_MODEL_NAMES:
+            names.add(labels["model_name"][:200])
         if not math.isfinite(value):
             raise InputError(f"{name}{_labels(labels)} is {value}: not a measurement", file=source, field="--url")
         if name in _GAUGE_NAMES:
@@ -151,7 +156,7 @@ def _collect(samples: Iterable, source: str, at: float) -> Scrape:
             continue
         counters[key] = counters.get(key, 0.0) + value
     histograms = {key: _histogram(key, per_bound, sums.get(key, 0.0), counts.get(key), source) for key, per_bound in buckets.items()}
-    return Scrape(at=at, counters=counters, histograms=histograms, gauges=gauges, kv=kv, started=started)
+    return Scrape(at=at, counters=counters, histograms=histograms, gauges=gauges, kv=kv, started=started, model_names=sorted(names))
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -19,6 +19,7 @@ import httpx
 from pydantic import Field
 
 from pipelines.deploy.spec import ServedSpec
+from pipelines.errors import InputError
 from pipelines.files.atomic import storage_error, write_text_atomic
 from pipelines.registry.store import Registry
 from pipelines.schema import FrozenModel
@@ -45,9 +46,12 @@ class WatchSettings(FrozenModel):
     rollback_after: int | None = Field(default=None, ge=1)
 
 
-def live_windows(client: httpx.Client, settings: WatchSettings) -> Iterator[WindowData]:
-    """Consecutive windows of the server's /metrics, read live."""
+def live_windows(client: httpx.Client, settings: WatchSettings, served_name: str | None) -> Iterator[WindowData]:
+    """Consecutive windows of the server's /metrics, read live; a server that serves another model than `served_name` is refused."""
     first = scrape(client, settings.url, settings.timeout_s)
+    if served_name is not None and first.model_names and served_name not in first.model_names:
+        raise InputError(f"the server serves {', '.join(map(repr, first.model_names))}, not {served_name!r} (the version's served name; "
+                         "give --served-name if it was deployed under another)", file=settings.url, field="--url")
     for index in range(1, settings.windows + 1):
         deadline = time.monotonic() + settings.window_s
         samples = []
@@ -75,7 +79,8 @@ def watch(settings: WatchSettings, spec: ServedSpec | None, *, registry: Registr
     raw: list[WindowData] = []
     run = 0
     with httpx.Client(follow_redirects=False) as client:
-        source = prometheus_windows(client, settings) if settings.prometheus else live_windows(client, settings)
+        served = spec.served_name if spec is not None else None
+        source = prometheus_windows(client, settings) if settings.prometheus else live_windows(client, settings, served)
         for data in source:
             raw.append(data)
             window = _judged(data, held)

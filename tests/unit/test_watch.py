@@ -410,3 +410,14 @@ def test_shadow_statistics_speak_the_gates_language(tool, servers, workspace, tm
     assert "(95% one-sided bound): within ni_margin 5.5 (non-inferiority shown)" in result["lines"][1]
     unlabelled = paired_statistics(report, prompts[:10], [None] * 10, baseline[:10], baseline[:10], [None] * 10, tmp_path / "s.jsonl")
     assert unlabelled["agreement"] == 1.0 and "labelled" not in unlabelled and unlabelled["kl_mean"] is None
+
+
+def test_a_server_of_another_model_is_not_held_to_this_versions_envelope(tool, servers, workspace, tmp_path, capsys):
+    promoted_versions(workspace, 1)
+    capsys.readouterr()
+    with serving(live(State(), busy)) as server:
+        code = watch("--url", server.url, "--version", f"{MODEL}@production", "--served-name", "other", *FAST,
+                     "--registry", str(workspace.registry), "--out", str(tmp_path / "w"))
+    error = capsys.readouterr().err
+    errors = [line for line in error.splitlines() if line.startswith("quantize: error")]
+    assert code == 2 and len(errors) == 1 and "the server serves 'demo-llama', not 'other'" in errors[0]
