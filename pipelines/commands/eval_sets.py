@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipelines.commands.args import comma_list, eval_set_names
 from pipelines.console.output import emit, say, table
@@ -16,9 +15,7 @@ from pipelines.gate import exact, identical, stats
 from pipelines.gate.policy import load_gate_policy, unattainable
 from pipelines.gate.verdict import table_rejects
 from pipelines.paths import EVAL_SETS_DIR
-
-if TYPE_CHECKING:
-    from pipelines.recipe import RecipeIdentity
+from pipelines.recipe import RecipeIdentity, load_recipe, resolve_recipe_path
 
 POWER_DISCORDANCES = (0.02, 0.04, 0.1)
 MAX_RECIPE_NAME = 64  # pipelines.recipe.Recipe's name
@@ -123,8 +120,6 @@ def recipe_identity(text: str | None) -> RecipeIdentity | None:
     """--recipe: a shipped recipe or a recipe YAML (its name, base and tags are what the policy's overrides match), or the
     bare name of a recipe quantized elsewhere; anything else (a path to another file, a name no recipe can have) is
     refused naming the option."""
-    from pipelines.recipe import RecipeIdentity, load_recipe, resolve_recipe_path
-
     if text is None:
         return None
     if len(text) <= MAX_COMPONENT and (Path(text).suffix in (".yaml", ".yml") or resolve_recipe_path(text).is_file()):

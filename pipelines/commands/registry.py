@@ -15,9 +15,9 @@ from pipelines.loadtest.render import headline
 from pipelines.registry.evidence import PromotionCheck
 from pipelines.registry.mlflow_export import export_to_mlflow
 from pipelines.registry.promotion import promote_signed
-from pipelines.registry.store import AliasTarget, Event, Registry, Version
+from pipelines.registry.reference import MAX_VERSION, split_reference, version_or_alias
+from pipelines.registry.store import AliasTarget, Event, Registry, Version, open_registry
 
-MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
 version_number = int_arg(1, MAX_VERSION)
 
 
@@ -107,10 +107,7 @@ def _change_status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    model, at, wanted = args.target.rpartition("@") if "@" in args.target else (args.target, "", "")
-    if not model:
-        raise InputError(f"not NAME[@VERSION|ALIAS] (got {args.target!r})", field="NAME")
-    number_or_alias = version_or_alias(wanted) if at else None  # checked before the database is opened
+    model, number_or_alias = split_reference(args.target)  # checked before the database is opened
     registry = _open(args)
     version = registry.show(model, number_or_alias) if number_or_alias is not None else _newest_promoted(registry, model)
     check = registry.verify_signature(version, required=True)
@@ -164,31 +161,8 @@ def _export_mlflow(args: argparse.Namespace) -> int:
 # --- helpers ------------------------------------------------------------------------------------------
 
 
-def version_or_alias(text: str) -> int | str:
-    """A version number (ASCII digits, 1..MAX_VERSION) or an alias name; anything else is an InputError."""
-    if text.isascii() and text.isdigit():
-        return version_number_or_error(text)
-    if not text or any(char.isdigit() for char in text if not char.isascii()) or not text.isprintable():
-        raise InputError(f"not a version number or an alias name (got {text!r})", field="VERSION_OR_ALIAS")
-    return text
-
-
-def version_number_or_error(text: str) -> int:
-    try:
-        return version_number(text)
-    except argparse.ArgumentTypeError as error:
-        raise InputError(str(error), field="VERSION") from None
-
-
 def _open(args: argparse.Namespace) -> Registry:
-    if args.registry is not None:
-        try:
-            found = args.registry.is_file()
-        except (OSError, ValueError) as error:
-            raise InputError(f"not a usable path ({getattr(error, 'strerror', None) or error})", file=args.registry, field="--registry") from None
-        if not found:
-            raise InputError("no registry database at this path", file=args.registry, field="--registry")
-    return Registry(args.registry)
+    return open_registry(args.registry)
 
 
 def _read_evidence(path: Path) -> dict[str, Any]:

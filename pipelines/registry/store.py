@@ -547,17 +547,19 @@ class Registry:
                         to_version=version, reason=reason)
             return self._alias_target(db, model, alias)
 
-    def rollback(self, model: str, alias: str, reason: str = "") -> AliasTarget:
-        """Move `alias` back to the promoted version it pointed at before its current one, after verifying
-        that version's artifact (the version rolled back to is about to be served)."""
+    def rollback(self, model: str, alias: str, reason: str = "", *, to_version: int | None = None,
+                 evidence: dict[str, Any] | None = None, require_signature: bool = False) -> AliasTarget:
+        """Move `alias` back to the promoted version it pointed at before its current one (or, with `to_version`, to that
+        earlier entry of its stack), after verifying that version's artifact and its signed bundle (required with
+        `require_signature`: a version promoted before signing is then refused). `evidence` is kept in the event."""
         with self._reader() as db:
-            current, earlier = self._rollback_step(db, model, alias)
+            current, earlier = self._rollback_step(db, model, alias, to_version)
             stored = self._version_by_id(db, earlier["version_id"])
         check = verify_version(stored)
-        self.verify_signature(stored)
+        self.verify_signature(stored, required=require_signature)
         with self._transaction() as db:
             moved = (current["seq"], earlier["version_id"])
-            current, earlier = self._rollback_step(db, model, alias)
+            current, earlier = self._rollback_step(db, model, alias, to_version)
             if (current["seq"], earlier["version_id"]) != moved:
                 raise InputError(f"alias {alias!r} of {model!r} moved while rolling back; run the rollback again",
                                  file=self.path, field="alias")
@@ -566,8 +568,19 @@ class Registry:
             db.execute("DELETE FROM aliases WHERE model = ? AND alias = ? AND seq > ?", (model, alias, earlier["seq"]))
             self._event(db, model, earlier["version"], "alias_rollback", alias=alias,
                         from_version=self._number_of(db, current["version_id"]),
-                        to_version=earlier["version"], reason=reason)
+                        to_version=earlier["version"], reason=reason, evidence=evidence)
             return self._alias_target(db, model, alias)
+
+    def alias_stack(self, model: str, alias: str) -> builtins.list[int]:
+        """The versions `alias` has pointed at and can roll back to, its current target first."""
+        with self._reader() as db:
+            if self._alias_top(db, model, alias) is None:
+                raise self._unknown_alias(db, model, alias)
+            rows = db.execute(
+                "SELECT v.version FROM aliases a JOIN versions v ON v.id = a.version_id WHERE a.model = ? AND a.alias = ?"
+                " ORDER BY a.seq DESC", (model, alias),
+            ).fetchall()
+            return [row["version"] for row in rows]
 
     # reading
 
@@ -682,22 +695,21 @@ class Registry:
             )
         return target
 
-    def _rollback_step(self, db: sqlite3.Connection, model: str, alias: str) -> tuple[sqlite3.Row, sqlite3.Row]:
-        """The alias's current entry and the promoted entry a rollback returns to."""
+    def _rollback_step(self, db: sqlite3.Connection, model: str, alias: str, to_version: int | None = None) -> tuple[sqlite3.Row, sqlite3.Row]:
+        """The alias's current entry and the promoted entry a rollback returns to (the nearest earlier one, or the nearest
+        earlier one of `to_version`)."""
         current = self._alias_top(db, model, alias)
         if current is None:
             raise self._unknown_alias(db, model, alias)
         earlier = db.execute(
             "SELECT a.seq, a.version_id, v.version FROM aliases a JOIN versions v ON v.id = a.version_id"
             " WHERE a.model = ? AND a.alias = ? AND a.seq < ? AND v.status = 'promoted'"
-            " AND a.version_id != ? ORDER BY a.seq DESC LIMIT 1",
-            (model, alias, current["seq"], current["version_id"]),
+            " AND a.version_id != ? AND (? IS NULL OR v.version = ?) ORDER BY a.seq DESC LIMIT 1",
+            (model, alias, current["seq"], current["version_id"], to_version, to_version),
         ).fetchone()
         if earlier is None:
-            raise InputError(
-                f"alias {alias!r} of {model!r} has no earlier promoted version to roll back to",
-                file=self.path, field="alias",
-            )
+            what = "no earlier promoted version" if to_version is None else f"no earlier promoted entry of version {to_version}"
+            raise InputError(f"alias {alias!r} of {model!r} has {what} to roll back to", file=self.path, field="alias")
         return current, earlier
 
     def _event(self, db: sqlite3.Connection, model: str, version: int | None, kind: EventKind, *,
@@ -804,6 +816,18 @@ class Registry:
             f"model {model!r} has no alias {alias!r} (aliases: {', '.join(known) or 'none'})",
             file=self.path, field="alias",
         )
+
+
+def open_registry(path: Path | None, field: str = "--registry") -> Registry:
+    """The registry a command names with `--registry PATH` (which must exist), else the default one."""
+    if path is not None:
+        try:
+            found = path.is_file()
+        except (OSError, ValueError) as error:
+            raise InputError(f"not a usable path ({getattr(error, 'strerror', None) or error})", file=path, field=field) from None
+        if not found:
+            raise InputError("no registry database at this path", file=path, field=field)
+    return Registry(path)
 
 
 def _check_alias_name(alias: str) -> None:

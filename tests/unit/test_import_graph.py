@@ -164,6 +164,7 @@ FLOORS: list[set[str]] = [
     {"runs"},
     {"repair"},
     {"jobs"},
+    {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
     {"commands", "cli"},
 ]
 

@@ -1,0 +1,48 @@
+"""What a watch session reports: each window's figures and verdicts, and the session's (watch.json, --json)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pipelines.deploy.spec import Envelope
+from pipelines.schema import StrictModel
+from pipelines.watch.figures import Figures
+from pipelines.watch.recommend import Recommendation
+from pipelines.watch.rollback import RollbackResult
+from pipelines.watch.verdict import FigureLimit, FigureVerdict
+
+
+class WindowReport(StrictModel):
+    index: int
+    start: float
+    end: float
+    figures: Figures
+    verdicts: list[FigureVerdict] = Field(default_factory=list)
+    breached: list[str] = Field(default_factory=list)
+
+
+class WatchReport(StrictModel):
+    url: str
+    source: Literal["metrics", "prometheus"]
+    prometheus: str | None = None
+    window_s: float
+    version: dict[str, Any] | None = None
+    envelope: Envelope | None = None
+    limits: list[FigureLimit] = Field(default_factory=list)
+    windows: list[WindowReport] = Field(default_factory=list)
+    overall: WindowReport | None = None
+    verdict: Literal["within", "breach", "figures only"] = "figures only"
+    breached_windows: list[int] = Field(default_factory=list)
+    recommendations: list[Recommendation] = Field(default_factory=list)
+    recommendation_notes: list[str] = Field(default_factory=list)
+    rollback: RollbackResult | None = None
+    shadow: dict[str, Any] | None = None
+    folder: str | None = None
+    plot: str | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The JSON document: the whole session's figures at the top level (keys naming each figure), then the rest."""
+        overall = self.overall.figures.model_dump(mode="json") if self.overall else {}
+        return {**overall, **self.model_dump(mode="json")}

@@ -1,0 +1,143 @@
+"""A watch session: windows of a vLLM server's metrics, each judged against its version's envelope, then tuning
+recommendations, an optional rollback after a sustained breach, a plot and the report (watch.json).
+
+Live (default): the server's /metrics is read at the start, every `sample_every_s` (gauges), and at each window's end
+(counters and histograms as increases). With a Prometheus URL: the last `windows` windows that ended now, from its HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import Field
+
+from pipelines.deploy.spec import ServedSpec
+from pipelines.errors import InputError
+from pipelines.files.atomic import storage_error, write_text_atomic
+from pipelines.registry.store import Registry
+from pipelines.schema import FrozenModel
+from pipelines.watch.exposition import scrape, window_between
+from pipelines.watch.figures import window_figures
+from pipelines.watch.plots import write_plot
+from pipelines.watch.prometheus import PrometheusWindows, instance_of
+from pipelines.watch.recommend import recommendations
+from pipelines.watch.report import WatchReport, WindowReport
+from pipelines.watch.rollback import roll_back
+from pipelines.watch.series import WindowData, merged
+from pipelines.watch.verdict import FigureLimit, breached, judge, limits
+
+REPORT_FILE, PLOT_FILE = "watch.json", "watch.png"
+
+
+class WatchSettings(FrozenModel):
+    url: str
+    window_s: float = Field(gt=0)
+    windows: int = Field(ge=1)
+    sample_every_s: float = Field(gt=0)
+    timeout_s: float = Field(gt=0)
+    prometheus: str | None = None
+    rollback_after: int | None = Field(default=None, ge=1)
+
+
+def live_windows(client: httpx.Client, settings: WatchSettings, served_name: str | None) -> Iterator[WindowData]:
+    """Consecutive windows of the server's /metrics, read live; a server that serves another model than `served_name` is refused."""
+    first = scrape(client, settings.url, settings.timeout_s)
+    if served_name is not None and first.model_names and served_name not in first.model_names:
+        raise InputError(f"the server serves {', '.join(map(repr, first.model_names))}, not {served_name!r} (the version's served name; "
+                         "give --served-name if it was deployed under another)", file=settings.url, field="--url")
+    for index in range(1, settings.windows + 1):
+        deadline = time.monotonic() + settings.window_s
+        samples = []
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(settings.sample_every_s, left))
+            samples.append(scrape(client, settings.url, settings.timeout_s))
+        last = samples[-1] if samples else scrape(client, settings.url, settings.timeout_s)
+        yield window_between(index, first, last, samples or [last], settings.url)
+        first = last
+
+
+def prometheus_windows(client: httpx.Client, settings: WatchSettings) -> Iterator[WindowData]:
+    assert settings.prometheus is not None
+    source = PrometheusWindows(client, settings.prometheus, instance_of(settings.url), timeout_s=settings.timeout_s)
+    yield from source.windows(time.time(), settings.window_s, settings.windows)
+
+
+def watch(settings: WatchSettings, spec: ServedSpec | None, *, registry: Registry | None,
+          on_window: Callable[[WindowReport, int], None] = lambda report, total: None) -> tuple[WatchReport, list[WindowData]]:
+    """Watch and judge each window; roll back when told to. Returns the report and the windows' raw data (for `finish`)."""
+    envelope = spec.require_envelope() if spec is not None else None
+    held = limits(envelope) if envelope is not None else []
+    report = WatchReport(url=settings.url, source="prometheus" if settings.prometheus else "metrics", prometheus=settings.prometheus,
+                         window_s=settings.window_s, envelope=envelope, limits=held, version=_version(spec))
+    raw: list[WindowData] = []
+    run = 0
+    with httpx.Client(follow_redirects=False) as client:
+        served = spec.served_name if spec is not None else None
+        source = prometheus_windows(client, settings) if settings.prometheus else live_windows(client, settings, served)
+        for data in source:
+            raw.append(data)
+            window = _judged(data, held)
+            report.windows.append(window)
+            on_window(window, settings.windows)
+            run = run + 1 if window.breached else 0
+            if spec is not None and registry is not None and settings.rollback_after and run >= settings.rollback_after:
+                evidence = [_window_evidence(w) for w in report.windows[-run:]]
+                report.rollback = roll_back(registry, spec, evidence, url=settings.url)
+                break
+    return report, raw
+
+
+def _judged(data: WindowData, held: list[FigureLimit]) -> WindowReport:
+    figures = window_figures(data)
+    verdicts = judge(figures, held)
+    return WindowReport(index=data.index, start=data.start, end=data.end, figures=figures, verdicts=verdicts, breached=breached(verdicts))
+
+
+def _window_evidence(window: WindowReport) -> dict[str, Any]:
+    return {"index": window.index, "start": _stamp(window.start), "end": _stamp(window.end), "breached": window.breached,
+            "values": {v.figure: v.value for v in window.verdicts if v.verdict == "breach"},
+            "limits": {v.figure: v.limit for v in window.verdicts if v.verdict == "breach"}}
+
+
+def finish(report: WatchReport, raw: list[WindowData], spec: ServedSpec | None, out: Path) -> WatchReport:
+    """The whole session's figures and verdict, the recommendations; watch.png and watch.json written into `out`."""
+    report.overall = _judged(merged(raw), report.limits) if raw else None
+    report.breached_windows = [window.index for window in report.windows if window.breached]
+    report.verdict = "figures only" if spec is None else ("breach" if report.breached_windows else "within")
+    if spec is not None:
+        found, notes = recommendations(spec, [(w.index, w.start, w.end, w.figures) for w in report.windows],
+                                       next((data.kv for data in reversed(raw) if data.kv is not None), None))
+        report.recommendations, report.recommendation_notes = found, notes
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise storage_error(error, out) from error
+    report.folder = str(out)
+    if raw:
+        report.plot = str(write_plot(report, out / PLOT_FILE, merged(raw).gauges))
+    write_text_atomic(out / REPORT_FILE, json.dumps(report.document(), indent=2) + "\n")
+    return report
+
+
+def _version(spec: ServedSpec | None) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    return {"model": spec.model, "version": spec.version, "alias": spec.alias, "reference": spec.reference, "served_name": spec.served_name,
+            "folder": str(spec.folder), "signed": spec.signed, "recipe": spec.recipe, "notes": spec.notes}
+
+
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="seconds")
+
+
+def default_folder(root: Path, spec: ServedSpec | None) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    who = f"{spec.model}-v{spec.version}" if spec is not None else "server"
+    return root / "watch" / f"{stamp}-{who}-{os.getpid()}"
