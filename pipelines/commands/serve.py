@@ -168,5 +168,8 @@ def _render_status(report) -> None:
 
 
 def _render_export(exported) -> None:
-    say(table(f"Kubernetes manifests in {exported.folder}", ["file", "kind", "name", "validated"],
-              [[item.file, item.kind, item.name, exported.validated_against] for item in exported.objects]))
+    say(table(f"Kubernetes manifests in {exported.folder}", ["file", "kind", "name"],
+              [[item.file, item.kind, item.name] for item in exported.objects]))
+    say(f"every object validated against the {exported.validated_against}")
+    say(exported.proxy_check)
+    say(f"apply with `kubectl apply -k {exported.folder}` once the models volume holds what docs/fleet.md lists")

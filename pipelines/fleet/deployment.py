@@ -26,7 +26,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -43,6 +43,8 @@ MAX_KV_CACHE_GIB = 4096
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_IMAGE = re.compile(r"[a-z0-9][a-z0-9._/:@-]{0,254}", re.IGNORECASE)
 
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
 
@@ -154,6 +156,33 @@ class Listen(FrozenModel):
         return value
 
 
+class Kubernetes(FrozenModel):
+    """How `quantize serve export` writes the deployment for a cluster (docs/fleet.md)."""
+
+    target: Literal["cpu", "gpu"] = Field(default="cpu", description="cpu: vLLM's CPU image, KV space from kv_cache_gib; "
+                                                                     "gpu: one nvidia.com/gpu per route")
+    vllm_image: str | None = Field(default=None, description="default: vLLM 0.32's image for the target")
+    proxy_image: str = "nginx:1.27"
+    proxy_replicas: int = Field(default=2, ge=1, le=100, description="more than one: the proxy is no single point of failure either")
+    models_claim: str = Field(default="quantgate-models", description="the PersistentVolumeClaim holding promoted/<model>/v<N> and base/<model>")
+    cpus: int = Field(default=4, ge=1, le=1024, description="CPU request of each vLLM pod")
+    dtype: str = Field(default="auto", pattern=r"^(auto|bfloat16|float16|half|float32|float)$")
+
+    @field_validator("vllm_image", "proxy_image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and not _IMAGE.fullmatch(value):
+            raise ValueError(f"not a container image reference (got {value!r})")
+        return value
+
+    @field_validator("models_claim")
+    @classmethod
+    def _claim(cls, value: str) -> str:
+        if not _DNS_SUBDOMAIN.fullmatch(value):
+            raise ValueError(f"must be a Kubernetes object name (lower-case letters, digits, '-' and '.') (got {value!r})")
+        return value
+
+
 class Deployment(FrozenModel):
     name: str = Field(description="a DNS label: lower-case letters, digits and '-', at most 40 characters")
     served_model_name: str | None = None
@@ -162,6 +191,7 @@ class Deployment(FrozenModel):
     rules: Rules = Rules()
     circuit_breaker: CircuitBreaker = CircuitBreaker()
     listen: Listen = Listen()
+    kubernetes: Kubernetes = Kubernetes()
 
     @field_validator("name")
     @classmethod
