@@ -33,7 +33,7 @@ from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import route_memory
-from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, find_nginx, render_chain, render_config, test_config, write_config
+from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, check_config, find_nginx, render_chain, render_config, write_config
 from pipelines.fleet.routes import ResolvedRoute
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import LOOPBACK, MAX_LOGPROBS
@@ -221,7 +221,7 @@ def check_proxy_template(deployment: Deployment, routes: list[ResolvedRoute]) ->
         chain = proxy_chain(deployment, routes, addresses=[f"{LOOPBACK}:{VLLM_PORT + 1 + index}" for index in range(len(routes))])
         text = render_config(deployment, layout, chain.upstreams).replace("${", "placeholder-{")
         write_config(layout, text)
-        test_config(binary, layout)
+        check_config(binary, layout)
         return "nginx -t: the proxy ConfigMap's chain is ok (the Services' names replaced by loopback ports, the keys by placeholders)"
 
 

@@ -227,7 +227,7 @@ def write_config(layout: ProxyLayout, text: str) -> None:
         os.chown(layout.temp, uid, -1)
 
 
-def test_config(nginx: Path, layout: ProxyLayout) -> str:
+def check_config(nginx: Path, layout: ProxyLayout) -> str:
     """`nginx -t` on the generated config; its verdict line, or an InputError with nginx's own complaint."""
     try:
         result = subprocess.run([*command(nginx, layout), "-t", "-q"], capture_output=True, text=True, timeout=NGINX_TEST_TIMEOUT_S)

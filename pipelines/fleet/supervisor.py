@@ -35,7 +35,7 @@ from pipelines.errors import InputError, ServeError
 from pipelines.files.atomic import storage_error
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
-from pipelines.fleet.nginx import ProxyLayout, Upstream, command, find_nginx, render_config, test_config, write_config
+from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, command, find_nginx, render_config, write_config
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.state import (
     CLIENT_KEY_FILE,
@@ -97,7 +97,7 @@ def _dry_check(deployment: Deployment, routes: list[ResolvedRoute], binary: Path
         upstreams = [Upstream(label=route.label, address=f"{LOOPBACK}:{free_port()}", api_key=PLACEHOLDER_KEY, timeout_s=route.timeout_s,
                               max_conns=max_conns(deployment, route)) for route in routes]
         write_config(layout, render_config(deployment, layout, upstreams))
-        return test_config(binary, layout)
+        return check_config(binary, layout)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -261,7 +261,7 @@ class Supervisor:
 
     def _write_proxy_config(self) -> None:
         write_config(self.layout, render_config(self.deployment, self.layout, self._upstreams()))
-        self.state.proxy.check = test_config(self.prepared.nginx, self.layout)
+        self.state.proxy.check = check_config(self.prepared.nginx, self.layout)
 
     def _start_proxy(self) -> None:
         self._write_proxy_config()
