@@ -168,6 +168,7 @@ def render_chain(deployment: Deployment, chain: Chain) -> str:
     lines = [
         f"log_format quantgate escape=json '{LOG_FIELDS}';",
         f"client_max_body_size {MAX_BODY};", "client_body_buffer_size 1m;", "client_body_timeout 60s;", "server_tokens off;", "",
+        "map_hash_bucket_size 128;  # a key is 43 characters: longer than the default bucket",
         "map $http_authorization $quantgate_client {", "    default 0;", f'    "Bearer {chain.client_key}" 1;', "}", "",
     ]
     for index, upstream in enumerate(chain.upstreams):

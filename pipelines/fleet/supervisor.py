@@ -58,7 +58,7 @@ from pipelines.serve.serving import LOOPBACK, RunningServer, free_port, start_pr
 TICK_S = 1.0
 PROXY_START_TIMEOUT_S = 30.0
 HEALTH_PROBE_S = 1.0
-PLACEHOLDER_KEY = "checked-with-nginx-t"
+PLACEHOLDER_KEY = "k" * len(secrets.token_urlsafe(32))  # as long as a real key: nginx's map buckets depend on it
 
 
 class Prepared(StrictModel):

@@ -9,6 +9,7 @@ checked here is the product's own."""
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -233,14 +234,14 @@ def test_a_chain_that_does_not_fit_the_machine_is_refused(tmp_path: Path, worksp
 
 
 def _layout(folder: Path) -> ProxyLayout:
-    return ProxyLayout(prefix=folder, listen_host="127.0.0.1", listen_port=18080, sentinel_port=18999, client_key="client")
+    return ProxyLayout(prefix=folder, listen_host="127.0.0.1", listen_port=18080, sentinel_port=18999, client_key=secrets.token_urlsafe(32))
 
 
 @needs_nginx
 @pytest.mark.parametrize("routes", [1, 3])
 def test_the_generated_config_passes_nginx_t(tmp_path: Path, routes: int) -> None:
     deployment = Deployment.model_validate({"name": "demo", "primary": "m@1", "fallbacks": [f"m@{i}" for i in range(2, routes + 1)]})
-    upstreams = [Upstream(label=f"r{i}", address=f"127.0.0.1:{18001 + i}", api_key=f"key{i}", timeout_s=1.5, max_conns=24) for i in range(routes)]
+    upstreams = [Upstream(label=f"r{i}", address=f"127.0.0.1:{18001 + i}", api_key=secrets.token_urlsafe(32), timeout_s=1.5, max_conns=24) for i in range(routes)]
     layout = _layout(tmp_path)
     text = render_config(deployment, layout, upstreams)
     write_config(layout, text)
