@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
     "models": Command("pipelines.commands.models", "add a real pretrained model (from a GGUF) under models/, list them"),
     "loadtest": Command("pipelines.commands.loadtest", "load-test a model (and a candidate against it) with vLLM bench serve"),
     "repair": Command("pipelines.commands.repair", "repair a rejected run: move its most sensitive modules up a fallback ladder until it passes"),
-    "serve": Command("pipelines.commands.serve", "serve a promoted version behind nginx with a fallback chain and a circuit breaker; status, stop, export"),
+    "serve": Command("pipelines.commands.serve", "serve versions behind nginx: fallback chain, circuit breaker; status, stop, drill, export"),
     "doctor": Command("pipelines.commands.doctor", "this host's class, its vLLM build, and what each recipe and ladder rung gets here"),
 }
 DEFAULT_COMMAND = "run"

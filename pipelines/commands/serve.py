@@ -5,6 +5,7 @@
     quantize serve status [NAME]                       which route is live and why; traffic per route; the breaker's timeline
     quantize serve stop [NAME]                         stop a running deployment (and every process it started)
     quantize serve export DEPLOYMENT.yaml --out DIR    the same deployment as Kubernetes manifests, validated offline
+    quantize serve drill [NAME]                        under a bounded load, crash then hang the primary: what was answered, by whom
 
 The work is in pipelines/fleet (docs/fleet.md). Exit 0 on success (a deployment stopped by Ctrl-C, SIGTERM or `serve stop`
 ends with 0 and its traffic summary), 2 on every error: bad input starts nothing.
@@ -16,33 +17,42 @@ import argparse
 import time
 from pathlib import Path
 
+from pipelines.commands.args import float_arg, int_arg
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.fleet.deployment import Deployment, load_deployment
+from pipelines.fleet.drill import MAX_DRILL_S, MAX_REQUESTS, DrillSettings
 from pipelines.fleet.state import ServeState, find_state, stop_deployment
 from pipelines.planner.gpus import GiB
 from pipelines.registry.store import Registry
 from pipelines.settings import current as current_settings
 
-ACTIONS = ("check", "status", "stop", "export")
+ACTIONS = ("check", "status", "stop", "export", "drill")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "serve", usage="quantize serve {DEPLOYMENT.yaml | check DEPLOYMENT.yaml | status [NAME] | stop [NAME] | export DEPLOYMENT.yaml --out DIR}",
+        "serve", usage="quantize serve {DEPLOYMENT.yaml | check DEPLOYMENT.yaml | status [NAME] | stop [NAME] | export DEPLOYMENT.yaml --out DIR"
+                       " | drill [NAME]}",
     )  # its summary: pipelines.cli.COMMANDS
-    parser.add_argument("what", metavar="DEPLOYMENT.yaml|check|status|stop|export", help="a deployment file to serve, or an action")
+    parser.add_argument("what", metavar="DEPLOYMENT.yaml|check|status|stop|export|drill", help="a deployment file to serve, or an action")
     parser.add_argument("target", metavar="DEPLOYMENT.yaml|NAME", nargs="?", help="the deployment file (check, export) or name (status, stop)")
     parser.add_argument("--registry", type=Path, default=None, help="registry database (default: $QUANTGATE_REGISTRY or artifacts/registry.db)")
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: $QUANTGATE_NGINX, else nginx on PATH or in /usr/sbin)")
     parser.add_argument("--out", type=Path, default=None, help="export: the folder for the Kubernetes manifests")
+    drill = DrillSettings()
+    parser.add_argument("--requests", type=int_arg(1, MAX_REQUESTS), default=drill.requests, help="drill: the most requests sent (%(default)s)")
+    parser.add_argument("--concurrency", type=int_arg(1, 64), default=drill.concurrency, help="drill: requests in flight (%(default)s)")
+    parser.add_argument("--hang-s", type=float_arg(0, 600, low_open=True), default=drill.hang_s, help="drill: seconds the primary stays stopped")
+    parser.add_argument("--recover-s", type=float_arg(0, MAX_DRILL_S, low_open=True), default=drill.recover_s,
+                        help="drill: longest wait for the primary to answer again after each fault")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.set_defaults(handler=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
-    if args.what in ("status", "stop"):
-        return _status(args) if args.what == "status" else _stop(args)
+    if args.what in ("status", "stop", "drill"):
+        return {"status": _status, "stop": _stop, "drill": _drill}[args.what](args)
     if args.what in ("check", "export"):
         if args.target is None:
             raise InputError(f"`quantize serve {args.what}` needs a deployment file", field="DEPLOYMENT.yaml")
@@ -99,6 +109,15 @@ def _stop(args: argparse.Namespace) -> int:
     took = stop_deployment(folder, state)
     result = {"name": state.name, "stopped": True, "seconds": round(took, 2)}
     emit(result, as_json=args.json, render=lambda _: say(f"deployment {state.name!r} stopped in {took:.1f} s: every server and nginx"))
+    return 0
+
+
+def _drill(args: argparse.Namespace) -> int:
+    from pipelines.fleet.drill import run_drill
+
+    folder, _ = find_state(args.target)
+    settings = DrillSettings(requests=args.requests, concurrency=args.concurrency, hang_s=args.hang_s, recover_s=args.recover_s)
+    emit(run_drill(folder, settings), as_json=args.json, render=_render_drill)
     return 0
 
 
@@ -173,3 +192,16 @@ def _render_export(exported) -> None:
     say(f"every object validated against the {exported.validated_against}")
     say(exported.proxy_check)
     say(f"apply with `kubectl apply -k {exported.folder}` once the models volume holds what docs/fleet.md lists")
+
+
+def _render_drill(report) -> None:
+    say(f"drill on {report.deployment} ({report.endpoint}): {report.sent} requests sent at concurrency {report.settings.concurrency} in "
+        f"{report.ended_at - report.started_at:.0f} s; {report.answered} answered, {report.sent - report.answered} not")
+    say(table("answered by", ["route", "requests"], [[route, count] for route, count in sorted(report.answered_by.items())]))
+    for why, count in report.failed.items():
+        say(f"not answered: {count} x {why}")
+    for fault in report.faults:
+        back = f", answered again after {fault.recovered_at - fault.at:.1f} s" if fault.recovered_at else ""
+        say(f"{_clock(fault.at)} {fault.kind} of pid {fault.pid}: {fault.in_flight} requests in flight{back}")
+    for event in report.breaker:
+        say(f"{_clock(event.at)} breaker {event.route} {event.kind} ({event.why})")

@@ -158,6 +158,7 @@ class Traffic(StrictModel):
     requests: int = 0
     answered: int = 0
     failed: dict[str, int] = Field(default_factory=dict, description="requests the client got no answer for: why -> count")
+    refused: dict[str, int] = Field(default_factory=dict, description="requests the proxy itself turned away (401: no or a wrong key)")
     routes: list[RouteTraffic]
     breaker: list[BreakerEvent] = Field(default_factory=list)
     first_at: float | None = None
@@ -204,6 +205,8 @@ class TrafficCounter:
         if answered is not None and request.status < 500:
             traffic.answered += 1
             traffic.last_answered_by = self.labels[answered] if answered < len(self.labels) else None
+        elif not request.hops and request.status < 500:
+            traffic.refused[f"HTTP {request.status}"] = traffic.refused.get(f"HTTP {request.status}", 0) + 1
         else:
             reason = self._failure(request)
             traffic.failed[reason] = traffic.failed.get(reason, 0) + 1

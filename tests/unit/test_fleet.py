@@ -241,7 +241,8 @@ def _layout(folder: Path) -> ProxyLayout:
 @pytest.mark.parametrize("routes", [1, 3])
 def test_the_generated_config_passes_nginx_t(tmp_path: Path, routes: int) -> None:
     deployment = Deployment.model_validate({"name": "demo", "primary": "m@1", "fallbacks": [f"m@{i}" for i in range(2, routes + 1)]})
-    upstreams = [Upstream(label=f"r{i}", address=f"127.0.0.1:{18001 + i}", api_key=secrets.token_urlsafe(32), timeout_s=1.5, max_conns=24) for i in range(routes)]
+    upstreams = [Upstream(label=f"r{i}", address=f"127.0.0.1:{18001 + i}", api_key=secrets.token_urlsafe(32), timeout_s=1.5, max_conns=24)
+                 for i in range(routes)]
     layout = _layout(tmp_path)
     text = render_config(deployment, layout, upstreams)
     write_config(layout, text)
