@@ -31,18 +31,18 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipelines.bounds import MAX_CONTEXT
+from pipelines.errors import InputError
 from pipelines.files.yamlio import load_yaml_model
+from pipelines.registry.reference import split_reference
 from pipelines.schema import FrozenModel
 
 MAX_TIMEOUT_S = 24 * 3600.0  # a route answering slower than a day is a misconfiguration, not a timeout
 MAX_ROUTES = 8  # a primary and up to seven fallbacks: each is a vLLM server on this machine
-MAX_VERSION = 2**31 - 1
 MAX_QUEUE = 100_000
 MAX_NUM_SEQS = 65_536
 MAX_KV_CACHE_GIB = 4096
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_ALIAS = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _IMAGE = re.compile(r"[a-z0-9][a-z0-9._/:@-]{0,254}", re.IGNORECASE)
 
@@ -60,17 +60,16 @@ class VersionRef(FrozenModel):
 
 
 def parse_ref(text: Any) -> VersionRef:
-    """`demo-llama@production` or `demo-llama@3`; anything else is a ValueError pydantic turns into one line."""
-    if not isinstance(text, str):
-        raise ValueError(f"must be NAME@ALIAS or NAME@VERSION (got {text!r})")
-    model, at, ref = text.partition("@")
-    if not at or not _MODEL_NAME.fullmatch(model) or not (ref.isascii() and (ref.isdigit() or _ALIAS.fullmatch(ref))):
+    """`demo-llama@production` or `demo-llama@3` (pipelines/registry/reference.py); a bare NAME is refused here: a deployment
+    names the version it serves. Anything else is a ValueError pydantic turns into one line."""
+    if not isinstance(text, str) or "@" not in text:
         raise ValueError(f"must be NAME@ALIAS or NAME@VERSION, e.g. demo-llama@production (got {text!r})")
-    if ref.isdigit():
-        number = int(ref[:12])
-        if not 1 <= number <= MAX_VERSION or len(ref) > 12:
-            raise ValueError(f"version must be a number from 1 to {MAX_VERSION} (got {ref!r})")
-        return VersionRef(model=model, ref=number)
+    try:
+        model, ref = split_reference(text)
+    except InputError as error:
+        raise ValueError(error.message) from None
+    if ref is None or not _MODEL_NAME.fullmatch(model):
+        raise ValueError(f"must be NAME@ALIAS or NAME@VERSION, e.g. demo-llama@production (got {text!r})")
     return VersionRef(model=model, ref=ref)
 
 

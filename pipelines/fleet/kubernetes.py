@@ -105,18 +105,13 @@ def route_objects(deployment: Deployment, route: ResolvedRoute, memory_bytes: in
     name = _object_name(deployment, route)
     labels = {**_labels(deployment, "model-server"), "quantgate/route": route.label}
     settings = route.serve
-    args = [
-        "--model", model_path(route), "--served-model-name", deployment.model_name, "--host", "0.0.0.0", "--port", str(VLLM_PORT),
-        "--dtype", cluster.dtype, "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
-        "--seed", str(settings.seed), "--max-logprobs", str(MAX_LOGPROBS),
-    ]
-    args += ["--enforce-eager"] if settings.enforce_eager else []
+    args = ["--model", model_path(route), "--served-model-name", deployment.model_name, "--host", "0.0.0.0", "--port", str(VLLM_PORT),
+            *settings.model_copy(update={"dtype": cluster.dtype}).vllm_args(), "--max-logprobs", str(MAX_LOGPROBS)]
     key = {"secretKeyRef": {"name": f"{deployment.name}-keys", "key": _key_variable(route)}}
     env: list[dict[str, Any]] = [{"name": "VLLM_API_KEY", "valueFrom": key}]
     memory = f"{math.ceil(memory_bytes / MiB)}Mi"
     resources: dict[str, dict[str, str]] = {"requests": {"cpu": str(cluster.cpus), "memory": memory}, "limits": {"memory": memory}}
     if cluster.target == "gpu":
-        args += ["--gpu-memory-utilization", f"{settings.memory_fraction:g}"]
         resources["limits"]["nvidia.com/gpu"] = "1"
     else:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(settings.cpu_kv_cache_gib)})

@@ -10,10 +10,11 @@ For each route, in order:
    route serves that bundle, the bytes the signature covers.
 4. A `base_of` route serves the 16-bit folder named by the version's signed gate.json (`inputs.baseline.path`), and only
    if that folder's hash is the `source_hash` the signed registry record holds.
-5. Its vLLM arguments are the ones the gate measured (gate.json `inputs.serve`, `performance.tuning`), made concrete for
-   this host (`--dtype host`), with the route's own overrides; its timeout is the file's, or `timeout_headroom` x the
-   load test's end-to-end p99 at the deployment concurrency (TTFT p99 + TPOT p99 x (longest answer - 1)), never below
-   `min_timeout_s`.
+5. Its vLLM arguments are the version's served spec (pipelines/deploy/spec.py: the load test's measured max_num_seqs,
+   the max_model_len and KV space its servers ran with, this host's dtype), with the route's own overrides; a 16-bit
+   route gets the same arguments. Its timeout is the file's, or `timeout_headroom` x the load test's end-to-end p99 at
+   the measured max_num_seqs (TTFT p99 + TPOT p99 x (longest answer - 1)): the version's own figures, the 16-bit
+   model's (the load test's baseline) for a base route; never below `min_timeout_s`.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipelines.deploy.spec import ServedSpec, envelope_of, spec_of
 from pipelines.errors import InputError
 from pipelines.files.hashing import folder_hash
 from pipelines.fleet.deployment import Deployment, Route, route_field
 from pipelines.gate.verdict import GateReport
-from pipelines.loadtest.results import LevelFigures, Role
+from pipelines.loadtest.results import PerformanceReport
 from pipelines.registry.store import Registry, Version
 from pipelines.schema import StrictModel
-from pipelines.serve.serving import HOST_DTYPE, ServeSettings
+from pipelines.serve.serving import ServeSettings
 
 
-class Envelope(StrictModel):
+class Latency(StrictModel):
     """The load test's figures a route's timeout is derived from (milliseconds, at one concurrency)."""
 
     concurrency: int
@@ -59,7 +61,7 @@ class ResolvedRoute(StrictModel):
     serve: ServeSettings
     timeout_s: float
     timeout_basis: str
-    envelope: Envelope | None = None
+    latency: Latency | None = None
 
     def describe(self) -> str:
         what = f"{self.model} v{self.version}" if self.kind == "version" else f"16-bit base of {self.model} v{self.version}"
@@ -112,32 +114,32 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
     field = route_field(index)
     try:
         check = registry.verify_signature(version, required=True)
+        assert check is not None  # required=True raises instead
+        spec = spec_of(version, reference=str(route.ref), alias=route.ref.ref if isinstance(route.ref.ref, str) else None,
+                       folder=check.bundle, signed=True, served_name=deployment.model_name)
     except InputError as error:
         raise InputError(f"{route.describe()} (version {version.version}) does not verify: {error.one_line()}", file=source, field=field) from None
-    assert check is not None  # required=True raises instead
-    gate = version.gate
-    if gate is None:
-        raise InputError(f"{route.describe()} (version {version.version}) has no gate evidence this quantgate reads", file=source, field=field)
     verified = f"signature {check.method} {check.key_id[:12]}, {check.files} files, evidence {check.evidence}"
     if route.model is not None:
         kind: Literal["version", "base"] = "version"
-        model_dir = check.bundle
+        model_dir = spec.folder
+        latency = latency_of(version.gate, spec, "candidate")
     else:
         kind = "base"
-        model_dir = _verified_base(gate, version, source, field)
+        model_dir = _verified_base(version, source, field)
         verified += f"; 16-bit folder hash = the signed source_hash {version.source_hash[:12]}"
-    role: Role = "candidate" if kind == "version" else "baseline"
-    envelope = envelope_of(gate, role)
-    timeout_s, basis = route_timeout(route, envelope, deployment, source=source, field=field)
+        latency = latency_of(version.gate, spec, "baseline")
+    timeout_s, basis = route_timeout(route, latency, deployment, source=source, field=field)
     return ResolvedRoute(
         index=index, field=field, label=label(index), kind=kind, ref=str(route.ref), model=version.model, version=version.version,
-        model_dir=model_dir, identity=_identity(route, version), verified=verified, serve=measured_settings(gate, route),
-        timeout_s=timeout_s, timeout_basis=basis, envelope=envelope,
+        model_dir=model_dir, identity=_identity(route, version), verified=verified, serve=served_settings(spec, route),
+        timeout_s=timeout_s, timeout_basis=basis, latency=latency,
     )
 
 
-def _verified_base(gate: GateReport, version: Version, source: Path | str, field: str) -> Path:
-    baseline = gate.inputs.get("baseline")
+def _verified_base(version: Version, source: Path | str, field: str) -> Path:
+    """The 16-bit folder the version's signed gate.json names, if its hash is the signed source_hash."""
+    baseline = version.gate.inputs.get("baseline") if version.gate is not None else None
     path = baseline.get("path") if isinstance(baseline, dict) else None
     if not isinstance(path, str) or not path:
         raise InputError(f"version {version.version} of {version.model!r}: its gate evidence names no 16-bit model", file=source, field=field)
@@ -150,46 +152,47 @@ def _verified_base(gate: GateReport, version: Version, source: Path | str, field
     return folder
 
 
-def measured_settings(gate: GateReport, route: Route) -> ServeSettings:
-    """The arguments the gate served the model with, the load test's measured max_num_seqs, this host's dtype, and
-    the route's own overrides."""
-    recorded = gate.inputs.get("serve")
-    settings = ServeSettings.model_validate({**(recorded if isinstance(recorded, dict) else {}), "dtype": HOST_DTYPE})
-    tuning = gate.performance.tuning if gate.performance is not None else None
-    update: dict[str, int] = {}
-    if tuning is not None and tuning.measured_max_num_seqs:
-        update["max_num_seqs"] = tuning.measured_max_num_seqs
-    for name, value in (("max_num_seqs", route.max_num_seqs), ("max_model_len", route.max_model_len), ("cpu_kv_cache_gib", route.kv_cache_gib)):
-        if value is not None:
-            update[name] = value
-    return settings.model_copy(update=update)
+def served_settings(spec: ServedSpec, route: Route) -> ServeSettings:
+    """The arguments the version was measured with (pipelines/deploy/spec.py), with the route's own overrides."""
+    update = {name: value for name, value in (("max_num_seqs", route.max_num_seqs), ("max_model_len", route.max_model_len),
+                                              ("cpu_kv_cache_gib", route.kv_cache_gib)) if value is not None}
+    return spec.args.serve_settings().model_copy(update=update)
 
 
-def envelope_of(gate: GateReport, role: Role) -> Envelope | None:
-    """The load test's latency figures of `role` at the deployment concurrency (else its highest level), or None."""
-    performance = gate.performance
-    figures = performance.figures(role) if performance is not None else None
-    if performance is None or figures is None or not figures.levels:
+def latency_of(gate: GateReport | None, spec: ServedSpec, role: Literal["candidate", "baseline"]) -> Latency | None:
+    """The load test's latency of the version (`candidate`) or of its 16-bit model (`baseline`) at the measured max_num_seqs,
+    with the longest answer of the load test's workload; None without a load test."""
+    performance = gate.performance if gate is not None else None
+    if performance is None:
         return None
-    level: LevelFigures = figures.at(performance.deployment_concurrency) or max(figures.levels, key=lambda item: item.concurrency)
-    longest = performance.workload.get("output_tokens", {}).get("max") if isinstance(performance.workload.get("output_tokens"), dict) else None
-    answer = int(longest) if isinstance(longest, (int, float)) and longest >= 1 else 1
-    e2e = level.ttft_ms.p99 + level.tpot_ms.p99 * (answer - 1)
-    return Envelope(concurrency=level.concurrency, ttft_p99_ms=level.ttft_ms.p99, tpot_p99_ms=level.tpot_ms.p99,
-                    longest_answer_tokens=answer, e2e_p99_ms=e2e)
+    own = performance if role == "candidate" else _only(performance, role)
+    envelope = envelope_of(own, spec.args.max_num_seqs, spec.envelope.gate_path if spec.envelope else None) if own is not None else None
+    if envelope is None:
+        return None
+    longest = performance.workload.get("output_tokens")
+    answer = longest.get("max") if isinstance(longest, dict) else None
+    tokens = int(answer) if isinstance(answer, (int, float)) and answer >= 1 else 1
+    ttft, tpot = envelope.ttft_ms.p99, envelope.tpot_ms.p99
+    return Latency(concurrency=envelope.concurrency, ttft_p99_ms=ttft, tpot_p99_ms=tpot, longest_answer_tokens=tokens,
+                   e2e_p99_ms=ttft + tpot * (tokens - 1))
 
 
-def route_timeout(route: Route, envelope: Envelope | None, deployment: Deployment, *, source: Path | str, field: str) -> tuple[float, str]:
+def _only(performance: PerformanceReport, role: Literal["candidate", "baseline"]) -> PerformanceReport | None:
+    figures = performance.figures(role)
+    return performance.model_copy(update={"models": [figures]}) if figures is not None else None
+
+
+def route_timeout(route: Route, latency: Latency | None, deployment: Deployment, *, source: Path | str, field: str) -> tuple[float, str]:
     """The route's timeout and why: the file's, else headroom x the load test's e2e p99 (at least min_timeout_s)."""
     rules = deployment.rules
     if route.timeout_s is not None:
         return route.timeout_s, "set in the deployment file"
-    if envelope is None:
+    if latency is None:
         raise InputError(f"{route.describe()} has no load-test envelope (gate.json performance) to derive a timeout from; set "
                          "`timeout_s` on this route", file=source, field=f"{field}.timeout_s")
-    derived = rules.timeout_headroom * envelope.e2e_p99_ms / 1000
-    basis = (f"{rules.timeout_headroom:g} x e2e p99 {envelope.e2e_p99_ms:.0f} ms (TTFT p99 {envelope.ttft_p99_ms:.0f} ms + TPOT p99 "
-             f"{envelope.tpot_p99_ms:.1f} ms x {envelope.longest_answer_tokens - 1}, load test at concurrency {envelope.concurrency})")
+    derived = rules.timeout_headroom * latency.e2e_p99_ms / 1000
+    basis = (f"{rules.timeout_headroom:g} x e2e p99 {latency.e2e_p99_ms:.0f} ms (TTFT p99 {latency.ttft_p99_ms:.0f} ms + TPOT p99 "
+             f"{latency.tpot_p99_ms:.1f} ms x {latency.longest_answer_tokens - 1}, load test at concurrency {latency.concurrency})")
     if derived < rules.min_timeout_s:
         return rules.min_timeout_s, f"min_timeout_s (derived {derived:.2f} s: {basis})"
     return round(derived, 3), basis

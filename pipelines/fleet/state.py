@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError
 from pipelines.errors import InputError
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.yamlio import read_user_bytes
-from pipelines.fleet.routes import Envelope
+from pipelines.fleet.routes import Latency
 from pipelines.fleet.traffic import Traffic
 from pipelines.schema import StrictModel
 from pipelines.settings import current as current_settings
@@ -64,7 +64,7 @@ class RouteState(StrictModel):
     max_num_seqs: int
     max_conns: int
     vllm_args: str
-    envelope: Envelope | None = None
+    latency: Latency | None = None
 
 
 class ProxyState(StrictModel):

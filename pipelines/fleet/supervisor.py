@@ -114,10 +114,7 @@ def max_conns(deployment: Deployment, route: ResolvedRoute) -> int:
 
 
 def vllm_args(route: ResolvedRoute) -> str:
-    settings = route.serve
-    return (f"--served-model-name (the deployment's) --max-model-len {settings.max_model_len} --max-num-seqs {settings.max_num_seqs} "
-            f"--dtype {settings.served_dtype()} --gpu-memory-utilization {settings.memory_fraction} "
-            f"VLLM_CPU_KVCACHE_SPACE={settings.cpu_kv_cache_gib}")
+    return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}"])
 
 
 class RouteServer:
@@ -185,7 +182,7 @@ class Supervisor:
             RouteState(label=route.label, ref=route.ref, kind=route.kind, model=route.model, version=route.version, model_dir=str(route.model_dir),
                        verified=route.verified, log=str(server.log), timeout_s=route.timeout_s, timeout_basis=route.timeout_basis,
                        max_num_seqs=route.serve.max_num_seqs, max_conns=max_conns(self.deployment, route), vllm_args=vllm_args(route),
-                       envelope=route.envelope)
+                       latency=route.latency)
             for route, server in zip(self.prepared.routes, self.servers, strict=True)
         ]
         return ServeState(

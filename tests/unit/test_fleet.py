@@ -24,9 +24,8 @@ from pipelines.fleet import fit as fit_module
 from pipelines.fleet.deployment import Deployment, load_deployment
 from pipelines.fleet.kubernetes import export_manifests, validate
 from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, find_nginx, render_config, write_config
-from pipelines.fleet.routes import ResolvedRoute, envelope_of, resolve_routes
+from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.traffic import TrafficCounter, parse_access_line
-from pipelines.gate.verdict import GateReport
 from pipelines.loadtest.results import PerformanceReport
 from pipelines.registry.signing import CERT_ENV, CHAIN_ENV, KEY_ENV, TRUSTED_ENV
 from pipelines.registry.store import Registry, Version
@@ -143,7 +142,7 @@ def test_routes_resolve_to_the_signed_bundle_and_the_signed_16_bit_folder(tmp_pa
     assert "signature" in primary.verified and "signed source_hash" in base.verified
     # 3 x (TTFT p99 768.35 + TPOT p99 48.19 x 11) at concurrency 16, the candidate's; the 16-bit route gets the baseline's figures
     assert primary.timeout_s == pytest.approx(3.895, abs=0.01) and base.timeout_s == pytest.approx(2.556, abs=0.01)
-    assert primary.serve.max_num_seqs == 16 and primary.serve.dtype == "host"
+    assert primary.serve.max_num_seqs == 16 and primary.serve.dtype == "bfloat16"  # the unit tests' host (tests/unit/conftest.py)
 
 
 def test_an_unknown_version_or_alias_is_refused_naming_the_route(tmp_path: Path, workspace: SimpleNamespace, promoted) -> None:
@@ -206,12 +205,15 @@ def test_a_version_without_an_envelope_needs_a_timeout(tmp_path: Path, workspace
     assert routes[0].timeout_s == 7.5 and routes[0].timeout_basis == "set in the deployment file"
 
 
-def test_the_envelope_is_read_at_the_deployment_concurrency() -> None:
+def test_the_latency_is_each_models_own_at_the_measured_concurrency(tmp_path: Path, workspace: SimpleNamespace, promoted) -> None:
+    version = promoted()
+    routes = resolve(workspace, write_deployment(tmp_path, {"primary": f"{MODEL}@{version.version}", "fallbacks": [{"base_of": f"{MODEL}@1"}]}))
     performance = PerformanceReport.model_validate(json.loads(DATA.read_text())["performance"])
-    gate = GateReport.model_construct(performance=performance)
-    envelope = envelope_of(gate, "candidate")
-    assert envelope is not None and envelope.concurrency == 16 and envelope.longest_answer_tokens == 12
-    assert envelope.e2e_p99_ms == pytest.approx(envelope.ttft_p99_ms + 11 * envelope.tpot_p99_ms)
+    for route, role in zip(routes, ("candidate", "baseline"), strict=True):
+        latency = route.latency
+        figures = performance.figures(role).at(16)  # type: ignore[union-attr]
+        assert latency is not None and latency.concurrency == 16 and latency.longest_answer_tokens == 12
+        assert latency.ttft_p99_ms == figures.ttft_ms.p99 and latency.e2e_p99_ms == pytest.approx(figures.ttft_ms.p99 + 11 * figures.tpot_ms.p99)
 
 
 # --------------------------------------------------------------------------------- fit by the planner
