@@ -90,7 +90,8 @@ def _serve(args: argparse.Namespace, source: Path) -> int:
     from pipelines.fleet.supervisor import Supervisor
 
     prepared = _prepare(args, source)
-    _render_prepared(prepared)
+    if not args.json:  # with --json, stdout carries only the final document
+        _render_prepared(prepared)
     state = Supervisor(prepared).run()
     emit(state, as_json=args.json, render=_render_final)
     return 0
