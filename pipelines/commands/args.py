@@ -39,3 +39,25 @@ def float_arg(low: float, high: float, *, low_open: bool = False) -> Callable[[s
 
     parse.__name__ = "number"
     return parse
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_arg(low_s: float, high_s: float) -> Callable[[str], float]:
+    """An argparse type: a duration such as 30s, 5m, 1h, 250ms or plain seconds, in [low_s, high_s] seconds."""
+
+    def parse(text: str) -> float:
+        stripped = text.strip().lower()
+        unit = next((u for u in ("ms", "s", "m", "h") if stripped.endswith(u)), "")
+        number = stripped[: len(stripped) - len(unit)] if unit else stripped
+        try:
+            value = float(number) * _UNITS[unit or "s"] if len(number) <= 30 else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not low_s <= value <= high_s:
+            raise argparse.ArgumentTypeError(f"must be a duration from {low_s:g} s to {high_s:g} s, e.g. 30s, 5m, 1h (got {text!r})")
+        return value
+
+    parse.__name__ = "duration"
+    return parse

@@ -13,7 +13,7 @@ from pipelines.errors import InputError
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.registry.evidence import PromotionCheck
 from pipelines.registry.reference import MAX_VERSION, split_reference, version_or_alias
-from pipelines.registry.store import AliasTarget, Event, Registry, Version
+from pipelines.registry.store import AliasTarget, Event, Registry, Version, open_registry
 
 version_number = int_arg(1, MAX_VERSION)
 
@@ -161,14 +161,7 @@ def _export_mlflow(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace) -> Registry:
-    if args.registry is not None:
-        try:
-            found = args.registry.is_file()
-        except (OSError, ValueError) as error:
-            raise InputError(f"not a usable path ({getattr(error, 'strerror', None) or error})", file=args.registry, field="--registry") from None
-        if not found:
-            raise InputError("no registry database at this path", file=args.registry, field="--registry")
-    return Registry(args.registry)
+    return open_registry(args.registry)
 
 
 def _read_evidence(path: Path) -> dict[str, Any]:

@@ -62,6 +62,10 @@ class ServeArgs(FrozenModel):
         batched = ["--max-num-batched-tokens", str(self.max_num_batched_tokens)] if self.max_num_batched_tokens is not None else []
         return self.serve_settings().vllm_args() + batched
 
+    def described(self) -> list[tuple[str, str, str]]:
+        """(argument, value, where it came from) for each argument with a recorded source."""
+        return [(key, str(getattr(self, key)), source) for key, source in self.sources.items()]
+
     def environment(self) -> dict[str, str]:
         return {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)} if self.cpu_kv_cache_gib is not None else {}
 

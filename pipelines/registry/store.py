@@ -789,6 +789,18 @@ class Registry:
         )
 
 
+def open_registry(path: Path | None, field: str = "--registry") -> Registry:
+    """The registry a command names with `--registry PATH` (which must exist), else the default one."""
+    if path is not None:
+        try:
+            found = path.is_file()
+        except (OSError, ValueError) as error:
+            raise InputError(f"not a usable path ({getattr(error, 'strerror', None) or error})", file=path, field=field) from None
+        if not found:
+            raise InputError("no registry database at this path", file=path, field=field)
+    return Registry(path)
+
+
 def _check_alias_name(alias: str) -> None:
     # ASCII only: str.isalnum() accepts every script, and a Cyrillic 'о' in 'prоd' would stand beside 'prod'.
     if not alias or alias.isdigit() or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in alias):

@@ -1,0 +1,260 @@
+"""The files a deployment of one served spec needs, all derived from the version's own evidence:
+
+- serve.sh: the vLLM command with the measured arguments (pipelines/deploy/spec.py says where each came from);
+- prometheus.yml: a scrape config for the server (its job named after the model) that loads the alert rules;
+- alert-rules.yml: one rule per watched figure, its threshold the same limit `quantize watch` holds the version to
+  (pipelines/watch/verdict.py: the tighter of the policy's production SLO and the load test's own figure x tolerance),
+  over the same window, plus the target being down;
+- grafana-dashboard.json: a dashboard of the same figures, each panel with its limit as a threshold line;
+- spec.json: the served spec, the limits and where each came from.
+
+Both Prometheus files are checked by Prometheus' own `promtool check config` in the tests (Debian's prometheus package).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines.deploy.spec import ServedSpec
+from pipelines.errors import InputError
+from pipelines.files.atomic import atomic_dir, folder_mode
+from pipelines.schema import FrozenModel
+from pipelines.serve.serving import VLLM_SERVER_MODULE
+from pipelines.watch.series import API_HANDLER_PREFIX
+from pipelines.watch.verdict import FigureLimit, limits
+
+SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, DASHBOARD, SPEC_FILE = (
+    "serve.sh", "prometheus.yml", "alert-rules.yml", "grafana-dashboard.json", "spec.json")
+DEPLOY_FILES = (SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, DASHBOARD, SPEC_FILE)
+WRITTEN_BY = "quantize deploy"
+
+
+class DeploySettings(FrozenModel):
+    """How the deployment is reached and watched (not measured: the operator's choice)."""
+
+    metrics_target: str = "localhost:8000"  # HOST:PORT Prometheus scrapes (its `instance` label; `quantize watch --url` names it)
+    port: int = 8000
+    scrape_interval_s: int = 15
+    window_s: int = 300
+    alert_for_s: int = 60
+
+
+def job_name(spec: ServedSpec) -> str:
+    return f"quantgate-{spec.model}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(seconds)}s"
+
+
+def _selector(spec: ServedSpec, extra: str = "") -> str:
+    return "{" + f'job="{job_name(spec)}"' + (f",{extra}" if extra else "") + "}"
+
+
+def error_rates(spec: ServedSpec, window_s: int) -> tuple[str, str]:
+    """PromQL of the engine's and the HTTP layer's error rates over one window; the error rate is the larger
+    (pipelines/watch/figures.py)."""
+    w, sel = _duration(window_s), _selector(spec)
+    api = f'handler=~"{API_HANDLER_PREFIX}.*"'
+    failed, server_error, not_client_error = 'finished_reason=~"error|abort"', f'{api},status="5xx"', f'{api},status!="4xx"'
+    engine = (f"sum(increase(vllm:request_success_total{_selector(spec, failed)}[{w}]))"
+              f" / sum(increase(vllm:request_success_total{sel}[{w}]))")
+    http = (f"sum(increase(http_requests_total{_selector(spec, server_error)}[{w}]))"
+            f" / sum(increase(http_requests_total{_selector(spec, not_client_error)}[{w}]))")
+    return engine, http
+
+
+def figure_queries(spec: ServedSpec, window_s: int) -> dict[str, str]:
+    """PromQL for each watched figure but the error rate (error_rates) over one window, as `quantize watch` computes it."""
+    w, sel = _duration(window_s), _selector(spec)
+
+    def quantile(q: float, base: str) -> str:
+        return f"histogram_quantile({q}, sum by (le) (rate({base}_bucket{sel}[{w}])))"
+
+    return {
+        "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
+        "itl_p95_s": quantile(0.95, "vllm:inter_token_latency_seconds"),
+        "kv_cache_usage": f"max(max_over_time(vllm:kv_cache_usage_perc{sel}[{w}]))",
+        "preemptions": f"sum(increase(vllm:num_preemptions_total{sel}[{w}]))",
+        "waiting_p95": f"max(quantile_over_time(0.95, vllm:num_requests_waiting{sel}[{w}]))",
+        "memory_bytes": f"max(max_over_time(process_resident_memory_bytes{sel}[{w}]))",
+    }
+
+
+_ALERT_NAMES = {
+    "ttft_p95_s": ("TtftP95", "p95 time to first token"), "itl_p95_s": ("ItlP95", "p95 inter-token latency"),
+    "error_rate": ("ErrorRate", "error rate"), "kv_cache_usage": ("KvCacheUsage", "peak KV cache usage"),
+    "preemptions": ("Preemptions", "preemptions"), "waiting_p95": ("QueueLength", "p95 of waiting requests"),
+    "memory_bytes": ("Memory", "API server memory"),
+}
+
+
+def alert_rules(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
+    envelope = spec.require_envelope()
+    queries = figure_queries(spec, settings.window_s)
+    labels = {"model": spec.model, "version": str(spec.version), "served_name": spec.served_name}
+    rules: list[dict[str, Any]] = []
+    for limit in limits(envelope):
+        name, words = _ALERT_NAMES[limit.figure]
+        if limit.figure == "error_rate":  # the larger of two rates: either over the limit
+            expr = " or ".join(f"({rate}) > {limit.limit:g}" for rate in error_rates(spec, settings.window_s))
+        else:
+            expr = f"{queries[limit.figure]} > {limit.limit:g}"
+        rules.append({
+            "alert": f"Vllm{name}OutsideEnvelope", "expr": expr, "for": _duration(settings.alert_for_s),
+            "labels": {**labels, "severity": "page", "figure": limit.figure},
+            "annotations": {
+                "summary": f"{spec.model} v{spec.version}: {words} over {limit.limit:g} in the last {_duration(settings.window_s)}",
+                "description": f"limit: {limit.source}",
+            },
+        })
+    rules.append({
+        "alert": "VllmTargetDown", "expr": f'up{{job="{job_name(spec)}"}} == 0', "for": "1m",
+        "labels": {**labels, "severity": "page", "figure": "up"},
+        "annotations": {"summary": f"{spec.model} v{spec.version}: Prometheus cannot scrape the vLLM server", "description": "up == 0"},
+    })
+    return {"groups": [{"name": f"quantgate-{spec.model}-v{spec.version}", "interval": _duration(settings.scrape_interval_s),
+                        "rules": rules}]}
+
+
+def prometheus_config(spec: ServedSpec, settings: DeploySettings, rules_file: str = ALERT_RULES) -> dict[str, Any]:
+    interval = _duration(settings.scrape_interval_s)
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [rules_file],
+        "scrape_configs": [{
+            "job_name": job_name(spec), "metrics_path": "/metrics", "scrape_interval": interval,
+            "static_configs": [{"targets": [settings.metrics_target],
+                                "labels": {"model": spec.model, "served_name": spec.served_name,
+                                           **({"alias": spec.alias} if spec.alias else {})}}],
+        }],
+    }
+
+
+def serve_script(spec: ServedSpec, settings: DeploySettings) -> str:
+    environment = "".join(f"export {key}={shlex.quote(value)}\n" for key, value in spec.args.environment().items())
+    arguments = " \\\n  ".join(
+        [f"--model {shlex.quote(str(spec.folder))}", f"--served-model-name {shlex.quote(spec.served_name)}",
+         '--host "${VLLM_HOST:-0.0.0.0}"', f'--port "${{VLLM_PORT:-{settings.port}}}"', " ".join(spec.args.cli_args())])
+    sources = "".join(f"#   {key}: {value}\n" for key, value in spec.args.sources.items())
+    notes = "".join(f"# note: {note}\n" for note in spec.notes)
+    return (
+        "#!/bin/sh\n"
+        f"# {spec.model} v{spec.version} ({spec.reference}), served as {spec.served_name!r}: written by `{WRITTEN_BY}` from the version's\n"
+        f"# verified {'signed bundle' if spec.signed else 'artifact'}. Where each argument came from:\n{sources}{notes}"
+        "# vLLM reads its API key from VLLM_API_KEY (set it in the environment, never on a command line). Its statistics stay on\n"
+        "# (no --disable-log-stats): the alert rules and `quantize watch` read its /metrics.\n"
+        "set -eu\n"
+        f"{environment}"
+        f'exec "${{VLLM_PYTHON:-python3}}" -m {VLLM_SERVER_MODULE} \\\n  {arguments}\n'
+    )
+
+
+def dashboard(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
+    """A Grafana dashboard (schema 39) of the watched figures, each limit a red threshold."""
+    found = {limit.figure: limit for limit in limits(spec.require_envelope())}
+    queries = figure_queries(spec, settings.window_s)
+    sel, w = _selector(spec), _duration(settings.window_s)
+    panels = [
+        _panel("TTFT p50 / p95 / p99 (s)", "s", [f"histogram_quantile({q}, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{sel}[{w}])))"
+                                                 for q in (0.5, 0.95, 0.99)], found.get("ttft_p95_s")),
+        _panel("ITL p95 (s)", "s", [queries["itl_p95_s"]], found.get("itl_p95_s")),
+        _panel("End-to-end latency p95 (s)", "s",
+               [f"histogram_quantile(0.95, sum by (le) (rate(vllm:e2e_request_latency_seconds_bucket{sel}[{w}])))"], None),
+        _panel("Generation tokens / s", "short", [f"sum(rate(vllm:generation_tokens_total{sel}[{w}]))"], None),
+        _panel("Requests / s by finish reason", "reqps", [f"sum by (finished_reason) (rate(vllm:request_success_total{sel}[{w}]))"], None),
+        _panel("Error rate: engine (error, abort) and HTTP (5xx)", "percentunit", list(error_rates(spec, settings.window_s)),
+               found.get("error_rate")),
+        _panel("KV cache usage", "percentunit", [f"sum(vllm:kv_cache_usage_perc{sel})"], found.get("kv_cache_usage")),
+        _panel("Preemptions per window", "short", [queries["preemptions"]], found.get("preemptions")),
+        _panel("Running / waiting requests", "short", [f"sum(vllm:num_requests_running{sel})", f"sum(vllm:num_requests_waiting{sel})"],
+               found.get("waiting_p95")),
+        _panel("Batch size (tokens per step) p50 / p95", "short",
+               [f"histogram_quantile({q}, sum by (le) (rate(vllm:iteration_tokens_total_bucket{sel}[{w}])))" for q in (0.5, 0.95)], None),
+        _panel("Prefix cache hit rate", "percentunit",
+               [f"sum(rate(vllm:prefix_cache_hits_total{sel}[{w}])) / sum(rate(vllm:prefix_cache_queries_total{sel}[{w}]))"], None),
+        _panel("API server memory (RSS)", "bytes", [f"sum(process_resident_memory_bytes{sel})"], found.get("memory_bytes")),
+    ]
+    for index, panel in enumerate(panels):
+        panel.update(id=index + 1, gridPos={"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)})
+    return {
+        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "pluginId": "prometheus"}],
+        "title": f"vLLM {spec.served_name}: {spec.model} v{spec.version} against its envelope", "uid": f"quantgate-{spec.model}"[:40],
+        "schemaVersion": 39, "version": 1, "editable": True, "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
+        "tags": ["quantgate", "vllm"], "panels": panels,
+    }
+
+
+def _panel(title: str, unit: str, expressions: list[str], limit: FigureLimit | None) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    if limit is not None:
+        steps.append({"color": "red", "value": limit.limit})
+    return {
+        "type": "timeseries", "title": title, "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"},
+        "description": f"limit: {limit.source}" if limit is not None else "",
+        "targets": [{"expr": expr, "refId": chr(ord("A") + i), "datasource": {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}}
+                    for i, expr in enumerate(expressions)],
+        "fieldConfig": {"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps},
+                                     "custom": {"thresholdsStyle": {"mode": "line" if limit is not None else "off"}}},
+                        "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+    }
+
+
+def dashboard_expressions(document: dict[str, Any]) -> list[str]:
+    """Every PromQL expression of a dashboard (the tests have Prometheus parse each one)."""
+    return [target["expr"] for panel in document.get("panels", []) for target in panel.get("targets", [])]
+
+
+def spec_document(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
+    envelope = spec.require_envelope()
+    return {
+        "written_by": WRITTEN_BY, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "spec": spec.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
+        "limits": [limit.model_dump(mode="json") for limit in limits(envelope)],
+    }
+
+
+def render_files(spec: ServedSpec, settings: DeploySettings) -> dict[str, str]:
+    """File name -> content of every deployment file."""
+    return {
+        SERVE_SCRIPT: serve_script(spec, settings),
+        PROMETHEUS_CONFIG: yaml.safe_dump(prometheus_config(spec, settings), sort_keys=False, width=1000),
+        ALERT_RULES: yaml.safe_dump(alert_rules(spec, settings), sort_keys=False, width=1000),
+        DASHBOARD: json.dumps(dashboard(spec, settings), indent=2) + "\n",
+        SPEC_FILE: json.dumps(spec_document(spec, settings), indent=2) + "\n",
+    }
+
+
+def is_deploy_folder(folder: Path) -> bool:
+    """Whether `folder` holds only what an earlier `quantize deploy` wrote (then it may be replaced)."""
+    names = {path.name for path in folder.iterdir()}
+    if not names:
+        return True
+    if not names <= set(DEPLOY_FILES) or SPEC_FILE not in names:
+        return False
+    try:
+        return json.loads((folder / SPEC_FILE).read_text()[:10_000_000]).get("written_by") == WRITTEN_BY
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def write_deployment(spec: ServedSpec, settings: DeploySettings, out: Path) -> dict[str, Path]:
+    """Every deployment file in `out`, all at once (a folder written aside and renamed into place). An existing `out` is
+    replaced only when it is empty or holds an earlier deployment's files, never a folder of anything else."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError("not a folder", file=out, field="--out")
+    if out.is_dir() and not is_deploy_folder(out):
+        raise InputError(f"holds files `{WRITTEN_BY}` did not write; give an empty or new folder", file=out, field="--out")
+    contents = render_files(spec, settings)
+    with atomic_dir(out) as staging:
+        for name, text in contents.items():
+            (staging / name).write_text(text)
+        (staging / SERVE_SCRIPT).chmod(folder_mode())  # executable, as the umask lets a new folder be
+    return {name: out / name for name in contents}

@@ -1,0 +1,107 @@
+"""`quantize deploy NAME@ALIAS --out DIR`: the files of a promoted, verified version, checked by Prometheus' own promtool.
+
+The version is the product's own promotion with vLLM, lm-eval and vLLM bench serve faked (tests/unit/test_loadtest_runner.py);
+promtool is Debian's (scripts/setup_system.sh installs it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from test_loadtest_runner import gate, servers, tool  # noqa: F401 (fixtures)
+
+from pipelines.cli import main
+from pipelines.deploy.files import dashboard_expressions
+from pipelines.registry.store import Registry
+
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def promoted(workspace, *, loadtest: bool = True) -> int:
+    assert gate(workspace, loadtest=loadtest).verdict == "promoted"
+    registry = Registry(workspace.registry)
+    version = registry.list("demo-llama")[-1].version
+    registry.set_alias("demo-llama", "production", version)
+    return version
+
+
+def deploy(workspace, out: Path, *extra: str) -> int:
+    return main(["deploy", "demo-llama@production", "--out", str(out), "--registry", str(workspace.registry), *extra])
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_deploy_writes_files_promtool_accepts_with_limits_from_the_load_test(tool, servers, workspace, tmp_path, capsys):
+    version = promoted(workspace)
+    out = tmp_path / "deploy"
+    assert deploy(workspace, out, "--json", "--window", "2m", "--alert-for", "0s", "--metrics-target", "127.0.0.1:9000") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == ["alert-rules.yml", "grafana-dashboard.json", "prometheus.yml", "serve.sh", "spec.json"]
+    checked = promtool("check", "config", str(out / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS" in checked.stdout and "alert-rules.yml" in checked.stdout
+    rules = yaml.safe_load((out / "alert-rules.yml").read_text())["groups"][0]["rules"]
+    by_figure = {rule["labels"]["figure"]: rule for rule in rules}
+    assert set(by_figure) == {"ttft_p95_s", "itl_p95_s", "error_rate", "kv_cache_usage", "preemptions", "waiting_p95", "memory_bytes", "up"}
+    candidate = Registry(workspace.registry).show("demo-llama", version).gate.performance.figures("candidate")
+    ttft = candidate.at(16).ttft_ms.p95
+    assert by_figure["ttft_p95_s"]["expr"].endswith(f"> {min(2.0, ttft * 1.5 / 1000):g}")
+    assert "[120s]" in by_figure["ttft_p95_s"]["expr"] and by_figure["preemptions"]["for"] == "0s"
+    assert by_figure["waiting_p95"]["expr"].endswith("> 16") and "measured max_num_seqs" in by_figure["waiting_p95"]["annotations"]["description"]
+    assert by_figure["memory_bytes"]["expr"].endswith(f"> {float(int(candidate.peak_memory_bytes * 1.5)):g}")
+    script = (out / "serve.sh").read_text()
+    assert "export VLLM_CPU_KVCACHE_SPACE=1" in script and "--max-num-seqs 16" in script and "--max-model-len 512" in script
+    assert f"/promoted/demo-llama/v{version}" in script and "--served-model-name demo-llama" in script
+    assert "--disable-log-stats" not in script.split("exec ")[1]
+    assert (out / "serve.sh").stat().st_mode & 0o100
+    syntax = subprocess.run(["sh", "-n", str(out / "serve.sh")], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    config = yaml.safe_load((out / "prometheus.yml").read_text())
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9000"]
+    assert result["vllm_args"][result["vllm_args"].index("--max-num-seqs") + 1] == "16"
+
+
+def test_every_dashboard_expression_is_promql_prometheus_parses(tool, servers, workspace, tmp_path):
+    promoted(workspace)
+    out = tmp_path / "deploy"
+    assert deploy(workspace, out) == 0
+    expressions = dashboard_expressions(json.loads((out / "grafana-dashboard.json").read_text()))
+    assert len(expressions) >= 12
+    recording = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:expr{i}", "expr": e} for i, e in enumerate(expressions)]}]}
+    (tmp_path / "dashboard-rules.yml").write_text(yaml.safe_dump(recording))
+    checked = promtool("check", "rules", str(tmp_path / "dashboard-rules.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_version_without_a_load_test_is_named_and_refused(tool, servers, workspace, tmp_path, capsys):
+    promoted(workspace, loadtest=False)
+    capsys.readouterr()
+    assert deploy(workspace, tmp_path / "deploy") == 2
+    line = capsys.readouterr().err.strip()
+    assert "promoted without a load test" in line and line.count("\n") == 0
+    assert not (tmp_path / "deploy").exists()
+
+
+def test_a_folder_of_other_files_is_never_replaced(tool, servers, workspace, tmp_path, capsys):
+    promoted(workspace)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    assert deploy(workspace, out) == 2
+    assert "did not write" in capsys.readouterr().err and (out / "notes.txt").read_text() == "keep me"
+    again = tmp_path / "deploy"
+    assert deploy(workspace, again) == 0 and deploy(workspace, again) == 0, "an earlier deployment's folder is replaced"
+
+
+@pytest.mark.parametrize("option", [["--window", "0"], ["--window", "nan"], ["--window", "1e999"], ["--scrape-interval", "-5s"],
+                                    ["--port", "70000"]])
+def test_hostile_options_are_one_line_exit_2(tool, servers, workspace, tmp_path, capsys, option):
+    assert deploy(workspace, tmp_path / "deploy", *option) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "deploy").exists()
