@@ -17,7 +17,7 @@ from typing import Literal
 import httpx
 
 from pipelines.fleet.state import Event, RouteState, ServeState, supervisor_alive
-from pipelines.fleet.traffic import MAX_READ, Request, RouteTraffic, parse_access_line, recent
+from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import LOOPBACK
 
@@ -86,7 +86,7 @@ def recent_requests(access_log: Path, sentinel_port: int, now: float) -> list[Re
     except OSError:
         return []
     parsed = [parse_access_line(line, sentinel_port) for line in lines]
-    return recent([request for request in parsed if request is not None and request.uri != "/health"], RECENT_S, now)
+    return recent([request for request in parsed if request is not None and request.uri not in NOT_TRAFFIC], RECENT_S, now)
 
 
 def _clock(at: float) -> str:

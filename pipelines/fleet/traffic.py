@@ -27,6 +27,7 @@ from pydantic import Field
 from pipelines.schema import StrictModel
 
 MAX_LINE = 16 * 1024
+NOT_TRAFFIC = ("/health", "/metrics")  # the proxy's own probes and series: not requests of the deployment's clients
 MAX_READ = 8 * 1024 * 1024
 _DISABLED = re.compile(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) \[warn\] .*upstream server temporarily disabled.*upstream: \"http://[^:/\"]+:(\d+)/")
 _WHY = {
@@ -180,7 +181,7 @@ class TrafficCounter:
         events: list[tuple[float, Opening | Request]] = []
         events += [(opening.at, opening) for opening in filter(None, map(parse_error_line, error_lines)) if opening.port in ports]
         requests = filter(None, (parse_access_line(line, self.sentinel_port) for line in access_lines))
-        events += [(request.started, request) for request in requests if request.uri != "/health"]
+        events += [(request.started, request) for request in requests if request.uri not in NOT_TRAFFIC]
         for _, event in sorted(events, key=lambda pair: pair[0]):
             if isinstance(event, Opening):
                 self._open(ports[event.port], event.at)

@@ -134,6 +134,8 @@ def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
             os.killpg(group, signal.SIGSTOP)  # a hang: connections are accepted, nothing answers
             seen["during hang"] = [ask(port, key)[1] for _ in range(3)]
             seen["status"] = status_report(read_state(folder))
+            wait_until(lambda: 'quantgate_deployment_degraded{deployment="unit"} 1.0' in metrics(port))
+            seen["metrics"] = metrics(port)
             os.killpg(group, signal.SIGCONT)
             wait_until(lambda: ask(port, key)[1] == "primary")
             time.sleep(1.0)  # the supervisor folds the logs
@@ -154,6 +156,8 @@ def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
     assert seen["during hang"][-1] == "fallback-1"
     status = seen["status"]
     assert status.degraded and status.live_route == "fallback-1" and "primary" in status.why
+    assert 'quantgate_route_live{deployment="unit",route="fallback-1"} 1.0' in seen["metrics"]
+    assert 'quantgate_route_breaker_open{deployment="unit",route="primary"} 1.0' in seen["metrics"]
     traffic = final.traffic
     assert traffic is not None and traffic.failed == {} and traffic.refused == {"HTTP 401": 1} and traffic.answered == traffic.requests - 1
     kinds = [(event.route, event.kind) for event in traffic.breaker]
@@ -162,6 +166,10 @@ def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
     for group in seen["groups"]:
         assert group_members(group) == []
     assert not httpx_reachable(port)
+
+
+def metrics(port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
 
 
 def httpx_reachable(port: int) -> bool:
