@@ -11,6 +11,7 @@
     rules:
       timeout_headroom: 3.0            # derived timeout = headroom x the version's load-test p99 (gate.json performance)
       min_timeout_s: 2
+      last_route_timeout_s: 120          # the last route has nothing to fall back to: a slow answer beats none
       overload: {max_queue: 8, on_http_503: true}
       server_death: {restart: true, max_restarts: 3, hung_after_s: null}
     circuit_breaker: {failures_to_open: 3, retry_after_s: 10}
@@ -125,6 +126,7 @@ class ServerDeath(FrozenModel):
 class Rules(FrozenModel):
     timeout_headroom: float = Field(default=3.0, ge=1, le=1000, allow_inf_nan=False, description="x the load test's p99")
     min_timeout_s: Seconds = 2.0
+    last_route_timeout_s: Seconds = Field(default=120.0, description="the last route has nothing to fall back to: it waits at least this")
     connect_timeout_s: Seconds = Field(default=2.0, description="a loopback connect either succeeds at once or is refused")
     overload: Overload = Overload()
     server_death: ServerDeath = ServerDeath()

@@ -14,7 +14,8 @@ For each route, in order:
    the max_model_len and KV space its servers ran with, this host's dtype), with the route's own overrides; a 16-bit
    route gets the same arguments. Its timeout is the file's, or `timeout_headroom` x the load test's end-to-end p99 at
    the measured max_num_seqs (TTFT p99 + TPOT p99 x (longest answer - 1)): the version's own figures, the 16-bit
-   model's (the load test's baseline) for a base route; never below `min_timeout_s`.
+   model's (the load test's baseline) for a base route; never below `min_timeout_s`, and for the last route, which has
+   nothing to fall back to, never below `last_route_timeout_s`.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
         model_dir = _verified_base(version, source, field)
         verified += f"; 16-bit folder hash = the signed source_hash {version.source_hash[:12]}"
         latency = latency_of(version.gate, spec, "baseline")
-    timeout_s, basis = route_timeout(route, latency, deployment, source=source, field=field)
+    timeout_s, basis = route_timeout(route, latency, deployment, source=source, field=field, last=index == len(deployment.routes) - 1)
     return ResolvedRoute(
         index=index, field=field, label=label(index), kind=kind, ref=str(route.ref), model=version.model, version=version.version,
         model_dir=model_dir, identity=_identity(route, version), verified=verified, serve=served_settings(spec, route),
@@ -182,8 +183,10 @@ def _only(performance: PerformanceReport, role: Literal["candidate", "baseline"]
     return performance.model_copy(update={"models": [figures]}) if figures is not None else None
 
 
-def route_timeout(route: Route, latency: Latency | None, deployment: Deployment, *, source: Path | str, field: str) -> tuple[float, str]:
-    """The route's timeout and why: the file's, else headroom x the load test's e2e p99 (at least min_timeout_s)."""
+def route_timeout(route: Route, latency: Latency | None, deployment: Deployment, *, source: Path | str, field: str,
+                  last: bool = False) -> tuple[float, str]:
+    """The route's timeout and why: the file's, else headroom x the load test's e2e p99 (at least min_timeout_s); the last
+    route has nothing to fall back to, so it waits at least last_route_timeout_s (a slow answer beats none)."""
     rules = deployment.rules
     if route.timeout_s is not None:
         return route.timeout_s, "set in the deployment file"
@@ -193,6 +196,8 @@ def route_timeout(route: Route, latency: Latency | None, deployment: Deployment,
     derived = rules.timeout_headroom * latency.e2e_p99_ms / 1000
     basis = (f"{rules.timeout_headroom:g} x e2e p99 {latency.e2e_p99_ms:.0f} ms (TTFT p99 {latency.ttft_p99_ms:.0f} ms + TPOT p99 "
              f"{latency.tpot_p99_ms:.1f} ms x {latency.longest_answer_tokens - 1}, load test at concurrency {latency.concurrency})")
+    if last and derived < rules.last_route_timeout_s:
+        return rules.last_route_timeout_s, f"last_route_timeout_s: the last route has nothing to fall back to (derived {derived:.2f} s: {basis})"
     if derived < rules.min_timeout_s:
         return rules.min_timeout_s, f"min_timeout_s (derived {derived:.2f} s: {basis})"
     return round(derived, 3), basis
