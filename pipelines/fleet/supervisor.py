@@ -102,12 +102,23 @@ def _dry_check(deployment: Deployment, routes: list[ResolvedRoute], binary: Path
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port (bound as nginx binds: SO_REUSEADDR, so connections of a previous run in TIME_WAIT do
+    not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
             return False
         return True
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def max_conns(deployment: Deployment, route: ResolvedRoute) -> int:
@@ -273,7 +284,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise ServeError(f"nginx exited at start (exit code {process.returncode}); see {self.layout.error_log}", file=self.layout.error_log)
-            if not port_free(self.layout.listen_host, self.layout.listen_port):
+            if listening(self.layout.listen_host, self.layout.listen_port):
                 return
             time.sleep(0.1)
         raise ServeError(f"nginx did not listen on port {self.layout.listen_port} within {PROXY_START_TIMEOUT_S:.0f} s", file=self.layout.error_log)
