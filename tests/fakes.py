@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
 from pipelines.gate.verdict import FitCheck, GateReport, PairedItem, SetComparison, decide
 from pipelines.jobs import job as job_module
 from pipelines.recipe import LoadedRecipe
-from pipelines.registry.store import EvalSetRef, NewVersion
+from pipelines.registry.store import EvalSetRef, NewVersion, Registry, Version
 from pipelines.runs import runner
 from pipelines.runs.runner import RunOutcome
 from pipelines.serve.serving import ServeSettings
@@ -298,3 +299,15 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeRunner) -> FakeRunner:
     """The job runs `fake` instead of quantize_and_gate."""
     monkeypatch.setattr(job_module, "quantize_and_gate", fake)
     return fake
+
+
+def promoted(cli, workspace: SimpleNamespace, model: str = "demo-llama") -> Version:
+    """One more promoted version of the workspace's artifact: each gate run is new evidence, hence a new version,
+    unless it ran in the same second as the last one (gate.json's created_at has seconds): then it runs again."""
+    before = len(Registry(workspace.registry).list()) if workspace.registry.exists() else 0
+    while True:
+        assert cli() == 0
+        versions = Registry(workspace.registry).list(model)
+        if len(versions) > before:
+            return versions[-1]
+        time.sleep(0.2)

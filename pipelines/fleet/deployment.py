@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from pipelines.bounds import MAX_CONTEXT
 from pipelines.errors import InputError
@@ -48,6 +48,23 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _IMAGE = re.compile(r"[a-z0-9][a-z0-9._/:@-]{0,254}", re.IGNORECASE)
 
 Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+
+
+def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
+    """A string field that must match `pattern` whole; else one line saying what it must be."""
+
+    def check(value: str) -> str:
+        if not pattern.fullmatch(value):
+            raise ValueError(f"must be {what} (got {value!r})")
+        return value
+
+    return AfterValidator(check)
+
+
+DnsLabel = Annotated[str, _matching(_DNS_LABEL, "a DNS label: lower-case letters, digits and '-', at most 40 characters")]
+ModelName = Annotated[str, _matching(_MODEL_NAME, "letters, digits, '.', '_' or '-', at most 128 characters")]
+Image = Annotated[str, _matching(_IMAGE, "a container image reference")]
+ObjectName = Annotated[str, _matching(_DNS_SUBDOMAIN, "a Kubernetes object name (lower-case letters, digits, '-' and '.')")]
 
 
 class VersionRef(FrozenModel):
@@ -162,31 +179,20 @@ class Kubernetes(FrozenModel):
 
     target: Literal["cpu", "gpu"] = Field(default="cpu", description="cpu: vLLM's CPU image, KV space from kv_cache_gib; "
                                                                      "gpu: one nvidia.com/gpu per route")
-    vllm_image: str | None = Field(default=None, description="default: vLLM 0.32's image for the target")
-    proxy_image: str = "nginx:1.27"
+    vllm_image: Image | None = Field(default=None, description="default: vLLM 0.32's image for the target")
+    proxy_image: Image = "nginx:1.27"
     proxy_replicas: int = Field(default=2, ge=1, le=100, description="more than one: the proxy is no single point of failure either")
-    models_claim: str = Field(default="quantgate-models", description="the PersistentVolumeClaim holding promoted/<model>/v<N> and base/<model>")
+    models_claim: ObjectName = Field(default="quantgate-models", description="the PersistentVolumeClaim holding promoted/<model>/v<N> and "
+                                                                              "base/<model>")
     cpus: int = Field(default=4, ge=1, le=1024, description="CPU request of each vLLM pod")
     dtype: str = Field(default="auto", pattern=r"^(auto|bfloat16|float16|half|float32|float)$")
 
-    @field_validator("vllm_image", "proxy_image")
-    @classmethod
-    def _image(cls, value: str | None) -> str | None:
-        if value is not None and not _IMAGE.fullmatch(value):
-            raise ValueError(f"not a container image reference (got {value!r})")
-        return value
 
-    @field_validator("models_claim")
-    @classmethod
-    def _claim(cls, value: str) -> str:
-        if not _DNS_SUBDOMAIN.fullmatch(value):
-            raise ValueError(f"must be a Kubernetes object name (lower-case letters, digits, '-' and '.') (got {value!r})")
-        return value
 
 
 class Deployment(FrozenModel):
-    name: str = Field(description="a DNS label: lower-case letters, digits and '-', at most 40 characters")
-    served_model_name: str | None = None
+    name: DnsLabel = Field(description="the run folder's and the Kubernetes objects' name")
+    served_model_name: ModelName | None = None
     primary: Route
     fallbacks: list[Route] = Field(default_factory=list, max_length=MAX_ROUTES - 1)
     rules: Rules = Rules()
@@ -194,19 +200,7 @@ class Deployment(FrozenModel):
     listen: Listen = Listen()
     kubernetes: Kubernetes = Kubernetes()
 
-    @field_validator("name")
-    @classmethod
-    def _dns_label(cls, value: str) -> str:
-        if not _DNS_LABEL.fullmatch(value):
-            raise ValueError(f"must be a DNS label: lower-case letters, digits and '-', at most 40 characters (got {value!r})")
-        return value
 
-    @field_validator("served_model_name")
-    @classmethod
-    def _served_name(cls, value: str | None) -> str | None:
-        if value is not None and not _MODEL_NAME.fullmatch(value):
-            raise ValueError(f"must be letters, digits, '.', '_' or '-', at most 128 characters (got {value!r})")
-        return value
 
     @property
     def routes(self) -> list[Route]:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from fakes import promoted as promote_once
 
 from pipelines.cli import main
 from pipelines.errors import InputError
@@ -28,7 +29,7 @@ from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.traffic import TrafficCounter, parse_access_line
 from pipelines.loadtest.results import PerformanceReport
 from pipelines.registry.signing import CERT_ENV, CHAIN_ENV, KEY_ENV, TRUSTED_ENV
-from pipelines.registry.store import Registry, Version
+from pipelines.registry.store import Registry
 from pipelines.runs import runner
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "fleet" / "w8a8-avx2-performance.json"
@@ -54,17 +55,7 @@ def measured(monkeypatch: pytest.MonkeyPatch) -> PerformanceReport:
 @pytest.fixture
 def promoted(cli, workspace: SimpleNamespace, measured: PerformanceReport):
     """promoted(): one more promoted, signed version of the workspace's artifact (a new gate run is new evidence)."""
-
-    def make() -> Version:
-        before = len(Registry(workspace.registry).list()) if workspace.registry.exists() else 0
-        while True:
-            assert cli() == 0
-            versions = Registry(workspace.registry).list(MODEL)
-            if len(versions) > before:
-                return versions[-1]
-            time.sleep(0.2)  # gate.json's created_at has whole seconds: the same second is the same evidence
-
-    return make
+    return lambda: promote_once(cli, workspace)
 
 
 def write_deployment(folder: Path, body: dict) -> Path:
