@@ -21,8 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pipelines.cli import main
 from pipelines.fleet import supervisor as supervisor_module
 from pipelines.fleet.deployment import Deployment
+from pipelines.fleet.drill import DrillSettings, run_drill
 from pipelines.fleet.fit import FitReport
 from pipelines.fleet.routes import ResolvedRoute
 from pipelines.fleet.state import read_state, run_dir
@@ -178,3 +180,30 @@ def httpx_reachable(port: int) -> bool:
     except httpx.HTTPError:
         return False
     return True
+
+
+def test_the_drill_counts_every_request_through_a_crash_and_a_hang(prepared: Prepared, capsys: pytest.CaptureFixture) -> None:
+    folder = run_dir("unit")
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=drive, daemon=True).start()
+    Supervisor(prepared).run()
+    assert "error" not in seen, seen.get("error")
+    report = seen["report"]
+    crash, hang = report.faults
+    assert report.sent - report.answered <= crash.in_flight
+    assert report.answered_by["primary"] > 0 and report.answered_by["fallback-1"] > 0
+    assert crash.recovered_at and hang.recovered_at and report.restarts == 1
+    kinds = [(event.route, event.kind) for event in report.breaker]
+    assert ("primary", "opened") in kinds and kinds[-1] == ("primary", "closed")
+    assert main(["serve", "status", "unit"]) == 0
+    assert "unit: stopped; live route: none (not running" in capsys.readouterr().out
