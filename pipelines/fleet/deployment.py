@@ -13,7 +13,7 @@
       min_timeout_s: 2
       last_route_timeout_s: 120          # the last route has nothing to fall back to: a slow answer beats none
       overload: {max_queue: 8, on_http_503: true}
-      server_death: {restart: true, max_restarts: 3, hung_after_s: null}
+      server_death: {restart: true, max_restarts: 3, hung_after_s: 60}
     circuit_breaker: {failures_to_open: 3, retry_after_s: 10}
     listen: {host: 127.0.0.1, port: 8080}
 
@@ -137,7 +137,8 @@ class Overload(FrozenModel):
 class ServerDeath(FrozenModel):
     restart: bool = Field(default=True, description="start a route's server again when it dies (on a new port; nginx reloaded)")
     max_restarts: int = Field(default=3, ge=0, le=100, description="per route, over the deployment's life")
-    hung_after_s: Seconds | None = Field(default=None, description="restart a server that answers no /health for this long (null: never)")
+    hung_after_s: Seconds | None = Field(default=60.0, description="restart a server that answers no /health (200) for this long: hung, or "
+                                                                   "its engine dead behind a live API server (null: never)")
 
 
 class Rules(FrozenModel):
