@@ -35,7 +35,7 @@ from pipelines.errors import InputError, ServeError
 from pipelines.files.atomic import storage_error
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
-from pipelines.fleet.metrics import write_metrics
+from pipelines.fleet.metrics import RouteSeries, write_metrics
 from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, command, find_nginx, render_config, write_config
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.state import (
@@ -184,6 +184,7 @@ class Supervisor:
         self.access = LogTail(self.layout.access_log)
         self.errors = LogTail(self.layout.error_log)
         self.silent_since: dict[int, float] = {}
+        self.route_series = RouteSeries()
         self.state = self._initial_state()
 
     # --- the run folder and its state ---------------------------------------------------------------
@@ -221,7 +222,8 @@ class Supervisor:
     def save(self) -> None:
         self.state.traffic = self.counter.traffic
         write_state(self.folder, self.state)
-        write_metrics(self.folder, self.state)
+        self.route_series.refresh(self.state)
+        write_metrics(self.folder, self.state, self.route_series)
 
     def note(self, text: str) -> None:
         self.state.note(text)

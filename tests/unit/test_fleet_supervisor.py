@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from pipelines.cli import main
+from pipelines.fleet import metrics as metrics_module
 from pipelines.fleet import supervisor as supervisor_module
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.drill import DrillSettings, run_drill
@@ -47,6 +48,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(code); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(data)))
         self.end_headers(); self.wfile.write(data)
     def do_GET(self):
+        if self.path == "/metrics":
+            data = f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="{NAME}"}} 0.0\n'.encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+            return
         self._send(200, {}) if self.path == "/health" else self._send(404, {})
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -93,6 +98,7 @@ def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Prepared:
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
     monkeypatch.setattr(supervisor_module, "vllm_server", stand_in_server)
     monkeypatch.setattr(supervisor_module, "TICK_S", 0.2)
+    monkeypatch.setattr(metrics_module, "RESCRAPE_S", 0.0)
     deployment = Deployment.model_validate({"name": "unit", "primary": "m@1", "fallbacks": ["m@2"], "listen": {"port": free_port()},
                                             "circuit_breaker": {"failures_to_open": 1, "retry_after_s": 2}})
     routes = [route(0, "primary", tmp_path / "primary-model"), route(1, "fallback-1", tmp_path / "fallback-model")]
@@ -160,6 +166,9 @@ def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
     assert status.degraded and status.live_route == "fallback-1" and "primary" in status.why
     assert 'quantgate_route_live{deployment="unit",route="fallback-1"} 1.0' in seen["metrics"]
     assert 'quantgate_route_breaker_open{deployment="unit",route="primary"} 1.0' in seen["metrics"]
+    # each route's own vLLM series, relabeled (the hung primary keeps its last page)
+    assert 'vllm:num_requests_running{deployment="unit",model_name="primary-model",route="primary"} 0.0' in seen["metrics"]
+    assert 'vllm:num_requests_running{deployment="unit",model_name="fallback-model",route="fallback-1"} 0.0' in seen["metrics"]
     traffic = final.traffic
     assert traffic is not None and traffic.failed == {} and traffic.refused == {"HTTP 401": 1} and traffic.answered == traffic.requests - 1
     kinds = [(event.route, event.kind) for event in traffic.breaker]
