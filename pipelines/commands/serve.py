@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     drill = DrillSettings()
     parser.add_argument("--requests", type=int_arg(1, MAX_REQUESTS), default=drill.requests, help="drill: the most requests sent (%(default)s)")
     parser.add_argument("--concurrency", type=int_arg(1, 64), default=drill.concurrency, help="drill: requests in flight (%(default)s)")
+    parser.add_argument("--rate", type=float_arg(0, 10_000, low_open=True), default=drill.rate, help="drill: requests per second, at most")
     parser.add_argument("--hang-s", type=float_arg(0, 600, low_open=True), default=drill.hang_s, help="drill: seconds the primary stays stopped")
     parser.add_argument("--recover-s", type=float_arg(0, MAX_DRILL_S, low_open=True), default=drill.recover_s,
                         help="drill: longest wait for the primary to answer again after each fault")
@@ -117,7 +118,7 @@ def _drill(args: argparse.Namespace) -> int:
     from pipelines.fleet.drill import run_drill
 
     folder, _ = find_state(args.target)
-    settings = DrillSettings(requests=args.requests, concurrency=args.concurrency, hang_s=args.hang_s, recover_s=args.recover_s)
+    settings = DrillSettings(requests=args.requests, concurrency=args.concurrency, rate=args.rate, hang_s=args.hang_s, recover_s=args.recover_s)
     emit(run_drill(folder, settings), as_json=args.json, render=_render_drill)
     return 0
 
@@ -196,7 +197,8 @@ def _render_export(exported) -> None:
 
 
 def _render_drill(report) -> None:
-    say(f"drill on {report.deployment} ({report.endpoint}): {report.sent} requests sent at concurrency {report.settings.concurrency} in "
+    say(f"drill on {report.deployment} ({report.endpoint}): {report.sent} requests sent at concurrency {report.settings.concurrency} (at most "
+        f"{report.settings.rate:g}/s) in "
         f"{report.ended_at - report.started_at:.0f} s; {report.answered} answered, {report.sent - report.answered} not")
     say(table("answered by", ["route", "requests"], [[route, count] for route, count in sorted(report.answered_by.items())]))
     for why, count in report.failed.items():

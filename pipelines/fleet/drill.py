@@ -43,6 +43,7 @@ class DrillSettings(StrictModel):
     requests: int = Field(default=5000, ge=1, le=MAX_REQUESTS, description="the most completions the drill sends; it stops sooner, once "
                                                                            "the route recovered from the last fault")
     concurrency: int = Field(default=2, ge=1, le=64)
+    rate: float = Field(default=10.0, gt=0, le=10_000, allow_inf_nan=False, description="requests sent per second, at most")
     max_tokens: int = Field(default=12, ge=1, le=4096)
     client_timeout_s: float = Field(default=60.0, gt=0, le=600, allow_inf_nan=False)
     warmup_s: float = Field(default=5.0, ge=0, le=600, allow_inf_nan=False, description="load before the first fault")
@@ -101,13 +102,17 @@ class Load:
         self.sent: list[Sent] = []
         self.in_flight: dict[int, float] = {}
         self.count = 0
+        self.next_at = time.monotonic()
 
     def _next(self) -> int | None:
+        """The next request's number, once the rate allows it; None when the drill is over."""
         with self.lock:
             if self.stop.is_set() or self.count >= self.settings.requests:
                 return None
             self.count += 1
-            return self.count
+            at, self.next_at = max(self.next_at, time.monotonic()), max(self.next_at, time.monotonic()) + 1 / self.settings.rate
+        time.sleep(max(0.0, at - time.monotonic()))
+        return None if self.stop.is_set() else self.count
 
     def worker(self) -> None:
         with httpx.Client(timeout=self.settings.client_timeout_s) as client:

@@ -198,7 +198,7 @@ def test_the_drill_counts_every_request_through_a_crash_and_a_hang(prepared: Pre
     def drive() -> None:
         try:
             wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
-            seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
+            seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, rate=50, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
         except BaseException as error:
             seen["error"] = error
         finally:
