@@ -27,6 +27,7 @@ from pydantic import Field
 from pipelines.schema import StrictModel
 
 MAX_LINE = 16 * 1024
+UNKNOWN_FAILURE = "failures"
 NOT_TRAFFIC = ("/health", "/metrics")  # the proxy's own probes and series: not requests of the deployment's clients
 MAX_READ = 8 * 1024 * 1024
 _DISABLED = re.compile(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) \[warn\] .*upstream server temporarily disabled.*upstream: \"http://[^:/\"]+:(\d+)/")
@@ -192,7 +193,7 @@ class TrafficCounter:
         state = self.traffic.routes[route]
         if state.breaker_open_since is None:
             state.breaker_open_since = at
-            self.traffic.breaker.append(BreakerEvent(route=state.label, kind="opened", at=at, why=state.last_failure or "failures"))
+            self.traffic.breaker.append(BreakerEvent(route=state.label, kind="opened", at=at, why=state.last_failure or UNKNOWN_FAILURE))
 
     def add(self, request: Request) -> None:
         traffic = self.traffic
@@ -226,10 +227,18 @@ class TrafficCounter:
             reason = why(hop.status) if hop.status is not None else "no answer"
             state.failed[reason] = state.failed.get(reason, 0) + 1
             state.last_failure = reason
+            self._name_opening(state.label, reason)
         elif opened is not None:
             state.skipped_breaker_open += 1
         else:
             state.skipped_at_max_conns += 1
+
+    def _name_opening(self, label: str, reason: str) -> None:
+        """A breaker can open (nginx's error log, whole seconds) before the failing request that opened it is taken in (the
+        access log, at its start): the opening gets that failure's reason once it is seen."""
+        opened = next((event for event in reversed(self.traffic.breaker) if event.route == label), None)
+        if opened is not None and opened.kind == "opened" and opened.why == UNKNOWN_FAILURE:
+            opened.why = reason
 
     def _failure(self, request: Request) -> str:
         if request.status == 499:
