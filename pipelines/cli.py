@@ -58,6 +58,7 @@ COMMANDS: dict[str, Command] = {
     "models": Command("pipelines.commands.models", "add a real pretrained model (from a GGUF) under models/, list them"),
     "loadtest": Command("pipelines.commands.loadtest", "load-test a model (and a candidate against it) with vLLM bench serve"),
     "repair": Command("pipelines.commands.repair", "repair a rejected run: move its most sensitive modules up a fallback ladder until it passes"),
+    "serve": Command("pipelines.commands.serve", "serve versions behind nginx: fallback chain, circuit breaker; status, stop, drill, export"),
     "doctor": Command("pipelines.commands.doctor", "this host's class, its vLLM build, and what each recipe and ladder rung gets here"),
     "deploy": Command("pipelines.commands.deploy", "deployment files of a promoted version: serve command, scrape config, alert rules, dashboard"),
     "watch": Command("pipelines.commands.watch", "hold a deployed vLLM server's live metrics to the envelope its version was promoted on"),

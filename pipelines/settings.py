@@ -7,6 +7,7 @@
     QUANTGATE_SERVE_TARGET   the serve target (`cpu`, `cuda:8.9`); default: the installed vLLM build's
     QUANTGATE_SERVE_FLAVOR   the vLLM build scripts/setup_env.sh installs (`cpu`, `cuda`)
     QUANTGATE_EVAL_SETS      the folder of business eval sets; default: <root>/eval_sets
+    QUANTGATE_NGINX          the nginx binary `quantize serve` runs; default: nginx on PATH or in /usr/sbin
 
 `current()` reads the environment at the moment it is called: a test or a job that sets a variable after
 the package was imported is obeyed. An empty variable counts as unset.
@@ -31,6 +32,7 @@ class Settings(BaseSettings):
     serve_target: str | None = None
     serve_flavor: str | None = None
     eval_sets: Path | None = None
+    nginx: str | None = None
 
     @property
     def artifacts_dir(self) -> Path:

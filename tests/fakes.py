@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -338,3 +339,15 @@ def answered_probe(monkeypatch: pytest.MonkeyPatch, cache: Path, profile, run_pr
         yield
     finally:
         kernels._cached.cache_clear()
+
+
+def promoted(cli, workspace: SimpleNamespace, model: str = "demo-llama") -> Version:
+    """One more promoted version of the workspace's artifact: each gate run is new evidence, hence a new version,
+    unless it ran in the same second as the last one (gate.json's created_at has seconds): then it runs again."""
+    before = len(Registry(workspace.registry).list()) if workspace.registry.exists() else 0
+    while True:
+        assert cli() == 0
+        versions = Registry(workspace.registry).list(model)
+        if len(versions) > before:
+            return versions[-1]
+        time.sleep(0.2)

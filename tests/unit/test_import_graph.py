@@ -165,6 +165,7 @@ FLOORS: list[set[str]] = [
     {"repair"},
     {"jobs"},
     {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
+    {"fleet"},
     {"commands", "cli"},
 ]
 

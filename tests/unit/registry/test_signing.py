@@ -13,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
+from fakes import promoted
 
 from pipelines.cli import main
 from pipelines.errors import InputError
@@ -41,18 +41,6 @@ TAMPERED = ["model.safetensors", f"{EVIDENCE_DIR}/gate.json", f"{EVIDENCE_DIR}/i
 def no_signing_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (KEY_ENV, CERT_ENV, CHAIN_ENV, TRUSTED_ENV):
         monkeypatch.delenv(name, raising=False)
-
-
-def promoted(cli, workspace: SimpleNamespace) -> Version:
-    """One more promoted version of the workspace's artifact: each gate run is new evidence, hence a new version,
-    unless it ran in the same second as the last one (gate.json's created_at has seconds): then it runs again."""
-    before = len(Registry(workspace.registry).list()) if workspace.registry.exists() else 0
-    while True:
-        assert cli() == 0
-        versions = Registry(workspace.registry).list(MODEL)
-        if len(versions) > before:
-            return versions[-1]
-        time.sleep(0.2)
 
 
 def bundle_of(workspace: SimpleNamespace, version: Version) -> Path:

@@ -1,0 +1,240 @@
+"""The proxy: Debian's nginx, run as a foreground process with its own prefix, config, pid and logs in the run folder.
+
+The chain is a sequence of locations, one per route, each with its own upstream and its own timeouts:
+
+    location /                -> upstream route0 { server PRIMARY max_fails=F fail_timeout=T max_conns=C; server SENTINEL backup; }
+        error_page 500 502 503 504 = @route1
+    location @route1          -> upstream route1 { server FALLBACK1 ...; server SENTINEL backup; }
+        error_page 500 502 503 504 = @route2
+    ...
+
+- The circuit breaker is nginx's passive health check: `max_fails` failures (connection refused or reset, a timeout,
+  a 5xx) within `fail_timeout` mark the server down for `fail_timeout`; then one live request tries it again.
+  nginx ignores max_fails for an upstream of one server, hence a `backup` sentinel in every upstream: a server
+  block of this nginx on loopback that answers 503 at once. A request the route cannot take (server down, breaker
+  open, max_conns reached) goes to the sentinel, whose 503 hands it to the next route's location.
+- Overload: `max_conns` = the route's max_num_seqs + the rules' max_queue (requests a route may hold at once); a 503
+  (or 429) from vLLM moves the request on too when `on_http_503`.
+- `proxy_next_upstream ... non_idempotent`: a completion is safe to send again (it changes nothing), so a POST that
+  failed before any byte of the answer reached the client is retried down the chain; once the answer has started
+  (a stream), it cannot be.
+- Timeouts per route: `proxy_read_timeout`/`proxy_send_timeout` = the route's timeout (a non-streamed answer arrives
+  whole, after generation), `proxy_connect_timeout` from the rules.
+- Authentication: every vLLM server has its own API key (pipelines/serve/serving.py); each location adds its route's
+  `Authorization` header, and clients send the deployment's own key to nginx, checked in a `map`. The file holds
+  keys: it is written 0600. `/health` needs no key (it says whether any route answers).
+- The access log is one JSON object per request: the route that answered and every upstream tried with its status
+  (pipelines/fleet/traffic.py reads it for `serve status` and the breaker's open and close times).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+
+from pydantic import Field
+
+from pipelines.errors import InputError
+from pipelines.fleet.deployment import Deployment
+from pipelines.schema import StrictModel
+from pipelines.serve.serving import LOOPBACK
+
+INSTALL_HINT = "install Debian's nginx: `apt-get install nginx` (or `make setup`, which runs scripts/setup_system.sh)"
+SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
+ROUTE_HEADER = "X-Quantgate-Route"
+FALLBACK_STATUSES = "500 502 503 504"
+MAX_BODY = "16m"  # a request body larger than this is refused by nginx (413) before any route sees it
+NGINX_TEST_TIMEOUT_S = 30.0
+LOG_FIELDS = (
+    '{"t":$msec,"id":"$request_id","route":"$qg_route","method":"$request_method","uri":"$uri","status":$status,'
+    '"upstreams":"$upstream_addr","upstream_status":"$upstream_status","upstream_time":"$upstream_response_time","time":$request_time}'
+)
+
+
+class Upstream(StrictModel):
+    """One route as the proxy sees it: where its server listens (host:port) and its key (or a ${VARIABLE} a template fills in)."""
+
+    label: str
+    address: str
+    api_key: str
+    timeout_s: float
+    max_conns: int
+
+
+class Chain(StrictModel):
+    """What goes inside nginx's `http {}` for a deployment, wherever it runs: this machine or a Kubernetes pod."""
+
+    listen: str = Field(description="host:port, or a port")
+    sentinel_port: int
+    client_key: str
+    access_log: str
+    upstreams: list[Upstream] = Field(min_length=1)
+    metrics_file: str | None = Field(default=None, description="the deployment's own Prometheus series, served at /metrics")
+
+
+class ProxyLayout(StrictModel):
+    """Where this nginx keeps its files (all in the run folder) and the ports it listens on."""
+
+    prefix: Path
+    listen_host: str
+    listen_port: int
+    sentinel_port: int
+    client_key: str
+
+    @property
+    def conf(self) -> Path:
+        return self.prefix / "nginx.conf"
+
+    @property
+    def pid(self) -> Path:
+        return self.prefix / "nginx.pid"
+
+    @property
+    def access_log(self) -> Path:
+        return self.prefix / "access.log"
+
+    @property
+    def error_log(self) -> Path:
+        return self.prefix / "error.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.prefix / "metrics.prom"
+
+    @property
+    def temp(self) -> Path:
+        return self.prefix / "tmp"
+
+
+def find_nginx(configured: str | None = None) -> Path:
+    """The nginx binary: `configured` (a path), else `nginx` on PATH or in the sbin folders; an InputError saying how to install it."""
+    if configured is not None:
+        path = Path(configured)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        raise InputError(f"no nginx at {configured}; {INSTALL_HINT}", field="nginx")
+    search = os.pathsep.join([os.environ.get("PATH", ""), *SBIN])
+    found = shutil.which("nginx", path=search)
+    if found is None:
+        raise InputError(f"nginx is not installed; {INSTALL_HINT}", field="nginx")
+    return Path(found)
+
+
+def _seconds(value: float) -> str:
+    """An nginx time: whole milliseconds."""
+    return f"{max(1, round(value * 1000))}ms"
+
+
+def _worker_user() -> str:
+    """nginx's workers run as whoever runs `quantize serve`: a master started by root would switch them to `nobody`, who
+    cannot read the run folder (the metrics file, the temp folders) nor should need to; a non-root master cannot switch."""
+    if os.geteuid() != 0:
+        return ""
+    return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+
+
+def render_config(deployment: Deployment, layout: ProxyLayout, upstreams: list[Upstream]) -> str:
+    """The whole nginx.conf of a deployment on this machine: its files in the run folder, then the chain."""
+    temp = layout.temp
+    chain = Chain(listen=f"{layout.listen_host}:{layout.listen_port}", sentinel_port=layout.sentinel_port, client_key=layout.client_key,
+                  access_log=str(layout.access_log), upstreams=upstreams, metrics_file=str(layout.metrics))
+    return (
+        f"# Generated by `quantize serve` from deployment {deployment.name!r}; regenerated when a route restarts. Holds API keys: 0600.\n"
+        f"{_worker_user()}worker_processes 1;\npid {layout.pid};\nerror_log {layout.error_log} warn;\n"
+        "events { worker_connections 1024; }\n\n"
+        "http {\n"
+        f"    client_body_temp_path {temp / 'body'};\n    proxy_temp_path {temp / 'proxy'};\n    fastcgi_temp_path {temp / 'fastcgi'};\n"
+        f"    uwsgi_temp_path {temp / 'uwsgi'};\n    scgi_temp_path {temp / 'scgi'};\n\n"
+        + render_chain(deployment, chain) + "}\n"
+    )
+
+
+def render_chain(deployment: Deployment, chain: Chain) -> str:
+    """The chain, as the contents of `http {}`: one upstream per route (server + sentinel backup), the sentinel, the key
+    check, and the server whose locations hand a request down the routes (the module docstring says why each part)."""
+    breaker = deployment.circuit_breaker
+    overload = deployment.rules.overload.on_http_503
+    statuses = FALLBACK_STATUSES + (" 429" if overload else "")
+    next_upstream = "error timeout http_500 http_502 http_504" + (" http_503 http_429" if overload else "")
+    count = len(chain.upstreams)
+    lines = [
+        f"log_format quantgate escape=json '{LOG_FIELDS}';",
+        f"client_max_body_size {MAX_BODY};", "client_body_buffer_size 1m;", "client_body_timeout 60s;", "server_tokens off;", "",
+        "map_hash_bucket_size 128;  # a key is 43 characters: longer than the default bucket",
+        "map $http_authorization $quantgate_client {", "    default 0;", f'    "Bearer {chain.client_key}" 1;', "}", "",
+    ]
+    for index, upstream in enumerate(chain.upstreams):
+        lines += [
+            f"upstream route{index} {{  # {upstream.label}", f"    zone route{index} 64k;",
+            f"    server {upstream.address} max_fails={breaker.failures_to_open} fail_timeout={breaker.retry_after_s}s "
+            f"max_conns={upstream.max_conns};",
+            f"    server {LOOPBACK}:{chain.sentinel_port} backup;", "    keepalive 16;", "}", "",
+        ]
+    lines += [
+        "server {  # the backup of every route: a route that cannot take a request hands it to the next",
+        f"    listen {LOOPBACK}:{chain.sentinel_port};", "    access_log off;", "    return 503;", "}", "",
+        "server {", f"    listen {chain.listen};", f"    access_log {chain.access_log} quantgate;",
+        "    recursive_error_pages on;", "    proxy_intercept_errors on;",
+        f"    proxy_next_upstream {next_upstream} non_idempotent;", "    proxy_next_upstream_tries 2;",
+        "    proxy_http_version 1.1;", "    proxy_buffering off;", f"    proxy_connect_timeout {_seconds(deployment.rules.connect_timeout_s)};",
+        '    set $qg_route "";', "",
+        *(["    location = /metrics {  # no key, like vLLM's own /metrics: the deployment's series (pipelines/fleet/metrics.py)",
+            '        default_type "text/plain; version=0.0.4";', f"        alias {chain.metrics_file};", "    }"] if chain.metrics_file else []),
+        "    location = /health {  # no key: whether any route answers", *_indent(_route(0, chain.upstreams[0], count, statuses, "health")), "    }",
+        "    location / {", "        if ($quantgate_client = 0) {", "            add_header WWW-Authenticate Bearer always;",
+        "            return 401 '{\"error\": \"missing or wrong API key for this deployment\"}\\n';", "        }",
+        *_indent(_route(0, chain.upstreams[0], count, statuses, "route")), "    }",
+    ]
+    for index in range(1, count):
+        for kind in ("health", "route"):
+            lines += [f"    location @{kind}{index} {{", *_indent(_route(index, chain.upstreams[index], count, statuses, kind)), "    }"]
+    lines.append("}")
+    return "".join(f"    {line}\n" if line else "\n" for line in lines)
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return [f"        {line}" for line in lines]
+
+
+def _route(index: int, upstream: Upstream, count: int, statuses: str, kind: str) -> list[str]:
+    """The directives of route `index`'s location: its upstream, its key, its timeouts, and where a failure goes next."""
+    lines = [f"set $qg_route {upstream.label};", f"proxy_pass http://route{index};", 'proxy_set_header Connection "";']
+    if kind == "route":
+        lines.append(f'proxy_set_header Authorization "Bearer {upstream.api_key}";')
+    lines += [f"proxy_read_timeout {_seconds(upstream.timeout_s)};", f"proxy_send_timeout {_seconds(upstream.timeout_s)};",
+              f"add_header {ROUTE_HEADER} $qg_route always;"]
+    if index + 1 < count:
+        lines.append(f"error_page {statuses} = @{kind}{index + 1};")
+    return lines
+
+
+def write_config(layout: ProxyLayout, text: str) -> None:
+    """The config, written 0600 (it holds keys) by write-then-rename; the temp folders nginx's workers write into."""
+    layout.prefix.mkdir(parents=True, exist_ok=True)
+    layout.temp.mkdir(exist_ok=True)
+    staging = layout.conf.with_name(f".{layout.conf.name}.tmp")
+    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+    os.replace(staging, layout.conf)
+
+
+def check_config(nginx: Path, layout: ProxyLayout) -> str:
+    """`nginx -t` on the generated config; its verdict line, or an InputError with nginx's own complaint."""
+    try:
+        result = subprocess.run([*command(nginx, layout), "-t", "-q"], capture_output=True, text=True, timeout=NGINX_TEST_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise InputError(f"`nginx -t` could not run: {error}", file=layout.conf) from None
+    if result.returncode != 0:
+        complaint = " | ".join(line.strip() for line in result.stderr.splitlines() if line.strip())[-600:]
+        raise InputError(f"`nginx -t` refused the generated config: {complaint}", file=layout.conf)
+    return f"nginx -t: the configuration file {layout.conf} syntax is ok, test is successful"
+
+
+def command(nginx: Path, layout: ProxyLayout) -> list[str]:
+    """nginx in the foreground, on the run folder's prefix and config (no daemon: its master is our child)."""
+    return [str(nginx), "-p", str(layout.prefix), "-c", str(layout.conf), "-e", str(layout.error_log), "-g", "daemon off;"]

@@ -1,0 +1,144 @@
+"""`quantize serve status`: which route is live and why, from the deployment's state, a probe of every server and the
+proxy's recent log.
+
+A route is live when nginx would send a new request to it: its server runs, answers /health, and its breaker is
+closed; the live route is the first such route in chain order, and every route before it says why it is passed
+over (its process died, it is being restarted, it does not answer /health: hung, its breaker is open since when and
+after which failures, it turned requests away at max_conns). The deployment is degraded when the live route is not
+the primary. The last minute of the access log says which routes actually answered.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from pipelines.fleet.state import Event, RouteState, ServeState, supervisor_alive
+from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
+from pipelines.schema import StrictModel
+from pipelines.serve.serving import LOOPBACK
+
+PROBE_TIMEOUT_S = 1.0
+RECENT_S = 60.0
+TAIL_BYTES = min(MAX_READ, 2 * 1024 * 1024)
+Health = Literal["ok", "refused", "no answer", "error", "not running"]
+
+
+class RouteReport(StrictModel):
+    label: str
+    ref: str
+    serves: str
+    port: int | None
+    status: str
+    health: Health
+    breaker: str
+    answered: int
+    failed: int
+    recent_answered: int
+    timeout_s: float
+    restarts: int
+    available: bool
+    why: str
+
+
+class StatusReport(StrictModel):
+    name: str
+    running: bool
+    phase: str
+    endpoint: str
+    served_model_name: str
+    live_route: str | None
+    degraded: bool
+    why: str
+    routes: list[RouteReport]
+    requests: int
+    answered: int
+    failed: dict[str, int]
+    recent_requests: int
+    last_answered_by: str | None
+    breaker_events: list[str]
+    events: list[Event]
+
+
+def probe(port: int | None) -> Health:
+    if port is None:
+        return "not running"
+    try:
+        answer = httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=PROBE_TIMEOUT_S)
+    except httpx.ConnectError:
+        return "refused"
+    except httpx.TimeoutException:
+        return "no answer"
+    except httpx.HTTPError:
+        return "error"
+    return "ok" if answer.status_code == 200 else "error"
+
+
+def recent_requests(access_log: Path, sentinel_port: int, now: float) -> list[Request]:
+    try:
+        with access_log.open("rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - TAIL_BYTES))
+            lines = handle.read(TAIL_BYTES).decode("utf-8", errors="replace").splitlines()[1:]  # the first may be cut
+    except OSError:
+        return []
+    parsed = [parse_access_line(line, sentinel_port) for line in lines]
+    return recent([request for request in parsed if request is not None and request.uri not in NOT_TRAFFIC], RECENT_S, now)
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
+
+
+def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, running: bool, recent_answered: int) -> RouteReport:
+    breaker = "closed"
+    reasons = []
+    if traffic is not None and traffic.breaker_open_since is not None:
+        breaker = f"open since {_clock(traffic.breaker_open_since)} ({traffic.last_failure or 'failures'})"
+        reasons.append(f"breaker {breaker}")
+    if state.status != "up":
+        reasons.insert(0, f"{state.status}{': ' + state.why if state.why else ''}")
+    elif health != "ok":
+        reasons.insert(0, {"no answer": f"no answer on /health within {PROBE_TIMEOUT_S:g} s (hung?)", "refused": "refuses connections"}
+                       .get(health, f"/health: {health}"))
+    if traffic is not None and traffic.skipped_at_max_conns:
+        reasons.append(f"turned {traffic.skipped_at_max_conns} requests away at max_conns (overload)")
+    available = running and state.status == "up" and health == "ok" and breaker == "closed"
+    serves = f"{state.model} v{state.version}" if state.kind == "version" else f"16-bit base of {state.model} v{state.version}"
+    return RouteReport(
+        label=state.label, ref=state.ref, serves=serves, port=state.port, status=state.status, health=health, breaker=breaker,
+        answered=traffic.answered if traffic else 0, failed=sum(traffic.failed.values()) if traffic else 0, recent_answered=recent_answered,
+        timeout_s=state.timeout_s, restarts=state.restarts, available=available, why="; ".join(reasons) or "serving",
+    )
+
+
+def status_report(state: ServeState) -> StatusReport:
+    running = supervisor_alive(state)
+    now = time.time()
+    window = recent_requests(Path(state.proxy.access_log), state.proxy.sentinel_port, now) if running else []
+    traffic = state.traffic
+    rows = []
+    for index, route in enumerate(state.routes):
+        answered = sum(1 for request in window if request.answered_by == index)
+        health = probe(route.port if route.status == "up" else None) if running else "not running"
+        rows.append(_route(route, traffic.routes[index] if traffic and index < len(traffic.routes) else None, health, running, answered))
+    live = next((row for row in rows if row.available), None)
+    if not running:
+        why = f"not running ({state.phase}{' at ' + _clock(state.stopped_at) if state.stopped_at else ''})"
+    elif live is None:
+        why = "no route can answer: " + "; ".join(f"{row.label}: {row.why}" for row in rows)
+    else:
+        passed = [f"{row.label}: {row.why}" for row in rows[: rows.index(live)]]
+        why = f"{live.label} is the first route that runs, answers /health and has its breaker closed" + (
+            f"; passed over: {'; '.join(passed)}" if passed else "")
+    return StatusReport(
+        name=state.name, running=running, phase=state.phase, endpoint=state.endpoint, served_model_name=state.served_model_name,
+        live_route=live.label if live else None, degraded=running and (live is None or live.label != rows[0].label), why=why, routes=rows,
+        requests=traffic.requests if traffic else 0, answered=traffic.answered if traffic else 0, failed=dict(traffic.failed) if traffic else {},
+        recent_requests=len(window), last_answered_by=traffic.last_answered_by if traffic else None,
+        breaker_events=[f"{_clock(event.at)} {event.route} {event.kind} ({event.why})" for event in (traffic.breaker if traffic else [])][-20:],
+        events=state.events[-10:],
+    )

@@ -1,0 +1,400 @@
+"""`quantize serve DEPLOYMENT.yaml`: every route's vLLM server and the nginx in front of them, kept running until stopped.
+
+Order of work, so that bad input starts nothing: the file is parsed, every route resolved and verified
+(pipelines/fleet/routes.py), the chain's memory checked against the machine (fit.py), nginx found, the endpoint's
+port checked, and a config of the final shape checked with `nginx -t`; only then do servers start, one after the
+other (each waits for /health and confirms it is ours), then nginx, on a config rewritten with the real ports and
+keys and checked again.
+
+While serving, once a second: a route whose server died is restarted (rules.server_death) on a new port, with a new
+key, and nginx reloaded (SIGHUP) on the rewritten, re-checked config; a server silent on /health for
+`hung_after_s` is restarted too; nginx itself is restarted if it dies; the proxy's logs are folded into the
+deployment's traffic (traffic.py) and state.json is rewritten.
+
+Every process started here dies with this one, however it ends: each vLLM server through the product's own
+`vllm_server` (its process group, parent-death signal and watchdog: pipelines/serve/serving.py and reclaim.py), nginx
+through `start_process_group`, the same guarantees. Ctrl-C and SIGTERM (`quantize serve stop` sends it) stop them all.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from pipelines.console.output import progress
+from pipelines.errors import InputError, ServeError
+from pipelines.files.atomic import storage_error
+from pipelines.fleet.deployment import Deployment
+from pipelines.fleet.fit import FitReport, check_fit
+from pipelines.fleet.metrics import RouteSeries, write_metrics
+from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, command, find_nginx, render_config, write_config
+from pipelines.fleet.routes import ResolvedRoute, resolve_routes
+from pipelines.fleet.state import (
+    CLIENT_KEY_FILE,
+    PortEra,
+    ProxyState,
+    RouteState,
+    ServeState,
+    process_start_time,
+    read_state,
+    run_dir,
+    supervisor_alive,
+    write_state,
+)
+from pipelines.fleet.traffic import LogTail, TrafficCounter
+from pipelines.registry.store import Registry
+from pipelines.schema import StrictModel
+from pipelines.serve.reclaim import Watchdog
+from pipelines.serve.serving import LOOPBACK, RunningServer, free_port, start_process_group, stop_process_group, vllm_server
+
+TICK_S = 1.0
+PROXY_START_TIMEOUT_S = 30.0
+HEALTH_PROBE_S = 1.0
+PLACEHOLDER_KEY = "k" * len(secrets.token_urlsafe(32))  # as long as a real key: nginx's map buckets depend on it
+
+
+class Prepared(StrictModel):
+    """Everything checked before anything starts."""
+
+    deployment: Deployment
+    source: Path
+    routes: list[ResolvedRoute]
+    fit: FitReport
+    nginx: Path
+    nginx_check: str
+
+
+def prepare(deployment: Deployment, source: Path, registry: Registry, *, nginx: str | None = None) -> Prepared:
+    """Verify every route, the fit, nginx, the endpoint's port and a config of the final shape; start nothing."""
+    folder = run_dir(deployment.name)
+    if (folder / "state.json").is_file() and supervisor_alive(previous := read_state(folder)):
+        raise InputError(f"deployment {deployment.name!r} is already running (pid {previous.supervisor_pid}); `quantize serve stop "
+                         f"{deployment.name}` first", file=source, field="name")
+    routes = resolve_routes(deployment, registry, source=source)
+    fit = check_fit(routes, source=source)
+    binary = find_nginx(nginx)
+    if not port_free(deployment.listen.host, deployment.listen.port):
+        raise InputError(f"port {deployment.listen.port} on {deployment.listen.host} is already in use", file=source, field="listen.port")
+    check = _dry_check(deployment, routes, binary)
+    return Prepared(deployment=deployment, source=source, routes=routes, fit=fit, nginx=binary, nginx_check=check)
+
+
+def _dry_check(deployment: Deployment, routes: list[ResolvedRoute], binary: Path) -> str:
+    """`nginx -t` on the config the chain will have (placeholder ports and keys), in a scratch prefix."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="quantgate-nginx-check-") as scratch:
+        layout = ProxyLayout(prefix=Path(scratch), listen_host=deployment.listen.host, listen_port=deployment.listen.port,
+                             sentinel_port=free_port(), client_key=PLACEHOLDER_KEY)
+        upstreams = [Upstream(label=route.label, address=f"{LOOPBACK}:{free_port()}", api_key=PLACEHOLDER_KEY, timeout_s=route.timeout_s,
+                              max_conns=max_conns(deployment, route)) for route in routes]
+        write_config(layout, render_config(deployment, layout, upstreams))
+        return check_config(binary, layout)
+
+
+def port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port (bound as nginx binds: SO_REUSEADDR, so connections of a previous run in TIME_WAIT do
+    not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def max_conns(deployment: Deployment, route: ResolvedRoute) -> int:
+    return route.serve.max_num_seqs + deployment.rules.overload.max_queue
+
+
+def vllm_args(route: ResolvedRoute) -> str:
+    return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}"])
+
+
+class RouteServer:
+    """One route's vLLM server, started through the product's own `vllm_server` and restartable."""
+
+    def __init__(self, route: ResolvedRoute, served_name: str, log: Path):
+        self.route = route
+        self.served_name = served_name
+        self.log = log
+        self.stack: ExitStack | None = None
+        self.server: RunningServer | None = None
+
+    def start(self) -> RunningServer:
+        stack = ExitStack()
+        try:
+            self.server = stack.enter_context(vllm_server(self.route.model_dir, log_path=self.log, settings=self.route.serve,
+                                                          served_name=self.served_name))
+        except BaseException:
+            stack.close()
+            raise
+        self.stack = stack
+        return self.server
+
+    def stop(self) -> None:
+        stack, self.stack, self.server = self.stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def exit_code(self) -> int | None:
+        """None while the server runs (or was never started), else its exit code."""
+        return self.server.process.poll() if self.server is not None else None
+
+    def healthy(self) -> bool:
+        if self.server is None:
+            return False
+        try:
+            return httpx.get(f"http://{LOOPBACK}:{self.server.port}/health", timeout=HEALTH_PROBE_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+class Supervisor:
+    """The running deployment: its servers, its proxy, its state file."""
+
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+        deployment = prepared.deployment
+        self.deployment = deployment
+        self.folder = run_dir(deployment.name)
+        self.servers = [RouteServer(route, deployment.model_name, self.folder / f"{route.label}-server.log") for route in prepared.routes]
+        self.layout = ProxyLayout(prefix=self.folder, listen_host=deployment.listen.host, listen_port=deployment.listen.port,
+                                  sentinel_port=free_port(), client_key=secrets.token_urlsafe(32))
+        self.proxy: tuple[subprocess.Popen, Watchdog] | None = None
+        self.counter = TrafficCounter([route.label for route in prepared.routes], self.layout.sentinel_port)
+        self.access = LogTail(self.layout.access_log)
+        self.errors = LogTail(self.layout.error_log)
+        self.silent_since: dict[int, float] = {}
+        self.route_series = RouteSeries()
+        self.state = self._initial_state()
+
+    # --- the run folder and its state ---------------------------------------------------------------
+
+    def _initial_state(self) -> ServeState:
+        me = os.getpid()
+        routes = [
+            RouteState(label=route.label, ref=route.ref, kind=route.kind, model=route.model, version=route.version, model_dir=str(route.model_dir),
+                       verified=route.verified, log=str(server.log), timeout_s=route.timeout_s, timeout_basis=route.timeout_basis,
+                       max_num_seqs=route.serve.max_num_seqs, max_conns=max_conns(self.deployment, route), vllm_args=vllm_args(route),
+                       latency=route.latency)
+            for route, server in zip(self.prepared.routes, self.servers, strict=True)
+        ]
+        return ServeState(
+            name=self.deployment.name, deployment_file=str(self.prepared.source), served_model_name=self.deployment.model_name,
+            endpoint=f"http://{self.layout.listen_host}:{self.layout.listen_port}/v1", client_key_file=str(self.folder / CLIENT_KEY_FILE),
+            supervisor_pid=me, supervisor_started=process_start_time(me), started_at=time.time(), routes=routes,
+            proxy=ProxyState(conf=str(self.layout.conf), access_log=str(self.layout.access_log), error_log=str(self.layout.error_log),
+                             sentinel_port=self.layout.sentinel_port, check=self.prepared.nginx_check),
+        )
+
+    def _prepare_folder(self) -> None:
+        try:
+            if self.folder.exists():
+                previous = self.folder.with_name(f"{self.folder.name}.previous")
+                shutil.rmtree(previous, ignore_errors=True)
+                self.folder.rename(previous)
+            self.folder.mkdir(parents=True)
+            key = os.open(self.folder / CLIENT_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(key, "w") as handle:
+                handle.write(self.layout.client_key + "\n")
+        except OSError as error:
+            raise storage_error(error, self.folder) from error
+
+    def save(self) -> None:
+        self.state.traffic = self.counter.traffic
+        write_state(self.folder, self.state)
+        self.route_series.refresh(self.state)
+        write_metrics(self.folder, self.state, self.route_series)
+
+    def note(self, text: str) -> None:
+        self.state.note(text)
+        progress(text)
+
+    # --- start, serve, stop ---------------------------------------------------------------------------
+
+    def run(self) -> ServeState:
+        """Start everything, serve until interrupted (Ctrl-C, SIGTERM), stop everything; the final state."""
+        self._prepare_folder()
+        self.save()
+        try:
+            for index, server in enumerate(self.servers):
+                self._start_route(index, server)
+            self._start_proxy()
+            self.state.phase = "serving"
+            self.note(f"serving {self.deployment.model_name!r} at {self.state.endpoint} (key: {self.state.client_key_file}); "
+                      f"`quantize serve status {self.deployment.name}`, Ctrl-C or `quantize serve stop {self.deployment.name}` to stop")
+            self.save()
+            self._watch()
+        except KeyboardInterrupt:
+            if self.state.phase != "serving":  # interrupted while starting: an interruption (exit 2); while serving: how it ends
+                raise
+        finally:
+            self._stop_all()
+        return self.state
+
+    def _start_route(self, index: int, server: RouteServer) -> None:
+        state = self.state.routes[index]
+        state.status = "starting"
+        self.save()
+        running = server.start()
+        state.status, state.why = "up", ""
+        state.port, state.pid, state.started_at, state.startup_s = running.port, running.process.pid, time.time(), running.startup_s
+        state.ports = [*state.ports, PortEra(port=running.port, since=time.time())]
+        self.save()
+
+    def _upstreams(self) -> list[Upstream]:
+        out = []
+        for route, server, state in zip(self.prepared.routes, self.servers, self.state.routes, strict=True):
+            running = server.server
+            # A route without a server (dead, restart failed) keeps its last port: nothing listens there, nginx fails over.
+            port = running.port if running is not None else (state.port or free_port())
+            key = running.api_key if running is not None and running.api_key else PLACEHOLDER_KEY
+            out.append(Upstream(label=route.label, address=f"{LOOPBACK}:{port}", api_key=key, timeout_s=route.timeout_s, max_conns=state.max_conns))
+        return out
+
+    def _write_proxy_config(self) -> None:
+        write_config(self.layout, render_config(self.deployment, self.layout, self._upstreams()))
+        self.state.proxy.check = check_config(self.prepared.nginx, self.layout)
+
+    def _start_proxy(self) -> None:
+        self._write_proxy_config()
+        progress(f"starting nginx on {self.layout.listen_host}:{self.layout.listen_port} (config: {self.layout.conf})")
+        process, watchdog = start_process_group(command(self.prepared.nginx, self.layout), env=dict(os.environ),
+                                                log_path=self.folder / "nginx-console.log")
+        self.proxy = (process, watchdog)
+        self.state.proxy.pid = process.pid
+        deadline = time.monotonic() + PROXY_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ServeError(f"nginx exited at start (exit code {process.returncode}); see {self.layout.error_log}", file=self.layout.error_log)
+            if listening(self.layout.listen_host, self.layout.listen_port):
+                return
+            time.sleep(0.1)
+        raise ServeError(f"nginx did not listen on port {self.layout.listen_port} within {PROXY_START_TIMEOUT_S:.0f} s", file=self.layout.error_log)
+
+    def _stop_proxy(self) -> None:
+        proxy, self.proxy = self.proxy, None
+        if proxy is not None:
+            process, watchdog = proxy
+            stop_process_group(process)
+            watchdog.stop()
+
+    def _stop_all(self) -> None:
+        if self.state.phase == "stopped":
+            return
+        self.state.phase = "stopping"
+        self._stop_proxy()
+        for server, state in zip(self.servers, self.state.routes, strict=True):
+            server.stop()
+            state.status = "stopped" if state.status != "failed" else state.status
+        self._fold_logs()
+        self.state.phase, self.state.stopped_at = "stopped", time.time()
+        self.state.note("stopped: every server and nginx")
+        self.save()
+
+    # --- the watch loop -------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(TICK_S)
+            for index, server in enumerate(self.servers):
+                self._check_route(index, server)
+            self._check_proxy()
+            self._fold_logs()
+            self.save()
+
+    def _fold_logs(self) -> None:
+        ports = {era.port: index for index, state in enumerate(self.state.routes) for era in state.ports}
+        self.counter.feed(self.access.new_lines(), self.errors.new_lines(), ports)
+
+    def _check_route(self, index: int, server: RouteServer) -> None:
+        state = self.state.routes[index]
+        code = server.exit_code()
+        if code is not None:
+            self._route_died(index, server, f"process exited (exit code {code})")
+        elif server.server is not None and self.deployment.rules.server_death.hung_after_s is not None:
+            self._check_hung(index, server)
+        elif server.server is None and state.status == "dead":
+            self._restart(index, server)
+
+    def _check_hung(self, index: int, server: RouteServer) -> None:
+        hung_after = self.deployment.rules.server_death.hung_after_s
+        assert hung_after is not None
+        if server.healthy():
+            self.silent_since.pop(index, None)
+            return
+        since = self.silent_since.setdefault(index, time.time())
+        if time.time() - since >= hung_after:
+            self.silent_since.pop(index, None)
+            self._route_died(index, server, f"no answer on /health for {hung_after:g} s (hung)")
+
+    def _route_died(self, index: int, server: RouteServer, why: str) -> None:
+        state = self.state.routes[index]
+        self.note(f"{state.label} ({state.ref}): {why}")
+        server.stop()  # sweeps what is left of its process group
+        state.status, state.why, state.pid = "dead", f"{why} at {time.strftime('%H:%M:%S')}", None
+        self.save()
+        self._restart(index, server)
+
+    def _restart(self, index: int, server: RouteServer) -> None:
+        rules = self.deployment.rules.server_death
+        state = self.state.routes[index]
+        if not rules.restart or state.restarts >= rules.max_restarts:
+            if state.status != "failed":
+                state.status = "failed"
+                state.why += f"; not restarted ({'restart: false' if not rules.restart else f'{rules.max_restarts} restarts used'})"
+                self.note(f"{state.label}: {state.why}")
+            return
+        state.restarts += 1
+        state.status = "restarting"
+        self.note(f"{state.label}: restarting (restart {state.restarts} of {rules.max_restarts})")
+        self.save()
+        try:
+            self._start_route(index, server)
+        except ServeError as error:
+            state.status, state.why = "dead", f"restart failed: {error.one_line()}"
+            self.note(f"{state.label}: {state.why}")
+            return
+        self._reload_proxy(f"{state.label} is back on port {state.port}")
+
+    def _reload_proxy(self, why: str) -> None:
+        try:
+            self._write_proxy_config()
+        except InputError as error:
+            self.note(f"nginx not reloaded, the new config was refused: {error.one_line()}")
+            return
+        if self.proxy is not None:
+            process = self.proxy[0]
+            os.kill(process.pid, signal.SIGHUP)
+            self.state.proxy.reloads += 1
+            self.note(f"nginx reloaded: {why}")
+
+    def _check_proxy(self) -> None:
+        if self.proxy is None:
+            return
+        process = self.proxy[0]
+        code = process.poll()
+        if code is None:
+            return
+        self.note(f"nginx exited (exit code {code}); starting it again")
+        self._stop_proxy()
+        self._start_proxy()

@@ -1,0 +1,218 @@
+"""The supervisor of `quantize serve` with stand-in vLLM servers (small Python HTTP servers in their own process groups,
+started with the product's start_process_group) and the real nginx: requests reach the primary with its key, a killed
+primary is restarted on a new port and nginx reloaded, a stopped (hung) one is passed over by the breaker and taken
+back, `serve status` says which route is live and why, and the end of the supervisor leaves no process behind.
+The real thing (vLLM, the demo model's signed versions) is tests/integration/test_fleet_e2e.py."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipelines.cli import main
+from pipelines.fleet import metrics as metrics_module
+from pipelines.fleet import supervisor as supervisor_module
+from pipelines.fleet.deployment import Deployment
+from pipelines.fleet.drill import DrillSettings, run_drill
+from pipelines.fleet.fit import FitReport
+from pipelines.fleet.routes import ResolvedRoute
+from pipelines.fleet.state import read_state, run_dir
+from pipelines.fleet.status import status_report
+from pipelines.fleet.supervisor import Prepared, Supervisor
+from pipelines.serve.reclaim import group_members
+from pipelines.serve.serving import RunningServer, ServeSettings, free_port, start_process_group, stop_process_group
+
+NGINX = shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin:/bin")
+pytestmark = pytest.mark.skipif(NGINX is None, reason="Debian's nginx is not installed (make setup)")
+
+# A stand-in for vLLM's OpenAI server: /health, and completions that need the key and name the server that answered.
+STAND_IN = r"""
+import http.server, json, os, sys
+KEY, NAME = os.environ["VLLM_API_KEY"], sys.argv[2]
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(data)))
+        self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/metrics":
+            data = f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="{NAME}"}} 0.0\n'.encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+            return
+        self._send(200, {}) if self.path == "/health" else self._send(404, {})
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Authorization") != f"Bearer {KEY}":
+            return self._send(401, {"error": "key"})
+        self._send(200, {"choices": [{"text": NAME}]})
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+@contextmanager
+def stand_in_server(model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None) -> Iterator[RunningServer]:
+    port = free_port()
+    key = secrets.token_urlsafe(32)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process, watchdog = start_process_group([sys.executable, "-c", STAND_IN, str(port), model_dir.name],
+                                            env={**os.environ, "VLLM_API_KEY": key}, log_path=log_path)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        yield RunningServer(model_dir=model_dir, served_name=served_name, port=port, log_path=log_path, process=process, startup_s=0.1,
+                            api_key=key)
+    finally:
+        stop_process_group(process, grace_s=2)
+        watchdog.stop()
+
+
+def route(index: int, label: str, folder: Path) -> ResolvedRoute:
+    folder.mkdir(parents=True, exist_ok=True)
+    return ResolvedRoute(index=index, field="primary" if index == 0 else f"fallbacks[{index - 1}]", label=label, kind="version", ref=f"m@{index + 1}",
+                         model="m", version=index + 1, model_dir=folder, identity=label, verified="stand-in", serve=ServeSettings(max_num_seqs=4),
+                         timeout_s=1.0, timeout_basis="set in the test")
+
+
+@pytest.fixture
+def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Prepared:
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    monkeypatch.setattr(supervisor_module, "vllm_server", stand_in_server)
+    monkeypatch.setattr(supervisor_module, "TICK_S", 0.2)
+    monkeypatch.setattr(metrics_module, "RESCRAPE_S", 0.0)
+    deployment = Deployment.model_validate({"name": "unit", "primary": "m@1", "fallbacks": ["m@2"], "listen": {"port": free_port()},
+                                            "circuit_breaker": {"failures_to_open": 1, "retry_after_s": 2}})
+    routes = [route(0, "primary", tmp_path / "primary-model"), route(1, "fallback-1", tmp_path / "fallback-model")]
+    return Prepared(deployment=deployment, source=tmp_path / "unit.yaml", routes=routes, fit=FitReport(routes=[], required_bytes=0, available_bytes=1,
+                    machine="test"), nginx=Path(NGINX or "nginx"), nginx_check="nginx -t: ok")
+
+
+def ask(port: int, key: str) -> tuple[int, str | None, str]:
+    answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return answer.status_code, answer.headers.get("X-Quantgate-Route"), answer.text
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
+    folder = run_dir("unit")
+    port = prepared.deployment.listen.port
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            key = (folder / "client-key").read_text().strip()
+            seen["healthy"] = ask(port, key)
+            seen["no key"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={}, timeout=5).status_code
+            first = read_state(folder).routes[0]
+            os.kill(first.pid or 0, signal.SIGKILL)  # a crash
+            seen["after crash"] = ask(port, key)
+            wait_until(lambda: read_state(folder).routes[0].restarts == 1 and read_state(folder).routes[0].status == "up")
+            restarted = read_state(folder).routes[0]
+            seen["new port"] = restarted.port != first.port
+            wait_until(lambda: ask(port, key)[1] == "primary")
+            group = os.getpgid(restarted.pid or 0)
+            os.killpg(group, signal.SIGSTOP)  # a hang: connections are accepted, nothing answers
+            seen["during hang"] = [ask(port, key)[1] for _ in range(3)]
+            seen["status"] = status_report(read_state(folder))
+            wait_until(lambda: 'quantgate_deployment_degraded{deployment="unit"} 1.0' in metrics(port))
+            seen["metrics"] = metrics(port)
+            os.killpg(group, signal.SIGCONT)
+            wait_until(lambda: ask(port, key)[1] == "primary")
+            time.sleep(1.0)  # the supervisor folds the logs
+            seen["groups"] = [first.pid, group]
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=drive, daemon=True).start()
+    final = Supervisor(prepared).run()
+
+    assert "error" not in seen, seen.get("error")
+    assert seen["healthy"][:2] == (200, "primary") and "primary-model" in seen["healthy"][2]
+    assert seen["no key"] == 401
+    assert seen["after crash"][:2] == (200, "fallback-1")
+    assert seen["new port"] is True
+    assert seen["during hang"][-1] == "fallback-1"
+    status = seen["status"]
+    assert status.degraded and status.live_route == "fallback-1" and "primary" in status.why
+    assert 'quantgate_route_live{deployment="unit",route="fallback-1"} 1.0' in seen["metrics"]
+    assert 'quantgate_route_breaker_open{deployment="unit",route="primary"} 1.0' in seen["metrics"]
+    # each route's own vLLM series, relabeled (the hung primary keeps its last page)
+    assert 'vllm:num_requests_running{deployment="unit",model_name="primary-model",route="primary"} 0.0' in seen["metrics"]
+    assert 'vllm:num_requests_running{deployment="unit",model_name="fallback-model",route="fallback-1"} 0.0' in seen["metrics"]
+    traffic = final.traffic
+    assert traffic is not None and traffic.failed == {} and traffic.refused == {"HTTP 401": 1} and traffic.answered == traffic.requests - 1
+    kinds = [(event.route, event.kind) for event in traffic.breaker]
+    assert ("primary", "opened") in kinds and kinds[-1] == ("primary", "closed")
+    assert final.phase == "stopped" and final.proxy.reloads >= 1
+    for group in seen["groups"]:
+        assert group_members(group) == []
+    assert not httpx_reachable(port)
+
+
+def metrics(port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+
+def httpx_reachable(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def test_the_drill_counts_every_request_through_a_crash_and_a_hang(prepared: Prepared, capsys: pytest.CaptureFixture) -> None:
+    folder = run_dir("unit")
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, rate=50, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=drive, daemon=True).start()
+    Supervisor(prepared).run()
+    assert "error" not in seen, seen.get("error")
+    report = seen["report"]
+    crash, hang = report.faults
+    assert report.sent - report.answered <= crash.in_flight
+    assert report.answered_by["primary"] > 0 and report.answered_by["fallback-1"] > 0
+    assert crash.recovered_at and hang.recovered_at and report.restarts == 1
+    kinds = [(event.route, event.kind) for event in report.breaker]
+    assert ("primary", "opened") in kinds and kinds[-1] == ("primary", "closed")
+    assert main(["serve", "status", "unit"]) == 0
+    assert "unit: stopped; live route: none (not running" in capsys.readouterr().out
