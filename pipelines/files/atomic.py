@@ -15,9 +15,11 @@ import errno as errno_module
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +64,38 @@ def folder_mode() -> int:
 
 
 def hidden_sibling(final: Path) -> Path:
-    """A new hidden folder beside `final` (`.<name>.tmp-XXXX`), its parents made; a disk error is a StorageError."""
+    """A new hidden folder beside `final` (`.<name>.tmp-<host>-<pid>-XXXX`), its parents made; a disk error is a
+    StorageError. The same name's folders left by a process of this host that is gone (SIGKILLed mid-write: a Ray
+    worker killed while it quantized, whose retry writes the same artifact) are removed first; another host's, or a
+    live process's, are never touched (the artifacts root may be shared storage)."""
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        remove_orphaned_siblings(final)
+        return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=final.parent))
     except OSError as error:
         raise storage_error(error, final.parent) from error
+
+
+def remove_orphaned_siblings(final: Path) -> list[Path]:
+    """The hidden staging folders of `final` whose writer (this host, its pid in the name) no longer runs, removed."""
+    prefix, host = f".{final.name}.tmp-", socket.gethostname()
+    removed = []
+    for sibling in final.parent.glob(f"{glob_escape(prefix)}*"):
+        owner = sibling.name[len(prefix):].rsplit("-", 2)
+        if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _running(int(owner[1])):
+            shutil.rmtree(sibling, ignore_errors=True)
+            removed.append(sibling)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or a number no pid can be: never taken as gone
+    return True
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import NEGATIVE_CONTROL, QUANTIZE, CommandRun, Workspace, processes_with_marker
+from helpers import NEGATIVE_CONTROL, NEGATIVE_CONTROL_SETS, QUANTIZE, CommandRun, Workspace, processes_with_marker
 
 from pipelines.evaluation.evalsets import discover_eval_sets
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR, REPO_ROOT
@@ -57,7 +57,7 @@ def w8a8_run(workspace: Workspace) -> CommandRun:
 def aggressive_run(workspace: Workspace, w8a8_run: CommandRun) -> CommandRun:
     """The negative control under the default policy, after w8a8: a warm run (the baseline's scores are cached).
     `aggressive` where vLLM has a 4-bit weight-only kernel, `aggressive-w4a8` on AVX2 hosts (helpers.NEGATIVE_CONTROL)."""
-    return workspace.quantize("--recipe", NEGATIVE_CONTROL, "--eval-sets", ",".join(DEMO_EVAL_SETS), "--json")
+    return workspace.quantize("--recipe", NEGATIVE_CONTROL, "--eval-sets", ",".join(NEGATIVE_CONTROL_SETS), "--json")
 
 
 @pytest.fixture(scope="session")

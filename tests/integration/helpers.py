@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from pipelines.hardware.targets import installed_target
-from pipelines.paths import REPO_ROOT
+from pipelines.paths import DEMO_EVAL_SETS, REPO_ROOT
 from pipelines.registry.store import Registry
 
 MARKER = "QUANTGATE_TEST_COMMAND"
@@ -32,6 +32,10 @@ MARKER = "QUANTGATE_TEST_COMMAND"
 HOST = installed_target()
 INT4_WEIGHT_ONLY = HOST.isa != "avx2"
 NEGATIVE_CONTROL = "aggressive" if INT4_WEIGHT_ONLY else "aggressive-w4a8"
+# The sets the negative control is gated on. The W4A8 control is served by a slow path on AVX2 (PyTorch's 4-bit matmul:
+# about 9 minutes for the three demo sets on 2 cores) and loses about 29 points on date_normalisation alone (measured,
+# docs/hardware.md), so there it is gated on that set; every run and repair that starts from it reuses these sets.
+NEGATIVE_CONTROL_SETS = DEMO_EVAL_SETS if INT4_WEIGHT_ONLY else ("date_normalisation",)
 CLI_TIMEOUT_S = 1200
 QUANTIZE = Path(sys.executable).with_name("quantize")  # the console script `pip install -e .` puts beside python
 

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL
+from helpers import INT4_WEIGHT_ONLY, NEGATIVE_CONTROL, NEGATIVE_CONTROL_SETS
 
-from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR
+from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.recipe import load_recipe
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ def repair_run(workspace, aggressive_run):
 
 @pytest.fixture(scope="session")
 def repair_flag_run(workspace, repair_run):
-    return workspace.quantize("--recipe", NEGATIVE_CONTROL, "--eval-sets", ",".join(DEMO_EVAL_SETS), "--repair", "--repair-budget", BUDGET,
+    return workspace.quantize("--recipe", NEGATIVE_CONTROL, "--eval-sets", ",".join(NEGATIVE_CONTROL_SETS), "--repair", "--repair-budget", BUDGET,
                               "--no-loadtest", "--json")
 
 
@@ -65,7 +65,7 @@ def test_every_attempt_was_gated_for_real_and_is_evidenced(repair_run):
     for attempt in attempts:
         gate = json.loads((Path(attempt["run_dir"]) / "gate.json").read_text())
         assert gate["gate"]["verdict"] == attempt["verdict"]
-        assert sorted(s["eval_set"] for s in gate["gate"]["sets"]) == sorted(DEMO_EVAL_SETS)
+        assert sorted(s["eval_set"] for s in gate["gate"]["sets"]) == sorted(NEGATIVE_CONTROL_SETS)
         assert all(s["kl_items"] == s["n"] for s in gate["gate"]["sets"])
         assert Path(attempt["recipe_file"]).is_file() and (attempt["verdict"] == "rejected") == bool(attempt["failed_rules"])
     folder = Path(result["repair_dir"])
@@ -95,6 +95,6 @@ def test_quantize_repair_flag_finds_the_same_repair_from_the_caches(repair_flag_
     assert document["run"]["verdict"] == "rejected" and document["exit_code"] == 0
     assert document["repair"]["found"]["recipe_name"] == repair_run.json["found"]["recipe_name"]
     assert document["repair"]["sensitivity"]["cached"] is True
-    cached = f"candidate: all {len(DEMO_EVAL_SETS)} eval set(s) cached; no candidate server needed"
+    cached = f"candidate: all {len(NEGATIVE_CONTROL_SETS)} eval set(s) cached; no candidate server needed"
     assert repair_flag_run.stderr.count(cached) == 1 + len(document["repair"]["attempts"]), "the run and every attempt: no server"
     no_process_left(repair_flag_run)
