@@ -311,6 +311,17 @@ def _scaled(value: float, scale: float) -> float:
     return round(scale * float(value), 6)
 
 
+def _scaled_up(value: float, scale: float) -> float:
+    """An upper bound in report units, rounded up at 1e-6 (floating-point noise below 1e-9 aside): the rules read it, and a
+    bound rounded down could pass a table the calibrated test rejects (n = 349, 12 losses: 5.5000004 read as 5.5)."""
+    scaled = scale * float(value)
+    return math.ceil(round(scaled * 1e6, 3)) / 1e6 if math.isfinite(scaled) else scaled
+
+
+def _report_units(key: str, value: float, scale: float) -> float:
+    return _scaled_up(value, scale) if key == "worsening_bound" else _scaled(value, scale)
+
+
 _SCALED = ("baseline_score", "candidate_score", "ci_low", "ci_high", "min_detectable_drop", "worsening_bound")
 
 
@@ -323,7 +334,7 @@ def _measure(comparison: SetComparison, rules: SetPolicy) -> dict[str, Any]:
         base = np.array([item.baseline for item in comparison.items], dtype=float)
         cand = np.array([item.candidate for item in comparison.items], dtype=float)
         measured = _measure_binary(spec, base, cand, rules) if spec.kind == "binary" else _measure_continuous(spec, base, cand, rules)
-    scaled = {key: _scaled(measured[key], spec.scale) for key in _SCALED}
+    scaled = {key: _report_units(key, measured[key], spec.scale) for key in _SCALED}
     delta = _scaled(measured["candidate_score"] - measured["baseline_score"], spec.scale)
     kl = stats.kl_summary([item.kl for item in comparison.items])
     result = measured | scaled | {
@@ -442,7 +453,7 @@ def _binary_unchanged_reject_probability(rules: SetPolicy, higher_is_better: boo
 def table_rejects(rules: SetPolicy, higher_is_better: bool, n: int, right: int, lost: int, gained: int) -> bool:
     """Whether a set of n pass/fail items (baseline right on `right`) with these flips fails its rules, KL aside."""
     measured = _binary_table(n, right, lost, gained, rules, higher_is_better, full=False)
-    scaled = {key: _scaled(measured[key], 100.0) if key in _SCALED else value for key, value in measured.items()}
+    scaled = {key: _report_units(key, measured[key], 100.0) if key in _SCALED else value for key, value in measured.items()}
     delta = _scaled(measured["candidate_score"] - measured["baseline_score"], 100.0)
     scaled |= {"unit": "points", "higher_is_better": higher_is_better, "worsening": -delta if higher_is_better else delta,
                "kl_mean": None, "n": n, "_in_points": True}

@@ -101,3 +101,13 @@ def test_the_gate_s_decision_holds_the_rate_at_every_size_from_47_to_400():
         worst = max(worst, rate)
         table_rejects.cache_clear()
     assert worst <= 0.05 + 1e-12 and math.isclose(worst, 0.05, abs_tol=0.002)
+
+
+def test_the_decision_reads_the_bound_unrounded_where_it_sits_on_the_tolerance():
+    """n = 349, 12 losses and no gain: the bound at the calibrated critical value is 5.5000004 points, above the 5.5 the
+    rules allow; rounded to 1e-6 it read 5.5 and passed, which put P(promote | worsening = 5.5) at 5.09% (found by the
+    every-size scan). The bound is now rounded up, never down."""
+    n, right = 349, round(0.8 * 349)
+    assert table_rejects(RULES, True, n, right, 12, 0) and not table_rejects(RULES, True, n, right, 12, 1)
+    rate, _ = exact.promote_at_tolerance(gate_promotes(RULES, n), n, TOLERANCE)
+    assert rate <= 0.05 + 1e-12

@@ -378,8 +378,8 @@ def test_demo_w8a8_is_promoted_and_aggressive_rejected_naming_max_abs_drop_under
     w8a8 = decide([recorded(name, 250, 250, 0, 0, kl=3e-5) for name in sets], SHIPPED, "w8a8")
     assert w8a8.verdict == "promoted" and w8a8.reasons == [] and w8a8.unchanged_reject_probability == 0.0
     # no flip: 100 z^2 / (250 + z^2) with the critical value calibrated for 250 items and 5.5 points (z = 1.6579); an
-    # identical candidate passes 5.5 points from 53 items
-    assert all(v.worsening_bound == pytest.approx(1.087556, abs=1e-6) and v.items_needed == 53 for v in w8a8.sets)
+    # identical candidate passes 5.5 points from 53 items (reported rounded up at 1e-6)
+    assert all(v.worsening_bound == pytest.approx(1.087556, abs=2e-6) and v.items_needed == 53 for v in w8a8.sets)
     aggressive = decide([recorded(n, 250, 250, lost, 0, kl=0.5) for n, lost in zip(sets, (65, 241, 170), strict=True)], SHIPPED, "aggressive")
     assert aggressive.verdict == "rejected" and aggressive.exit_code == 1
     for name in sets:
