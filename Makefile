@@ -40,11 +40,8 @@ lint: setup
 	.venv/bin/ruff check pipelines tests
 	.venv/bin/mypy pipelines
 
-## The unit tier on two workers (pytest-xdist: about half the wall time on CI's two cores), then the integration suite
-## in one process (its servers, models and caches are shared session fixtures).
 test: lint
-	$(PY) -m pytest -n 2 tests/unit
-	$(PY) -m pytest tests/integration
+	$(PY) -m pytest tests
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
