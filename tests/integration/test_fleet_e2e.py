@@ -78,7 +78,9 @@ def test_the_chain_survives_a_crash_and_a_hang_under_load(workspace: Workspace, 
         drill: list[CommandRun] = []
 
         def run_drill() -> None:
-            drill.append(workspace.quantize("serve", "drill", NAME, "--hang-s", "15", "--concurrency", "2", "--json"))
+            # 2 requests a second: on 2 cores both vLLM servers' OpenMP threads share core 0, and the primary's restart
+            # must come up beside the fallback serving the load (at 10 a second, under other jobs, it took over 300 s)
+            drill.append(workspace.quantize("serve", "drill", NAME, "--hang-s", "15", "--concurrency", "2", "--rate", "2", "--json"))
             drill_done.set()
 
         threading.Thread(target=run_drill, daemon=True).start()
