@@ -49,7 +49,8 @@ def test_aggressive_is_repaired_into_a_passing_artifact_smaller_than_w8a8(repair
     if INT4_WEIGHT_ONLY:
         assert found["weight_bytes"] < w8a8_bytes < result["bytes"]["16-bit"]
     else:
-        assert w8a8_bytes <= found["weight_bytes"] < result["bytes"]["16-bit"]
+        # int4 codes one per int8: w8a8's bytes give or take its static activation scales (measured: 24 bytes fewer)
+        assert found["weight_bytes"] < result["bytes"]["16-bit"] and abs(found["weight_bytes"] - w8a8_bytes) <= 0.001 * w8a8_bytes
     assert 0 < found["modules_moved"] < result["units"]
     repaired = load_recipe(found["recipe_file"])  # reusable: quantize --recipe FILE
     assert repaired.recipe.base == NEGATIVE_CONTROL and repaired.recipe.overrides
