@@ -154,6 +154,8 @@ def scenario(workspace: Workspace, folder: Path) -> SimpleNamespace:
                 breach = finished(start_watch(workspace, *common, "--windows", "4", "--rollback-after", "2", "--out", str(folder / "breach")),
                                   "watch breach")
             time.sleep(2)  # one more scrape and rule evaluation after the load
+            # read while the breach is recent: the preemption alert resolves once its window no longer holds the load
+            alerts = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/alerts", timeout=10).json()
             from_prometheus = workspace.quantize("watch", "--url", f"http://127.0.0.1:{port}/metrics", "--prometheus",
                                                  f"http://127.0.0.1:{prometheus_port}", "--version", f"{MODEL}@{second}", "--window", WINDOW,
                                                  "--windows", "6", "--out", str(folder / "prometheus"), "--json")
@@ -162,7 +164,6 @@ def scenario(workspace: Workspace, folder: Path) -> SimpleNamespace:
                                       for item, answer in zip(prompts(SHADOW_ITEMS, 1), answers(SHADOW_ITEMS), strict=True)))
             shadow = workspace.quantize("watch", "--url", url, "--version", f"{MODEL}@production", "--window", "1s", "--shadow", str(sample),
                                         "--out", str(folder / "shadow"), "--json")
-            alerts = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/alerts", timeout=10).json()
             rules = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/rules", timeout=10).json()
             log = (folder / "server.log").read_text(errors="replace")
     finally:
