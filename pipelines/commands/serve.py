@@ -153,6 +153,9 @@ def _render_prepared(prepared) -> None:
         say(f"{route.label} timeout: {route.timeout_basis}")
     fit = prepared.fit
     say(f"fits: {fit.required_bytes / GiB:.2f} GiB of {fit.available_bytes / GiB:.2f} GiB ({fit.machine})")
+    if prepared.cores is not None:
+        pinned = ", ".join(f"{route.label} on {cores}" for route, cores in zip(prepared.routes, prepared.cores.cores, strict=True))
+        say(f"cores: {pinned} ({prepared.cores.note})")
     say(prepared.nginx_check)
 
 

@@ -33,6 +33,7 @@ import httpx
 from pipelines.console.output import progress
 from pipelines.errors import InputError, ServeError
 from pipelines.files.atomic import storage_error
+from pipelines.fleet.cores import CorePlan, allowed_cores, plan_cores
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
 from pipelines.fleet.metrics import RouteSeries, write_metrics
@@ -51,6 +52,7 @@ from pipelines.fleet.state import (
     write_state,
 )
 from pipelines.fleet.traffic import LogTail, TrafficCounter
+from pipelines.hardware.targets import installed_target
 from pipelines.registry.store import Registry
 from pipelines.schema import StrictModel
 from pipelines.serve.reclaim import Watchdog
@@ -71,6 +73,7 @@ class Prepared(StrictModel):
     fit: FitReport
     nginx: Path
     nginx_check: str
+    cores: CorePlan | None = None  # each route's cores on a CPU host (cores.py); None on a GPU
 
 
 def prepare(deployment: Deployment, source: Path, registry: Registry, *, nginx: str | None = None) -> Prepared:
@@ -80,12 +83,23 @@ def prepare(deployment: Deployment, source: Path, registry: Registry, *, nginx: 
         raise InputError(f"deployment {deployment.name!r} is already running (pid {previous.supervisor_pid}); `quantize serve stop "
                          f"{deployment.name}` first", file=source, field="name")
     routes = resolve_routes(deployment, registry, source=source)
+    routes, cores = _pin_cores(routes)
     fit = check_fit(routes, source=source)
     binary = find_nginx(nginx)
     if not port_free(deployment.listen.host, deployment.listen.port):
         raise InputError(f"port {deployment.listen.port} on {deployment.listen.host} is already in use", file=source, field="listen.port")
     check = _dry_check(deployment, routes, binary)
-    return Prepared(deployment=deployment, source=source, routes=routes, fit=fit, nginx=binary, nginx_check=check)
+    return Prepared(deployment=deployment, source=source, routes=routes, fit=fit, nginx=binary, nginx_check=check, cores=cores)
+
+
+def _pin_cores(routes: list[ResolvedRoute]) -> tuple[list[ResolvedRoute], CorePlan | None]:
+    """On vLLM's CPU build, each route's worker on its own cores (cores.py); a GPU's servers are not pinned."""
+    if installed_target().kind != "cpu":
+        return routes, None
+    plan = plan_cores(allowed_cores(), len(routes))
+    pinned = [route.model_copy(update={"serve": route.serve.model_copy(update={"cpu_cores": cores})})
+              for route, cores in zip(routes, plan.cores, strict=True)]
+    return pinned, plan
 
 
 def _dry_check(deployment: Deployment, routes: list[ResolvedRoute], binary: Path) -> str:
@@ -126,7 +140,8 @@ def max_conns(deployment: Deployment, route: ResolvedRoute) -> int:
 
 
 def vllm_args(route: ResolvedRoute) -> str:
-    return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}"])
+    pinned = [f"VLLM_CPU_OMP_THREADS_BIND={route.serve.cpu_cores}"] if route.serve.cpu_cores is not None else []
+    return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}", *pinned])
 
 
 class RouteServer:

@@ -27,7 +27,7 @@ from statistics import NormalDist
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import brentq
-from scipy.stats import binom, binomtest, norm
+from scipy.stats import beta, binom, binomtest, norm
 
 from pipelines.gate import betting
 
@@ -226,8 +226,12 @@ def wilson_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE
 def exact_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE) -> float:
     """One-sided Clopper-Pearson lower confidence bound of a binomial proportion (scipy's binomtest, method "exact"):
     the `1 - confidence` quantile of Beta(successes, n - successes + 1), 0 with no success. P(bound > true p) <= 1 - c
-    for every p (Wilson's bound exceeds that by discreteness: 7.6% at p = 0.03, n = 250)."""
-    return float(binomtest(successes, n).proportion_ci(confidence_level=two_sided_level(confidence), method="exact").low)
+    for every p (Wilson's bound exceeds that by discreteness: 7.6% at p = 0.03, n = 250). The quantile itself
+    (scipy.stats.beta), not binomtest's root search for it: the same bound to 1e-12, a hundred times faster, and the
+    gate's audit evaluates it for every table of every set size."""
+    if not (isinstance(n, int | np.integer) and isinstance(successes, int | np.integer) and 0 <= successes <= n and n >= 1):
+        raise ValueError(f"exact_lower_bound needs 0 <= successes <= n and n >= 1 (got {successes} of {n})")
+    return 0.0 if successes == 0 else float(beta.ppf(1.0 - confidence, successes, n - successes + 1))
 
 
 def mean_difference_interval(

@@ -80,12 +80,17 @@ class ServeSettings(StrictModel):
     # vLLM's --num-gpu-blocks-override (also honoured by its CPU build): a KV cache of exactly this many blocks, whatever the
     # KV space. Not for scoring: a KV cache too small to hold the batch preempts (a watched deployment's induced breach).
     num_gpu_blocks_override: int | None = Field(default=None, gt=0, le=2**31 - 1)
+    # vLLM CPU's VLLM_CPU_OMP_THREADS_BIND: the cores its worker's threads are pinned to. Unset, every vLLM on a host pins its
+    # worker to the same cores (all but one reserved core), so two servers side by side fight for them: a busy one starved
+    # the other's start-up past 300 s (measured, docs/fleet.md). The fleet gives each route its own (pipelines/fleet/cores.py).
+    cpu_cores: str | None = Field(default=None, max_length=4096, pattern=r"^\d{1,5}(-\d{1,5})?(,\d{1,5}(-\d{1,5})?)*$")
 
     def cache_fields(self) -> dict:
         """The settings that can change scores (timeouts cannot), with the dtype this host serves."""
         fields = {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
-        if self.num_gpu_blocks_override is None:  # the cache keys of every scored baseline stay what they were
-            fields.pop("num_gpu_blocks_override")
+        for name in ("num_gpu_blocks_override", "cpu_cores"):  # unset: the cache keys of every scored baseline stay what they were
+            if fields[name] is None:
+                fields.pop(name)
         return fields
 
     def vllm_args(self) -> list[str]:
@@ -264,6 +269,8 @@ def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[
         VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
     )
+    if settings.cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
     return env
 
 

@@ -126,13 +126,14 @@ def finished(process: subprocess.Popen, argv: str, timeout_s: float = 300) -> Co
 @pytest.fixture(scope="module")
 def watched(workspace: Workspace, w8a8_run: CommandRun, tmp_path_factory) -> SimpleNamespace:
     assert w8a8_run.code == 0, w8a8_run.describe()
-    return scenario(workspace, tmp_path_factory.mktemp("watch"))
+    return scenario(workspace, w8a8_run.json["registry_version"], tmp_path_factory.mktemp("watch"))
 
 
-def scenario(workspace: Workspace, folder: Path) -> SimpleNamespace:
-    """Everything the tests below read, run once: deploy, Prometheus, the server, the light and heavy loads and their watches."""
+def scenario(workspace: Workspace, load_tested: int, folder: Path) -> SimpleNamespace:
+    """Everything the tests below read, run once: deploy, Prometheus, the server, the light and heavy loads and their watches.
+    `load_tested` is w8a8_run's version (other files promote versions without a load test before this one runs)."""
     registry = Registry(workspace.registry_path)
-    first = [v for v in registry.list(MODEL) if v.status == "promoted"][-1]
+    first = registry.show(MODEL, load_tested)
     assert first.gate is not None and first.gate.performance is not None, "w8a8_run was load-tested"
     second = second_version(workspace, first)
     registry.set_alias(MODEL, "production", first.version)

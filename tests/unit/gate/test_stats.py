@@ -94,12 +94,19 @@ def test_one_sided_bounds_are_the_ends_of_the_two_sided_interval_at_2c_minus_1()
     assert stats.identical_floor(60) == pytest.approx(1.6448536**2 / (60 + 1.6448536**2), abs=1e-8)
 
 
-def test_exact_lower_bound_is_the_beta_quantile():
-    # Clopper-Pearson: the 5% quantile of Beta(k, n - k + 1).
-    from scipy.stats import beta
+def test_exact_lower_bound_is_binomtest_s_clopper_pearson_bound():
+    # The Beta quantile against scipy's binomtest (its own root search, two-sided at 2c - 1) over a grid of tables.
+    from scipy.stats import binomtest
 
-    assert stats.exact_lower_bound(24, 600) == pytest.approx(beta.ppf(0.05, 24, 577), abs=1e-10)
-    assert stats.exact_lower_bound(0, 50) == 0.0
+    for n in (1, 7, 47, 250, 1000):
+        for k in sorted({0, 1, min(2, n), n // 3, n - 1, n}):
+            for confidence in (0.9, 0.95, 0.99):
+                expected = binomtest(k, n).proportion_ci(confidence_level=2 * confidence - 1, method="exact").low
+                assert stats.exact_lower_bound(k, n, confidence=confidence) == pytest.approx(expected, abs=1e-9), (k, n, confidence)
+    assert stats.exact_lower_bound(20, 20, confidence=0.95) == pytest.approx(0.05 ** (1 / 20), abs=1e-12)  # all n: P(X = n | p) = p^n = 1 - c
+    for bad in ((-1, 10), (11, 10), (0, 0), (1.5, 10)):
+        with pytest.raises(ValueError):
+            stats.exact_lower_bound(*bad)
 
 
 def test_zero_count_floor_is_clopper_pearson_s_bound_of_a_rate_never_seen():
