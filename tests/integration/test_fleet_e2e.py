@@ -88,9 +88,9 @@ def test_the_chain_survives_a_crash_and_a_hang_under_load(workspace: Workspace, 
             drill_done.set()
 
         threading.Thread(target=run_drill, daemon=True).start()
-        while not drill_done.wait(1.0):  # while the primary is being restarted, status must say so
+        while not drill_done.wait(1.0):  # while the primary is being restarted (dead, restarting, then starting), status must say so
             primary = read_state(run_folder(workspace, NAME)).routes[0]
-            if primary.status in ("dead", "restarting") and not seen_degraded:
+            if primary.status in ("dead", "restarting", "starting") and not seen_degraded:
                 status = workspace.quantize("serve", "status", NAME, "--json")
                 assert status.code == 0, status.describe()
                 seen_degraded.append(status.json)
