@@ -68,3 +68,15 @@ def make_family_model(family: str, folder: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     train_tokenizer(tokenizer_texts(), COMMON["vocab_size"]).save_pretrained(folder)
     return folder
+
+
+def target_that_serves(recipe_name: str):
+    """The written `cpu` target (pipelines.hardware.targets.CPU) when its kernel rules serve every quantized group of the
+    recipe, else a Hopper GPU's (block FP8 and FP8 weight-only have no kernel in vLLM's CPU build): where a test compiles
+    or quantizes every shipped recipe, each for a target that serves it. Asked of the rules, not by recipe name."""
+    from pipelines.hardware.targets import CPU, cpu_rules, parse_target
+    from pipelines.recipe import load_recipe
+
+    groups = load_recipe(recipe_name).recipe.groups
+    schemes = [scheme for scheme in (groups.attention, groups.mlp) if scheme is not None]
+    return CPU if all(cpu_rules(scheme, CPU) is None for scheme in schemes) else parse_target("cuda:9.0")

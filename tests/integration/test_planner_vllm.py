@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 
 import pytest
+from families import target_that_serves
 
-from pipelines.hardware.targets import parse_target
 from pipelines.paths import DEMO_MODEL_DIR, RECIPES_DIR
 from pipelines.planner import GiB, kv_capacity_tokens, load_config, model_shape, predict_weight_bytes, safetensors_bytes
 from pipelines.planner.kv import CPU_BLOCK_SIZE
@@ -54,8 +54,7 @@ def test_predicted_weight_bytes_match_the_quantized_files(workspace, recipe_name
     # The session's artifacts root: an artifact another test (or run) already made is reused, not redone. Quantized for
     # a host class that serves every shipped recipe (the bytes do not depend on where it is served).
     # Block FP8 and FP8 weight-only have no kernel in vLLM's CPU build: quantized for a Hopper GPU's rules (llm-compressor runs here).
-    target = parse_target("cuda:9.0" if recipe_name in ("fp8-block", "fp8-w8a16") else "cpu")
-    artifact = quantize_model(recipe_name, DEMO_MODEL_DIR, artifacts_root=workspace.artifacts, target=target).artifact_dir
+    artifact = quantize_model(recipe_name, DEMO_MODEL_DIR, artifacts_root=workspace.artifacts, target=target_that_serves(recipe_name)).artifact_dir
 
     recipe = load_recipe(recipe_name).recipe
     predicted = predict_weight_bytes(model_shape(*load_config(DEMO_MODEL_DIR)), recipe).total_bytes

@@ -8,9 +8,9 @@ from functools import cache
 from typing import Any
 
 import pytest
-from families import FAMILIES, family_config
+from families import FAMILIES, family_config, target_that_serves
 
-from pipelines.hardware.targets import CPU, parse_target
+from pipelines.hardware.targets import CPU
 from pipelines.planner import ModelShape, linear_bytes, linear_schemes, model_shape, predict_weight_bytes, shape_layout
 from pipelines.quantize.compiler import check_recipe, resolve_schemes
 from pipelines.quantize.layout import FUSED_SHARDS, ModelLayout, layout_from_config
@@ -94,9 +94,7 @@ def test_repair_units_are_what_vllm_serves_and_price_what_the_planner_predicts(f
     its shards sharing one scheme; the units' bytes are the planner's whole difference to the 16-bit model."""
     layout, shape = model(family)
     recipe = load_recipe(recipe_name).recipe
-    # Formats vLLM's CPU build does not serve (block FP8, FP8 weight-only) are checked for a Hopper GPU
-    target = parse_target("cuda:9.0") if recipe_name in ("fp8-block", "fp8-w8a16") else CPU
-    units = units_of(check_recipe(recipe, layout, recipe_name, target))
+    units = units_of(check_recipe(recipe, layout, recipe_name, target_that_serves(recipe_name)))
     assert [unit.name.split(".", 2)[2] for unit in units if unit.layer == 0] == ["self_attn.qkv", "self_attn.o", "mlp.gate_up", "mlp.down"]
     assert sorted(info.name for unit in units for info in unit.modules) == sorted(info.name for info in layout.linears)
     for unit in units:
