@@ -270,6 +270,9 @@ class Supervisor:
         state = self.state.routes[index]
         state.status = "starting"
         self.save()
+        # A new server's silence is timed from its own start: a silence that began before (its predecessor's death, seen
+        # on /health a tick before its exit) made the restarted primary "hung" 3 s after a 15 s SIGSTOP (measured).
+        self.silent_since.pop(index, None)
         running = server.start()
         state.status, state.why = "up", ""
         state.port, state.pid, state.started_at, state.startup_s = running.port, running.process.pid, time.time(), running.startup_s

@@ -179,6 +179,28 @@ def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
     assert not httpx_reachable(port)
 
 
+def test_a_restarted_route_s_silence_is_timed_from_its_own_start(prepared: Prepared) -> None:
+    """Its predecessor's silence (the tick that saw /health fail before the exit) must not count: it made the restarted
+    primary "hung" 3 s into a 15 s SIGSTOP in the real drill (tests/integration/test_fleet_e2e.py)."""
+    supervisor = Supervisor(prepared)
+    supervisor.folder.mkdir(parents=True, exist_ok=True)
+    server = supervisor.servers[0]
+    supervisor.silent_since[0] = time.time() - 3600  # the dead predecessor went silent an hour ago
+    try:
+        supervisor._start_route(0, server)
+        assert server.server is not None
+        group = os.getpgid(server.server.process.pid)
+        os.killpg(group, signal.SIGSTOP)  # the new server stops answering now
+        try:
+            supervisor._check_hung(0, server)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        route_state = supervisor.state.routes[0]
+        assert route_state.status == "up" and route_state.restarts == 0, route_state
+    finally:
+        server.stop()
+
+
 def metrics(port: int) -> str:
     return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
 
