@@ -24,7 +24,8 @@ from pipelines.evaluation.evaluate import ItemScore, Prompt, SetScore
 from pipelines.evaluation.metrics import make_spec
 from pipelines.files.hashing import file_hashes
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
-from pipelines.gate.verdict import FitCheck, GateReport, PairedItem, SetComparison, decide
+from pipelines.gate.schema import FitCheck, GateReport
+from pipelines.gate.verdict import PairedItem, SetComparison, decide
 from pipelines.jobs import job as job_module
 from pipelines.recipe import LoadedRecipe
 from pipelines.registry.promotion import promote_signed

@@ -33,7 +33,8 @@ from pipelines.evaluation.evalsets import discover_eval_sets, select_eval_sets
 from pipelines.evaluation.metrics import make_spec
 from pipelines.gate import exact, identical, stats
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, SetPolicy, load_policy
-from pipelines.gate.verdict import PairedItem, SetComparison, judge_set, load_report, table_rejects, tolerance
+from pipelines.gate.schema import load_report
+from pipelines.gate.verdict import PairedItem, SetComparison, judge_set, table_rejects, tolerance
 from pipelines.paths import DEMO_EVAL_SETS
 
 SIZES = (20, 50, 100, 250, 1000)

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipelines.gate.verdict import GateReport, load_report
+from pipelines.gate.schema import GateReport, load_report
 from pipelines.loadtest.render import ratio_text
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from pipelines.artifact import Manifest, read_manifest, read_model_config
-from pipelines.gate.verdict import GateReport, load_report
+from pipelines.gate.schema import GateReport, load_report
 from pipelines.planner import GiB, model_shape, predict_weight_bytes
 from pipelines.recipe import load_recipe
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pipelines.artifact import artifact_hash
 from pipelines.gate.policy import DEFAULT_POLICY
-from pipelines.gate.verdict import load_report
+from pipelines.gate.schema import load_report
 from pipelines.paths import DEMO_MODEL_DIR
 
 CANDIDATE_STAGES = ("quantize_s", "candidate_serve_start_s", "candidate_scoring_s", "gate_s")

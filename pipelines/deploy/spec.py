@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from pipelines.errors import InputError, from_validation_error
-from pipelines.gate.verdict import GateReport
+from pipelines.gate.schema import GateReport
 from pipelines.hardware.targets import installed_target
 from pipelines.loadtest.config import PerformancePolicy, ProductionSlo, SloTargets
 from pipelines.loadtest.results import LevelFigures, ModelFigures, Percentiles, PerformanceReport

@@ -29,7 +29,7 @@ from pipelines.deploy.spec import ServedSpec, envelope_of, spec_of
 from pipelines.errors import InputError
 from pipelines.files.hashing import folder_hash
 from pipelines.fleet.deployment import Deployment, Route, route_field
-from pipelines.gate.verdict import GateReport
+from pipelines.gate.schema import GateReport
 from pipelines.loadtest.results import PerformanceReport
 from pipelines.registry.store import Registry, Version
 from pipelines.schema import StrictModel

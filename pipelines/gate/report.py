@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from pipelines.console import output
 from pipelines.gate.policy import SetPolicy
-from pipelines.gate.verdict import GateReport, GateResult, SetVerdict
+from pipelines.gate.schema import GateReport, GateResult, SetVerdict
 from pipelines.loadtest.render import console_tables, markdown_sections
 from pipelines.planner import Plan
 from pipelines.planner.view import PLAN_COLUMNS, gib, plan_row_cells, plan_title, vllm_arguments

@@ -1,6 +1,6 @@
 """What the load test reports: the `performance` section of gate.json (docs/gate-json.md, docs/loadtest.md).
 
-Light on purpose (pydantic only): pipelines.gate.verdict imports it for GateReport.performance.
+Light on purpose (pydantic only): pipelines.gate.schema imports it for GateReport.performance.
 """
 
 from __future__ import annotations

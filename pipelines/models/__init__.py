@@ -1,1 +1,1 @@
-"""Real pretrained models, offline: the GGUF catalogue and conversion, and the GGUF tokenizer."""
+"""Real pretrained models, offline: the GGUF header reader, the catalogue and conversion, and the GGUF tokenizer."""

@@ -107,7 +107,7 @@ class TokenizerCheck(NamedTuple):
 
 
 def read_vocab(fields: dict[str, Any]) -> GgufVocab:
-    """The tokenizer fields of a GGUF header (as `pipelines.models.catalog` scans them, arrays materialized)."""
+    """The tokenizer fields of a GGUF header (as `pipelines.models.gguf` scans them, arrays materialized)."""
     tokens = fields.get("tokenizer.ggml.tokens")
     model = fields.get("tokenizer.ggml.model")
     if not isinstance(model, str) or not isinstance(tokens, list) or not tokens:

@@ -39,7 +39,8 @@ from pipelines.files.atomic import hidden_sibling, storage_error
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
 from pipelines.files.safepath import safe_component
 from pipelines.files.yamlio import MAX_JSON_BYTES, read_user_bytes
-from pipelines.gate.verdict import GateReport, SetComparison
+from pipelines.gate.schema import GateReport
+from pipelines.gate.verdict import SetComparison
 from pipelines.registry.signing import SIGNATURE_NAME, BundleCheck, parse_record, verify_bundle
 
 if TYPE_CHECKING:

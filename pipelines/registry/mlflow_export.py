@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.errors import InputError
-from pipelines.gate.verdict import GateReport
+from pipelines.gate.schema import GateReport
 from pipelines.registry.store import Registry, Version, verify_version
 from pipelines.settings import current as current_settings
 
@@ -23,7 +23,7 @@ EXPERIMENT = "quantgate"
 ARTIFACT_SUBDIR = "artifact"
 # MLflow's tag value limit on older servers.
 _MAX_VALUE = 5000
-# Per-set numbers of pipelines.gate.verdict.SetVerdict that become tags `gate.<eval set>.<field>`.
+# Per-set numbers of pipelines.gate.schema.SetVerdict that become tags `gate.<eval set>.<field>`.
 SET_TAG_FIELDS = (
     "passed", "n", "metric", "higher_is_better", "unit", "baseline_score", "candidate_score", "delta", "worsening",
     "ci_low", "ci_high", "interval_method",

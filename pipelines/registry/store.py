@@ -13,7 +13,7 @@ when it is registered, promoted, given an alias, rolled back to, or resolved for
 records its manifest.json's own sha256 and the stat fingerprint of its files at the last full
 verification, so these later checks re-hash only files whose size, mtime, ctime or inode changed
 (pipelines.artifact.verify_artifact says what that costs). gate.json is read once, into the typed
-pipelines.gate.verdict.GateReport, when a version is registered; `Version.gate` returns it.
+pipelines.gate.schema.GateReport, when a version is registered; `Version.gate` returns it.
 
 Reading (list, show, history, resolve) opens the file read-only (`file:...?mode=ro`), so a registry on
 a read-only disk, or a file the user may not write, can still be inspected.
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipelines.artifact import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck, verify_artifact  # noqa: F401 (re-exported)
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_json
-from pipelines.gate.verdict import GateReport, read_report
+from pipelines.gate.schema import GateReport, read_report
 from pipelines.registry.evidence import verify_promotion
 from pipelines.registry.signing import SignatureRecord, require_signed_bundle
 from pipelines.settings import current as current_settings

@@ -29,7 +29,7 @@ from pipelines.evaluation.evalsets import select_eval_sets
 from pipelines.files.hashing import sha256_file, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.gate.policy import Policy, SetPolicy, load_gate_policy
-from pipelines.gate.verdict import GateReport, read_report
+from pipelines.gate.schema import GateReport, read_report
 from pipelines.planner import gpu_spec
 from pipelines.quantize.calibration import source_of
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, parse_recipe

@@ -24,7 +24,7 @@ from pipelines.console.progress import duration
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
 from pipelines.files.atomic import write_json_atomic, write_text_atomic
 from pipelines.files.hashing import sha256_text
-from pipelines.gate.verdict import GateReport
+from pipelines.gate.schema import GateReport
 from pipelines.hardware.targets import ServeTarget, installed_target
 from pipelines.quantize.compiler import scheme_summary
 from pipelines.quantize.layout import layout_from_model_dir

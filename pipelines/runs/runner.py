@@ -47,7 +47,8 @@ from pipelines.files.safepath import safe_component
 from pipelines.gate.pairing import pair_set
 from pipelines.gate.policy import Policy
 from pipelines.gate.report import render_markdown, with_unverified_note
-from pipelines.gate.verdict import FitCheck, GateReport, decide, load_report
+from pipelines.gate.schema import FitCheck, GateReport, load_report
+from pipelines.gate.verdict import decide
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
 from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed

@@ -32,7 +32,7 @@ from pipelines.evaluation.divergence import KL_METHOD, baseline_references, cand
 from pipelines.files.hashing import folder_hash
 from pipelines.files.jsonl import display_path, iter_jsonl
 from pipelines.gate import stats
-from pipelines.gate.verdict import GateReport
+from pipelines.gate.schema import GateReport
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import RunningServer, ServeSettings, vllm_server
 

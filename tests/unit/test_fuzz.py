@@ -816,7 +816,8 @@ def rejected_run(world, name: str, *, register: bool = True, verdict_registered:
     from pipelines.files.hashing import file_hashes, sha256_file
     from pipelines.gate.pairing import PairedItem, SetComparison
     from pipelines.gate.policy import load_policy
-    from pipelines.gate.verdict import GateReport, decide
+    from pipelines.gate.schema import GateReport
+    from pipelines.gate.verdict import decide
     from pipelines.recipe import load_recipe
     from pipelines.registry.store import NewVersion, Registry
 

@@ -332,7 +332,7 @@ def test_time_budgets_grow_with_the_renderings(monkeypatch) -> None:
 def test_a_gguf_deeper_than_its_family_is_refused_from_the_header(tmp_path: Path, capsys, architecture: str) -> None:
     from test_models import write_gguf
 
-    from pipelines.models.catalog import MAX_BLOCKS
+    from pipelines.models.gguf import MAX_BLOCKS
 
     deep = write_gguf(tmp_path / "deep.gguf", architecture=architecture, blocks=MAX_BLOCKS[architecture] + 1)
     started = time.monotonic()

@@ -8,15 +8,8 @@ from pydantic import ValidationError
 from pipelines.errors import InputError
 from pipelines.evaluation.metrics import make_spec
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, RuleOverrides, SetPolicy, load_policy
-from pipelines.gate.verdict import (
-    FitCheck,
-    GateReport,
-    PairedItem,
-    SetComparison,
-    decide,
-    load_report,
-    save_report,
-)
+from pipelines.gate.schema import FitCheck, GateReport, load_report, save_report
+from pipelines.gate.verdict import PairedItem, SetComparison, decide
 
 GIB = 1024**3
 EXACT_MATCH = make_spec("exact_match")

@@ -87,7 +87,8 @@ def test_tango_coverage_is_exact_over_the_tables():
 
 
 def test_bench_gate_prints_the_oc_of_the_user_s_own_sets(capsys, tmp_path):
-    from pipelines.gate.verdict import GateReport, decide
+    from pipelines.gate.schema import GateReport
+    from pipelines.gate.verdict import decide
 
     cells = [(1.0, 0.0)] * 3 + [(0.0, 1.0)] * 2 + [(1.0, 1.0)] * 100 + [(0.0, 0.0)] * 15
     items = [PairedItem(item_id=str(i), baseline=b, candidate=c) for i, (b, c) in enumerate(cells)]

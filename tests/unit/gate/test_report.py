@@ -8,7 +8,8 @@ from fakes import REPORT_POLICY, make_report, set_comparison
 from rich.console import Console
 
 from pipelines.gate.report import plan_tables, render_console, render_markdown
-from pipelines.gate.verdict import GateReport, decide
+from pipelines.gate.schema import GateReport
+from pipelines.gate.verdict import decide
 from pipelines.planner import gpu_spec, plan
 
 

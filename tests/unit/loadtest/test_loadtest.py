@@ -211,7 +211,7 @@ def test_an_impossible_slo_rejects_on_a_gpu_target_and_only_warns_on_a_cpu_targe
     found, _ = verdict.checks(policy, 16, level(16, good=0.0), ratio)
     assert [(c.name, c.passed) for c in found] == [
         ("throughput_ratio", True), ("ttft_p95_ratio", True), ("slo_good_fraction", False), ("errors", True)]
-    from pipelines.gate.verdict import GateResult, StatsSettings
+    from pipelines.gate.schema import GateResult, StatsSettings
 
     promoted = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
     reasons, warnings = verdict.outcome(found, *verdict.enforcement(policy, "cuda:9.0")[:1], "cuda:9.0")
@@ -371,7 +371,7 @@ def test_the_summary_carries_the_deployment_concurrencys_ratios(tmp_path):
 
 
 def test_gate_json_stays_schema_2_and_reads_back_with_or_without_performance(tmp_path):
-    from pipelines.gate.verdict import GateReport, GateResult, StatsSettings
+    from pipelines.gate.schema import GateReport, GateResult, StatsSettings
 
     gate = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
     with_it = GateReport(gate=gate, performance=report(tmp_path))
@@ -390,7 +390,7 @@ def test_the_driver_module_imports_without_vllm():
 
 def test_the_cost_benchmark_splits_stage_times_and_summarises_a_run(tmp_path):
     from pipelines.benchmarks.loadtest_cost import stage_cost, summary
-    from pipelines.gate.verdict import GateReport, GateResult, StatsSettings
+    from pipelines.gate.schema import GateReport, GateResult, StatsSettings
 
     stages = {"quantize_s": 5.0, "baseline_serve_start_s": 25.0, "baseline_scoring_s": 60.0, "candidate_serve_start_s": 24.0,
               "candidate_scoring_s": 50.0, "gate_s": 1.0, "loadtest_baseline_serve_start_s": 26.0, "loadtest_s": 30.0}

@@ -21,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 from pipelines.cli import main  # noqa: E402
 from pipelines.errors import InputError  # noqa: E402
 from pipelines.models import catalog as models  # noqa: E402
+from pipelines.models import gguf as gguf_header  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -68,10 +69,10 @@ def write_gguf(
     writer.add_tokenizer_model(tokenizer)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    if architecture in models.SUPPORTED_ARCHITECTURES:
-        required, _ = models._expected_tensors(architecture, blocks)
+    if architecture in gguf_header.SUPPORTED_ARCHITECTURES:
+        required, _ = gguf_header._expected_tensors(architecture, blocks)
     else:
-        required, _ = models._expected_tensors("llama", blocks)
+        required, _ = gguf_header._expected_tensors("llama", blocks)
     for name in [*required, *extra]:
         if name not in skip:
             writer.add_tensor(name, np.ones(_shape(name, architecture), dtype=np.float32))
@@ -91,10 +92,10 @@ def models_dir(tmp_path: Path) -> Path:
     return tmp_path / "models"
 
 
-@pytest.mark.parametrize("architecture", models.SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", gguf_header.SUPPORTED_ARCHITECTURES)
 def test_a_well_formed_header_of_each_architecture_passes(tmp_path: Path, architecture: str) -> None:
-    header = models.inspect_gguf(write_gguf(tmp_path / "ok.gguf", architecture=architecture, blocks=2))
-    per_block = len(models.BLOCK_TENSORS[architecture]) + len(models.BLOCK_BIASES.get(architecture, ()))
+    header = gguf_header.inspect_gguf(write_gguf(tmp_path / "ok.gguf", architecture=architecture, blocks=2))
+    per_block = len(gguf_header.BLOCK_TENSORS[architecture]) + len(gguf_header.BLOCK_BIASES.get(architecture, ()))
     assert (header.architecture, header.block_count, header.tensor_count) == (architecture, 2, 2 + 2 * per_block)
     assert header.tensor_types == ["F32"]
 
@@ -102,11 +103,12 @@ def test_a_well_formed_header_of_each_architecture_passes(tmp_path: Path, archit
 def test_expected_tensor_names_come_from_gguf_py_s_tables() -> None:
     """Each architecture's names are llama.cpp's (gguf.TENSOR_NAMES), and each tensor is one gguf.MODEL_TENSORS
     lists for it: Phi-3's fused attn_qkv, Gemma's four norms, Qwen3/Gemma 3's q/k norms."""
-    assert models.tensor_names("phi3")[1] == [f"blk.{{bid}}.{n}" for n in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")]
-    gemma3 = models.tensor_names("gemma3")[1]
+    phi3 = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+    assert gguf_header.tensor_names("phi3")[1] == [f"blk.{{bid}}.{n}" for n in phi3]
+    gemma3 = gguf_header.tensor_names("gemma3")[1]
     assert {"blk.{bid}.attn_q_norm", "blk.{bid}.post_attention_norm", "blk.{bid}.ffn_norm", "blk.{bid}.post_ffw_norm"} <= set(gemma3)
-    assert "blk.{bid}.attn_k_norm" in models.tensor_names("qwen3")[1]
-    assert models._expected_tensors("qwen2", 1)[0][-3:] == ["blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"]
+    assert "blk.{bid}.attn_k_norm" in gguf_header.tensor_names("qwen3")[1]
+    assert gguf_header._expected_tensors("qwen2", 1)[0][-3:] == ["blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"]
 
 
 def _truncated(path: Path, keep: int) -> Path:
@@ -368,7 +370,7 @@ def test_hostile_header_is_refused_fast_in_bounded_memory(tmp_path: Path, case, 
     started = time.perf_counter()
     try:
         with pytest.raises(InputError) as caught:
-            models.inspect_gguf(bad)
+            gguf_header.inspect_gguf(bad)
     finally:
         wall = time.perf_counter() - started
         peak = tracemalloc.get_traced_memory()[1]

@@ -16,7 +16,8 @@ from pipelines.errors import InputError
 from pipelines.evaluation.metrics import make_spec
 from pipelines.files.hashing import file_hashes
 from pipelines.gate.policy import DEFAULT_POLICY, load_policy
-from pipelines.gate.verdict import GateReport, PairedItem, SetComparison, decide
+from pipelines.gate.schema import GateReport
+from pipelines.gate.verdict import PairedItem, SetComparison, decide
 from pipelines.registry.mlflow_export import export_to_mlflow, gate_tags
 from pipelines.registry.store import MANIFEST_FILES_KEY, NewVersion, Registry, Version
 

@@ -17,7 +17,7 @@ from pipelines.artifact import artifact_hash
 from pipelines.cli import main
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_file, sha256_json
-from pipelines.gate.verdict import load_report
+from pipelines.gate.schema import load_report
 from pipelines.registry.store import (
     MANIFEST_FILES_KEY,
     EvalSetRef,

@@ -17,7 +17,8 @@ from pipelines.errors import InputError, ServeError
 from pipelines.evaluation.metrics import make_spec
 from pipelines.files.hashing import sha256_file
 from pipelines.gate.policy import load_policy
-from pipelines.gate.verdict import GateReport, PairedItem, SetComparison, decide
+from pipelines.gate.schema import GateReport
+from pipelines.gate.verdict import PairedItem, SetComparison, decide
 from pipelines.hardware.targets import CPU, parse_target
 from pipelines.planner import gpu_spec, model_shape, predict_weight_bytes
 from pipelines.quantize.compiler import check_recipe, scheme_summary
