@@ -166,6 +166,22 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def describe_group(pgid: int) -> str:
+    """The members of process group `pgid` as `pid name state cpu-seconds`, for a server that never became healthy: a
+    member in state T was stopped, one with no CPU time never ran, one in R at full CPU was busy."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parts = []
+    for pid in group_members(pgid):
+        stat = _stat_fields(pid)
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if stat is not None:
+            parts.append(f"{pid} {name} {stat[0]} {(int(stat[11]) + int(stat[12])) / ticks:.1f} s CPU")
+    return "; ".join(parts) or "no process left"
+
+
 def stop_group(pgid: int, grace_s: float = DEFAULT_GRACE_S) -> bool:
     """SIGTERM group `pgid`, wait up to `grace_s` for it to empty, then SIGKILL what is left. True if any was found."""
     if not group_members(pgid):

@@ -39,7 +39,7 @@ from pipelines.errors import ServeError
 from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.schema import StrictModel
-from pipelines.serve.reclaim import Watchdog, die_with_parent, shim_prefix, start_watchdog
+from pipelines.serve.reclaim import Watchdog, describe_group, die_with_parent, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
 LOOPBACK = "127.0.0.1"
@@ -292,7 +292,8 @@ def _wait_until_healthy(
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
                 return
             time.sleep(0.5)
-    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s: {failure_line(log_path)}", file=log_path)
+    raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s ({describe_group(server.pid)}): {failure_line(log_path)}",
+                     file=log_path)
 
 
 def _confirm_ours(

@@ -31,7 +31,7 @@ from pipelines.fleet.routes import ResolvedRoute
 from pipelines.fleet.state import read_state, run_dir
 from pipelines.fleet.status import status_report
 from pipelines.fleet.supervisor import Prepared, Supervisor
-from pipelines.serve.reclaim import group_members
+from pipelines.serve.reclaim import describe_group, group_members
 from pipelines.serve.serving import RunningServer, ServeSettings, free_port, start_process_group, stop_process_group
 
 NGINX = shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin:/bin")
@@ -199,6 +199,30 @@ def test_a_restarted_route_s_silence_is_timed_from_its_own_start(prepared: Prepa
         assert route_state.status == "up" and route_state.restarts == 0, route_state
     finally:
         server.stop()
+
+
+def test_a_restart_is_given_a_few_times_the_first_start_up_not_the_whole_timeout(tmp_path: Path) -> None:
+    server = supervisor_module.RouteServer(route(0, "primary", tmp_path / "m"), "m", tmp_path / "log")
+    assert server._settings().startup_timeout_s == 300.0  # the first start: the route's own timeout
+    server.first_startup_s = 30.0
+    assert server._settings().startup_timeout_s == supervisor_module.RESTART_STARTUP_FLOOR_S == 120.0
+    server.first_startup_s = 50.0
+    assert server._settings().startup_timeout_s == 200.0
+    server.first_startup_s = 100.0
+    assert server._settings().startup_timeout_s == 300.0  # never beyond the route's timeout
+
+
+def test_a_stuck_start_up_names_each_process_of_its_group_with_its_state(tmp_path: Path) -> None:
+    process, watchdog = start_process_group([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ), log_path=tmp_path / "log")
+    try:
+        os.killpg(process.pid, signal.SIGSTOP)
+        wait_until(lambda: f"{process.pid} python" in describe_group(process.pid) and " T " in describe_group(process.pid))
+        assert describe_group(process.pid).endswith("s CPU")
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+        stop_process_group(process, grace_s=2)
+        watchdog.stop()
+    assert describe_group(process.pid) == "no process left"
 
 
 def metrics(port: int) -> str:
