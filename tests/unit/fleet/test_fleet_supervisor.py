@@ -93,6 +93,18 @@ def route(index: int, label: str, folder: Path) -> ResolvedRoute:
                          timeout_s=1.0, timeout_basis="set in the test")
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler() -> Iterator[None]:
+    """The tests stop the supervisor with _thread.interrupt_main(), which does nothing when SIGINT is not handled by
+    Python: in the full suite something earlier in the same process had left SIGINT ignored, and the crash-and-hang test
+    never ended (CI, 3 December; also under pytest-xdist). Python's own handler for the test, the previous one after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def prepared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Prepared:
     monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
