@@ -164,6 +164,8 @@ def staged_bundle(version: VersionLike, final: Path, run_dir: Path | None) -> It
     """A complete bundle (artifact + evidence) in a hidden folder, for the caller to sign; renamed to `final`
     when the block succeeds, removed when it fails. Its folder already has the final name (the signature's
     subject names the model folder)."""
+    if final.exists():
+        _refuse_foreign_bundle(final, version)
     parent = hidden_sibling(final)
     try:
         folder = parent / final.name
@@ -264,6 +266,17 @@ def check_registry_record(bundle: Path, version: VersionLike) -> None:
         raise InputError("the bundle has no readable registry record", file=recorded) from None
     if record != registry_record(version):
         raise InputError(f"the bundle is not version {version.version} of {version.model!r} (its registry record differs)", file=recorded)
+
+
+def _refuse_foreign_bundle(final: Path, version: VersionLike) -> None:
+    """A bundle already at `final` is replaced only when it is this version's (an attempt that died before the registry
+    recorded it). Another registry in the same folder numbers its versions too: its signed bundle of the same model and
+    number was replaced here, and the first registry's bundle no longer verified (two registries of one CI run)."""
+    try:
+        check_registry_record(final, version)
+    except InputError as error:
+        raise InputError(f"{final} holds a bundle this version did not write ({error.message}); another registry beside "
+                         f"{final.parents[2]} promotes into the same folder: give each registry its own folder", file=final) from None
 
 
 def check_bundle_evidence(bundle: Path, version: VersionLike, *, override_gate: bool) -> str:

@@ -72,11 +72,19 @@ def ray_job_run(workspace: Workspace, path: Path, address: str, *args: str, **op
                          env=env, **options)
 
 
+def job_registry(workspace: Workspace, name: str) -> Path:
+    """Each job's registry in its own folder: a registry keeps its signed bundles beside it (promoted/), and two in one
+    folder would promote into the same bundle folders (the product refuses that: pipelines/registry/evidence.py)."""
+    folder = workspace.root / "job-registries" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "registry.db"
+
+
 def write_job(workspace: Workspace, name: str, recipes: list[str], job_inputs: tuple[str, Path], extra: str = "") -> Path:
     eval_set, policy = job_inputs
     path = workspace.root / f"{name}.yaml"
     path.write_text(
-        f"name: {name}\nregistry: {workspace.root / (name + '-registry.db')}\n{extra}"
+        f"name: {name}\nregistry: {job_registry(workspace, name)}\n{extra}"
         f"defaults:\n  eval_sets: [{eval_set}]\n  policy: {policy}\n"
         f"candidates:\n  - model: {DEMO_MODEL_DIR}\n    recipes: [{', '.join(recipes)}]\n"
     )
@@ -155,7 +163,7 @@ def test_the_ledger_and_registry_match_the_local_run(workspace, ray_job, local_j
     from pipelines.registry.store import Registry
 
     def versions(name: str) -> list[tuple]:
-        registry = Registry(workspace.root / f"{name}-registry.db")
+        registry = Registry(job_registry(workspace, name))
         return sorted(
             (v.model, v.recipe_name, v.status, v.artifact_path, v.artifact_hash, v.source_hash, v.recipe_hash, v.manifest_hash,
              tuple((s.name, s.hash) for s in v.eval_sets), v.reason, v.verdict)

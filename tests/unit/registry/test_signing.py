@@ -281,3 +281,16 @@ def test_an_artifact_holding_a_name_the_bundle_reserves_is_not_promoted(cli, wor
     assert "a name the promotion bundle reserves" in capsys.readouterr().err
     assert [v.status for v in Registry(workspace.registry).list(MODEL)] == ["candidate"]
     assert not list((workspace.registry.parent / "promoted" / MODEL).iterdir())
+
+
+def test_a_second_registry_in_the_same_folder_cannot_replace_the_first_one_s_bundle(cli, workspace, tmp_path) -> None:
+    """Two registries side by side number their versions alike and keep bundles in the same promoted/ folder: the second
+    one's version 1 replaced the first one's signed bundle (a CI run's Ray job registries beside the session's), which then
+    no longer verified. The second promotion is refused, before any copy, and the first bundle still verifies."""
+    version = promoted(cli, workspace)
+    other = Registry(workspace.registry.with_name("other-registry.db"))
+    candidate = other.register(version_like(version, tmp_path))
+    assert candidate.version == version.version
+    assert main(["registry", "promote", MODEL, str(candidate.version), "--reason", "by hand", "--registry", str(other.path)]) == 2
+    assert other.show(MODEL, candidate.version).status == "candidate"
+    assert verify(workspace, f"{MODEL}@{version.version}") == 0
