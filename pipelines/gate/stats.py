@@ -227,8 +227,8 @@ def exact_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE)
     """One-sided Clopper-Pearson lower confidence bound of a binomial proportion (scipy's binomtest, method "exact"):
     the `1 - confidence` quantile of Beta(successes, n - successes + 1), 0 with no success. P(bound > true p) <= 1 - c
     for every p (Wilson's bound exceeds that by discreteness: 7.6% at p = 0.03, n = 250). The quantile itself
-    (scipy.stats.beta), not binomtest's root search for it: the same bound to 1e-12, a hundred times faster, and the
-    gate's audit evaluates it for every table of every set size."""
+    (scipy.stats.beta), not binomtest's root search for it: the same bound within 1e-9 (tests/unit/gate/test_stats.py),
+    and the gate's every-size audit, which evaluates it for every table, ran 5x faster (391 s -> 76 s)."""
     if not (isinstance(n, int | np.integer) and isinstance(successes, int | np.integer) and 0 <= successes <= n and n >= 1):
         raise ValueError(f"exact_lower_bound needs 0 <= successes <= n and n >= 1 (got {successes} of {n})")
     return 0.0 if successes == 0 else float(beta.ppf(1.0 - confidence, successes, n - successes + 1))

@@ -51,10 +51,10 @@ def family_runs(workspace: Workspace, tmp_path_factory: pytest.TempPathFactory) 
     models = {family: make_family_model(family, root / family) for family in OTHER_FAMILIES}
     cores = allowed_cores()
     lanes = min(2, len(cores))
+    lane_cores = plan_cores(cores, lanes).cores  # each lane's servers on their own core, as `quantize serve` pins its routes
 
     def job(lane: int, family: str) -> CommandRun:
-        # Each lane's servers on their own core (vLLM's binding, as `quantize serve` pins its routes: pipelines/fleet/cores.py)
-        pinned = {"VLLM_CPU_OMP_THREADS_BIND": plan_cores(cores, lanes).cores[lane]} if lanes > 1 else {}
+        pinned = {"VLLM_CPU_OMP_THREADS_BIND": lane_cores[lane]} if lanes > 1 else {}
         return workspace.run([str(QUANTIZE), "--recipe", "w8a8", "--model", str(models[family]), "--eval-sets", EVAL_SET, "--no-loadtest",
                               "--no-registry", "--json"], env={"QUANTGATE_EVAL_SETS": str(sets), **pinned})
 
