@@ -100,6 +100,26 @@ def make_model(folder: Path, *, manifest: bool = False) -> Path:
     return folder
 
 
+# Python source that starves the process running it, for real: pinned to one CPU beside a busy competitor at normal
+# priority in the same session (one autogroup) but another process group, it turns SCHED_IDLE and spins: always runnable,
+# given about 0.3% of the CPU. The competitor exits with its parent or after STARVE_FOR_S.
+STARVE_FOR_S = 60
+STARVE_SOURCE = f"""
+import os, time
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {{cpu}})
+if os.fork() == 0:
+    os.setpgid(0, 0)
+    parent, until = os.getppid(), time.monotonic() + {STARVE_FOR_S}
+    while time.monotonic() < until and os.getppid() == parent:
+        sum(range(100_000))
+    os._exit(0)
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True:
+    pass
+"""
+
+
 def write_serve_python(venv: Path, script: str) -> Path:
     """A stand-in serve environment: venv/bin/python is the shell `script` (point QUANTGATE_SERVE_VENV at venv)."""
     python = venv / "bin" / "python"

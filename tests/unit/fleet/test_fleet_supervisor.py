@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -22,9 +23,10 @@ import httpx
 import pytest
 
 from pipelines.cli import main
+from pipelines.errors import ServeError
 from pipelines.fleet import metrics as metrics_module
 from pipelines.fleet import supervisor as supervisor_module
-from pipelines.fleet.deployment import Deployment
+from pipelines.fleet.deployment import Deployment, ServerDeath
 from pipelines.fleet.drill import DrillSettings, run_drill
 from pipelines.fleet.fit import FitReport
 from pipelines.fleet.routes import ResolvedRoute
@@ -274,3 +276,28 @@ def test_the_drill_counts_every_request_through_a_crash_and_a_hang(prepared: Pre
     assert ("primary", "opened") in kinds and kinds[-1] == ("primary", "closed")
     assert main(["serve", "status", "unit"]) == 0
     assert "unit: stopped; live route: none (not running" in capsys.readouterr().out
+
+
+def test_a_drill_whose_route_never_comes_back_says_where_the_route_is(prepared: Prepared) -> None:
+    """A failed drill names the route's status and the supervisor's last words, not just the time-out (CI, 4 December)."""
+    deployment = prepared.deployment.model_copy(update={"rules": prepared.deployment.rules.model_copy(
+        update={"server_death": ServerDeath(restart=False)})})
+    folder = run_dir("unit")
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            run_drill(folder, DrillSettings(requests=3000, concurrency=1, rate=20, warmup_s=0.5, hang_s=1.0, recover_s=3.0))
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=drive, daemon=True).start()
+    Supervisor(prepared.model_copy(update={"deployment": deployment})).run()
+    error = seen.get("error")
+    assert isinstance(error, ServeError), error
+    assert re.search(r"the restart of primary did not happen within recover_s \(3 s\); primary is failed after 0 restart\(s\) "
+                     r"\(process exited \(exit code -9\) at [\d:]+; not restarted \(restart: false\)\); "
+                     r"the supervisor said: .*primary: process exited", error.one_line()), error.one_line()

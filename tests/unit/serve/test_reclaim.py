@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from fakes import STARVE_SOURCE
 
 from pipelines.serve import reclaim
 
@@ -144,3 +145,44 @@ def test_the_command_line_removes_stale_folders(tmp_path, dead_pid):
         capture_output=True, text=True, check=True, cwd=Path(reclaim.__file__).resolve().parents[2],
     )
     assert result.stdout.split() == [str(folder)]
+
+
+def _watch_group(command: list[str], *, seconds: float, window_s: float = 3.0) -> tuple[str | None, float]:
+    """Start `command` as a process group of its own and look at it twice a second for `seconds`: the first
+    starvation seen (else None) and the CPU the group was given."""
+    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        watch = reclaim.StarvationWatch(process.pid, window_s=window_s, min_cpu_s=0.3)
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            found = watch.look()
+            if found is not None:
+                return found, watch.progress_s
+            time.sleep(0.5)
+        return None, watch.progress_s
+    finally:
+        os.killpg(process.pid, 9)
+        process.wait()
+
+
+def test_a_group_runnable_and_given_no_cpu_is_starved():
+    found, given = _watch_group([sys.executable, "-c", STARVE_SOURCE], seconds=10)
+    assert found is not None and given < 0.3, (found, given)
+    assert found.startswith("runnable for ") and "on CPUs " in found and "the hypervisor took" in found
+
+
+@pytest.mark.parametrize("source", ["while True: pass", "import time; time.sleep(60)"], ids=["busy", "waiting"])
+def test_a_busy_or_waiting_group_is_never_starved(source):
+    found, _ = _watch_group([sys.executable, "-c", source], seconds=5)
+    assert found is None, found
+
+
+def test_a_stopped_group_is_not_starved_it_does_not_want_a_cpu():
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        os.kill(process.pid, 19)  # SIGSTOP: state T
+        watch = reclaim.StarvationWatch(process.pid, window_s=1.0, min_cpu_s=0.3)
+        assert [watch.look(now) for now in (0.0, 0.6, 1.2, 1.8)] == [None] * 4
+    finally:
+        process.kill()
+        process.wait()

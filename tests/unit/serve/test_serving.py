@@ -11,8 +11,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-from fakes import write_serve_python
+from fakes import STARVE_SOURCE, write_serve_python
 
 from pipelines.errors import InputError, ServeError
 from pipelines.evaluation import divergence, evaluate
@@ -35,6 +36,10 @@ FAKE_VLLM = textwrap.dedent(
     args, _ = parser.parse_known_args()
     key, mode = os.environ.get("VLLM_API_KEY"), os.environ.get("FAKE_VLLM_MODE", "ours")
     print("fake vLLM starting", flush=True)
+    starved_before = os.environ.get("FAKE_VLLM_STARVED_MARK", "")
+    if mode == "starved" or (mode == "starved-once" and not os.path.exists(starved_before)):
+        open(starved_before, "w").close() if starved_before else None
+        exec(open(os.environ["FAKE_VLLM_STARVE"]).read())
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -377,3 +382,39 @@ def test_the_watchdog_leaves_when_the_group_ends_by_itself(tmp_path):
     process.wait(timeout=10)
     assert watchdog.process.wait(timeout=5) == 0
     watchdog.stop()
+
+
+@pytest.fixture
+def starving(tmp_path, monkeypatch, fake_vllm) -> Path:
+    """The stand-in server starves itself for real at its start (fakes.STARVE_SOURCE) in FAKE_VLLM_MODE starved or
+    starved-once; the starvation window is shortened to 2 s."""
+    source = tmp_path / "starve.py"
+    source.write_text(STARVE_SOURCE)
+    monkeypatch.setenv("FAKE_VLLM_STARVE", str(source))
+    monkeypatch.setenv("FAKE_VLLM_STARVED_MARK", str(tmp_path / "starved-once"))
+    monkeypatch.setattr(serving, "STARVED_WINDOW_S", 2.0)
+    monkeypatch.setattr(serving, "STARVED_MIN_CPU_S", 0.3)
+    return fake_vllm
+
+
+def _fake_servers(tmp_path: Path) -> list[int]:
+    needle = str(tmp_path / "fake_vllm.py").encode()
+    return [pid for pid, cmdline in _cmdlines().items() if needle in cmdline and _alive(pid)]
+
+
+def test_a_start_up_starved_of_cpu_is_started_again_and_serves(tmp_path, starving, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_VLLM_MODE", "starved-once")
+    with serving.vllm_server(starving, log_path=tmp_path / "server.log") as server:
+        assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5).status_code == 200
+        assert _fake_servers(tmp_path) == [server.process.pid]  # the starved one is gone
+    said = capsys.readouterr().err
+    assert "vLLM was starved during start-up: runnable for" in said and f"(start 2 of {serving.STARVED_STARTS})" in said, said
+    assert _fake_servers(tmp_path) == [] and _watchdogs_of(os.getpid()) == []
+
+
+def test_a_start_up_starved_every_time_fails_naming_the_starvation_and_leaves_nothing(tmp_path, starving, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_MODE", "starved")
+    with pytest.raises(ServeError, match=r"starved during start-up: runnable for \d+ s and given 0\.\d s of CPU"), \
+            serving.vllm_server(starving, log_path=tmp_path / "server.log"):
+        pass
+    _wait_for(lambda: _fake_servers(tmp_path) == [] and _watchdogs_of(os.getpid()) == [], 15)
