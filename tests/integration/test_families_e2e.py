@@ -15,6 +15,7 @@ predicts for that family (vLLM's hybrid allocator for sliding-window layers incl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -50,11 +51,14 @@ def family_runs(workspace: Workspace, tmp_path_factory: pytest.TempPathFactory) 
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:ITEMS]))
     models = {family: make_family_model(family, root / family) for family in OTHER_FAMILIES}
     cores = allowed_cores()
-    lanes = min(2, len(cores))
-    lane_cores = plan_cores(cores, lanes).cores  # each lane's servers on their own core, as `quantize serve` pins its routes
+    # Beside the rest of the suite (`make test`: a pytest-xdist worker of its own, tests/conftest.py) one lane on the last
+    # core, away from vLLM's default (the first); alone, two lanes on their own cores.
+    beside_the_suite = "PYTEST_XDIST_WORKER" in os.environ
+    lanes = 1 if beside_the_suite else min(2, len(cores))
+    lane_cores = [cores[-1]] if beside_the_suite else plan_cores(cores, lanes).cores
 
     def job(lane: int, family: str) -> CommandRun:
-        pinned = {"VLLM_CPU_OMP_THREADS_BIND": lane_cores[lane]} if lanes > 1 else {}
+        pinned = {"VLLM_CPU_OMP_THREADS_BIND": str(lane_cores[lane])} if len(cores) > 1 else {}
         return workspace.run([str(QUANTIZE), "--recipe", "w8a8", "--model", str(models[family]), "--eval-sets", EVAL_SET, "--no-loadtest",
                               "--no-registry", "--json"], env={"QUANTGATE_EVAL_SETS": str(sets), **pinned})
 
