@@ -138,7 +138,8 @@ def skewed_miss(n: int, broken: float, nudged: float, nudge: str, target: float,
 
 # --- corpus: the whole rise in a few documents ---------------------------------------------------------------------
 
-CONCENTRATED_GRID = [(250, 0.02), (250, 0.03), (250, 0.05), (150, 0.02), (150, 0.05), (100, 0.05), (60, 0.05)]
+# (n, share): the smallest set each damage_share admits (policy.unseen_damage: 203, 135, 80 documents), and 250.
+CONCENTRATED_GRID = [(203, 0.02), (250, 0.02), (135, 0.03), (250, 0.03), (80, 0.05), (250, 0.05)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rules = policy.for_set(args.recipe, "(a perplexity set)")
         print(f"Word perplexity, true rise {rules.rel_margin:.0%} (rel_margin) in a share of documents, {args.sims} sets per cell, P(pass):")
-        for n, share in CONCENTRATED_GRID:
-            rate = corpus_promote_rate(rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n, share=share)
+        for n, share in CONCENTRATED_GRID:  # the policy's damage_share set to the cell's: below it a set is refused, not judged
+            cell_rules = rules.model_copy(update={"damage_share": share})
+            rate = corpus_promote_rate(cell_rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n, share=share)
             print(f"  n {n:4d}, {100 * share:.0f}% of documents: {100 * rate:5.1f}%")
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

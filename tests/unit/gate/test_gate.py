@@ -270,7 +270,7 @@ def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
 
 def test_perplexity_keeps_its_unit_and_direction():
     spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
-    items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-20.5, 10]) for i in range(200)]
+    items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-20.5, 10]) for i in range(250)]
     verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=items)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
     assert verdict.unit == "word_perplexity" and not verdict.higher_is_better
     assert verdict.baseline_score == pytest.approx(7.389056, abs=1e-5) and verdict.candidate_score == pytest.approx(7.767901, abs=1e-5)
@@ -446,7 +446,7 @@ def test_the_whole_run_false_rejection_probability_combines_the_sets_and_warns_a
 def test_a_metric_in_its_own_unit_is_judged_relatively_and_refused_without_a_relative_tolerance():
     spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
     # 7.39 -> 9.97 word perplexity (+35%): the points rules (ni_margin 5, max_abs_drop 2) do not read it.
-    items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-23.0, 10]) for i in range(200)]
+    items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-23.0, 10]) for i in range(250)]
     wiki = SetComparison(eval_set="wiki", metric=spec, items=items)
     with pytest.raises(InputError) as raised:
         decide([wiki], policy(max_kl=None), "w8a8")
