@@ -8,7 +8,7 @@ writes OUT_DIR/payment_reference_long/ (task YAML + data.jsonl, byte-identical o
 the prompt `{{context}}` + the set's own prompt, where `context` is the set's other items rendered with their answers
 ("<prompt> <answer>\\n" each, in the set's order after the item) until the prompt, counted with the model's tokenizer,
 would pass max_model_len - max_gen_toks - 8. Score it like any set: `QUANTGATE_EVAL_SETS=OUT_DIR quantize --recipe
-kv-bf16 --eval-sets payment_reference_long` (docs/formats.md has what it measured). Generative sets whose target is one
+kv-fp8 --eval-sets payment_reference_long` (where an FP8 KV cache serves; docs/formats.md). Generative sets whose target is one
 field of the item (`doc_to_target: answer`) only.
 """
 

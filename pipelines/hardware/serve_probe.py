@@ -14,8 +14,9 @@ ModelConfig is a one-layer Llama config.json written to a temporary folder (no w
 A KV case asks vLLM's CPU attention what it asks when a server starts (v1/attention/backends/cpu_attn.py): which
 kernel ISA `_get_attn_isa` picks for the KV cache dtype and head size (it raises for an FP8 cache without AVX-512 or
 AMX, or with a head size that is not a multiple of 32). The backend's own list of KV dtypes is not asked: the CPU
-platform does not enforce it (a bfloat16 KV cache beside a float32 model serves on cpu:avx2, measured). On CUDA the
-backend is chosen per GPU and model and the KV cases are not probed.
+platform does not enforce it (a bfloat16 KV cache beside a float32 model serves on cpu:avx2 and is read back wrong,
+measured; the written rules refuse it: targets._cpu_16_bit_kv_problem). On CUDA the backend is chosen per GPU and
+model and the KV cases are not probed.
 
 stdout: one line `QUANTGATE-PROBE <json>`: {"host": {...}, "cases": {key: {"scheme", "kernel", "error",
 "quant_ms", "base_ms"}}, "kv_cases": {key: {"isa", "error"}}}. vLLM's own logging goes to stderr.

@@ -1,11 +1,12 @@
 """The formats people deploy, for real on the demo model: FP8 weights and activations, and the KV cache's precision.
 
 What runs depends on the host class (docs/formats.md): vLLM's CPU build serves FP8 W8A8 with per-channel weights and
-dynamic per-token activations through torch._scaled_mm on every x86 class, a bfloat16 KV cache everywhere, and an
-FP8 KV cache only with AVX-512 or AMX. So on every host `fp8` and `kv-bf16` are quantized, served and gated; `kv-fp8`
-is gated where the class stores an FP8 KV cache and refused before any work elsewhere (the refusal is the
-deliverable there); `fp8-block` is refused on every CPU class (AMX-FP8 only) and quantized here for a CUDA 8.9
-target by its written rules, which llm-compressor does on any CPU: its bytes are the planner's to the byte.
+dynamic per-token activations through torch._scaled_mm on every x86 class, a bfloat16 KV cache only where the model is
+served in bfloat16 (its attention reads a bfloat16 cache beside float32 back wrong: 100 -> 10 here on cpu:avx2), and an
+FP8 KV cache only with AVX-512 or AMX. So on every host `fp8` is quantized, served and gated; `kv-bf16` and `kv-fp8`
+are gated where the class serves them and refused before any work elsewhere (the refusal is the deliverable there);
+`fp8-block` is refused on every CPU class (AMX-FP8 only) and quantized here for a CUDA 8.9 target by its written
+rules, which llm-compressor does on any CPU: its bytes are the planner's to the byte.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from helpers import HOST, CommandRun, Workspace
 
 from pipelines.artifact import served_kv_cache_dtype, tensor_bytes
+from pipelines.hardware.host import host_profile
 from pipelines.hardware.targets import parse_target
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.planner.kv import CPU_BLOCK_SIZE, kv_capacity_tokens
@@ -29,6 +31,7 @@ from pipelines.serve.serving import ServeSettings
 
 GiB = 2**30
 FP8_KV_HERE = HOST.kind == "cpu" and HOST.isa in ("avx512", "avx512bf16")
+BF16_KV_HERE = host_profile().serve_dtype == "bfloat16"  # vLLM's CPU attention: a 16-bit cache only in the served dtype
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 pytestmark = pytest.mark.skipif(HOST.kind != "cpu", reason="the CPU build's formats; a GPU host's run is docs/formats.md")
 
@@ -74,7 +77,12 @@ def kv_bf16_run(workspace: Workspace, smallest_set: str, fp8_run: CommandRun) ->
     return _gate(workspace, "kv-bf16", smallest_set)
 
 
-def test_a_kv_precision_alone_is_a_candidate_served_with_its_kv_dtype(kv_bf16_run: CommandRun) -> None:
+def test_a_kv_precision_alone_is_a_candidate_served_with_its_kv_dtype_or_refused_where_it_reads_back_wrong(kv_bf16_run: CommandRun) -> None:
+    if not BF16_KV_HERE:
+        assert kv_bf16_run.code == 2 and kv_bf16_run.new_runs == [], kv_bf16_run.describe()
+        error = kv_bf16_run.error_line
+        assert str(HOST) in error and "bfloat16 KV cache" in error and "kv_cache" in kv_bf16_run.json["field"], error
+        return
     assert kv_bf16_run.code in (0, 1), kv_bf16_run.describe()
     folder = _run_folder(kv_bf16_run)
     report = json.loads((folder / "gate.json").read_text())

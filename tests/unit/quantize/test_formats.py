@@ -155,7 +155,8 @@ def test_block_fp8_needs_input_sizes_its_blocks_divide() -> None:
 
 @pytest.mark.parametrize(("dtype", "target", "head", "refused"), [
     ("fp8", "cpu:avx2", 64, True), ("fp8_e5m2", "cpu:arm", 64, True), ("fp8", "cpu:avx512", 64, False), ("fp8", "cpu", 128, False),
-    ("fp8", "cpu:avx512", 80, True), ("bfloat16", "cpu:avx2", 64, False), ("auto", "cpu:avx2", 80, False),
+    ("fp8", "cpu:avx512", 80, True), ("bfloat16", "cpu:avx2", 64, True), ("bfloat16", "cpu:avx512", 64, True),
+    ("bfloat16", "cpu:avx512bf16", 64, False), ("auto", "cpu:avx2", 80, False),
     ("fp8", "cuda:7.5", 80, False), ("fp8_e5m2", "cuda:9.0", 64, False),
 ])
 def test_kv_cache_rules_per_target(dtype: str, target: str, head: int, refused: bool) -> None:
@@ -163,6 +164,13 @@ def test_kv_cache_rules_per_target(dtype: str, target: str, head: int, refused: 
     assert (problem is not None) == refused
     if problem is not None:
         assert problem.field == "dtype" and (target in problem.why or str(head) in problem.why)
+
+
+def test_a_16_bit_kv_cache_unlike_the_served_dtype_is_refused_on_a_cpu_naming_what_it_did() -> None:
+    # vLLM's CPU attention read a bfloat16 cache beside float32 attention back wrong: the demo model 100 -> 10 (cpu:avx2)
+    problem = kv_cache_problem(KvCache(dtype="bfloat16"), parse_target("cpu:avx2"), 64)
+    assert problem is not None and "serves this class's models in float32" in problem.why and "100 -> 10" in problem.why
+    assert "kv_cache: auto" in problem.why
 
 
 def test_an_fp8_kv_cache_is_refused_at_validation_on_avx2_naming_class_and_format(demo_layout) -> None:
