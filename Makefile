@@ -40,10 +40,10 @@ lint: setup
 	.venv/bin/ruff check pipelines tests
 	.venv/bin/mypy pipelines
 
-## Two pytest-xdist workers: the end-to-end tests as two groups (the family jobs; the rest, which share one quantize
-## run), the unit tests around them (tests/integration/conftest.py).
+## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
+## run), the unit tests around them (tests/conftest.py, pytest_xdist_make_scheduler).
 test: lint
-	$(PY) -m pytest tests -n 2 --dist loadgroup
+	$(PY) -m pytest tests -n 2 --dist loadscope
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -88,3 +88,24 @@ def demo_or_tiny_model(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_set(tmp_path_factory.mktemp("eval_sets") / "calibration")
+
+
+FAMILY_JOBS = "tests/integration/test_families_e2e.py"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test` (-n 2 --dist loadscope): the end-to-end tests run as two work units, each kept on one worker, the family
+    jobs (their own models, sets and servers; one lane on the last core) and the rest, whose session fixtures (one w8a8
+    quantize, the baseline's cached scores) must be computed once; every unit test is a unit of its own and fills in.
+    (xdist's own loadgroup marks do not reach its scheduler under pytest 9: it renames a node id pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/integration/"):
+                return "families" if nodeid.startswith(FAMILY_JOBS) else "end-to-end"
+            return nodeid
+
+    return SuiteScheduling(config, log)

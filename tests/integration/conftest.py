@@ -100,13 +100,3 @@ def no_process_left():
 
     return check
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (--dist loadgroup). The end-to-end tests are two groups, each
-    kept on one worker: the family jobs (their own models, sets and servers; one lane, pinned to the last core) and the
-    rest, whose session fixtures (one w8a8 quantize, the baseline's cached scores) must be computed once. The unit tests
-    fill in around them."""
-    for item in items:
-        if Path(item.path).resolve().parent == Path(__file__).resolve().parent:
-            group = "families" if item.path.name == "test_families_e2e.py" else "stack"
-            item.add_marker(pytest.mark.xdist_group(group))
