@@ -41,7 +41,7 @@ lint: setup
 	.venv/bin/mypy pipelines
 
 ## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
-## run), the unit tests around them (tests/conftest.py, pytest_xdist_make_scheduler).
+## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler).
 test: lint
 	$(PY) -m pytest tests -n 2 --dist loadscope
 

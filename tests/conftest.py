@@ -93,10 +93,12 @@ def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 FAMILY_JOBS = "tests/integration/test_families_e2e.py"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`make test` (-n 2 --dist loadscope): the end-to-end tests run as two work units, each kept on one worker, the family
     jobs (their own models, sets and servers; one lane on the last core) and the rest, whose session fixtures (one w8a8
-    quantize, the baseline's cached scores) must be computed once; every unit test is a unit of its own and fills in.
+    quantize, the baseline's cached scores) must be computed once; every unit test is a unit of its own, run by
+    whichever worker finishes its end-to-end unit first (the family jobs').
     (xdist's own loadgroup marks do not reach its scheduler under pytest 9: it renames a node id pytest no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None

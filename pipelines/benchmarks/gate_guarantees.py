@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Word perplexity, true rise {rules.rel_margin:.0%} (rel_margin) in a share of documents, {args.sims} sets per cell, P(pass):")
         for n, share in CONCENTRATED_GRID:  # the policy's damage_share set to the cell's: below it a set is refused, not judged
             cell_rules = rules.model_copy(update={"damage_share": share})
-            rate = corpus_promote_rate(cell_rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n, share=share)
+            rate = corpus_promote_rate(cell_rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n * 1000 + round(1000 * share), share=share)
             print(f"  n {n:4d}, {100 * share:.0f}% of documents: {100 * rate:5.1f}%")
     print(f"({time.monotonic() - started:.0f} s)")
     return 0

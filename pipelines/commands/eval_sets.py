@@ -12,7 +12,7 @@ from pipelines.errors import InputError
 from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval_sets, select_eval_sets, set_folders, validate_folder
 from pipelines.files.safepath import MAX_COMPONENT, safe_component
 from pipelines.gate import exact, identical, stats
-from pipelines.gate.policy import load_gate_policy, unattainable
+from pipelines.gate.policy import damage_share_applies, documents_for_damage_share, load_gate_policy, unattainable
 from pipelines.gate.verdict import table_rejects
 from pipelines.paths import EVAL_SETS_DIR
 from pipelines.recipe import RecipeIdentity, load_recipe, resolve_recipe_path
@@ -153,6 +153,8 @@ def power_rows(eval_sets: list[EvalSet], policy, recipe: str | RecipeIdentity | 
             row["tolerance"] if spec.relative_scale and spec.kind == "corpus" else None)
         if fraction is not None:
             row["identical_items_needed"] = identical.identical_items_needed(spec.kind, min(fraction, 1.0), rules.confidence)
+        if damage_share_applies(spec, rules):  # a perplexity-like set: its damage_share asks for documents too
+            row["identical_items_needed"] = max(row["identical_items_needed"] or 0, documents_for_damage_share(rules))
         if spec.kind == "binary":
             right = round(baseline_score * n)
             floor = identical.identical_bound("binary", n, fraction, rules.confidence)

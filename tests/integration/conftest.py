@@ -99,4 +99,3 @@ def no_process_left():
         assert left == [], f"processes of `{' '.join(run.argv[1:])}` still running: {left}"
 
     return check
-

@@ -19,19 +19,18 @@ import pytest
 from helpers import HOST, CommandRun, Workspace
 
 from pipelines.artifact import served_kv_cache_dtype, tensor_bytes
-from pipelines.hardware.host import host_profile
-from pipelines.hardware.targets import parse_target
+from pipelines.hardware.targets import kv_cache_problem, parse_target
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.planner.kv import CPU_BLOCK_SIZE, kv_capacity_tokens
 from pipelines.planner.shape import load_config, model_shape
 from pipelines.planner.weights import predict_weight_bytes
 from pipelines.quantize.oneshot import quantize_model
-from pipelines.recipe import load_recipe
+from pipelines.recipe import KvCache, load_recipe
 from pipelines.serve.serving import ServeSettings
 
 GiB = 2**30
 FP8_KV_HERE = HOST.kind == "cpu" and HOST.isa in ("avx512", "avx512bf16")
-BF16_KV_HERE = host_profile().serve_dtype == "bfloat16"  # vLLM's CPU attention: a 16-bit cache only in the served dtype
+BF16_KV_HERE = kv_cache_problem(KvCache(dtype="bfloat16"), HOST, 64) is None  # a 16-bit cache only in the served dtype
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
 pytestmark = pytest.mark.skipif(HOST.kind != "cpu", reason="the CPU build's formats; a GPU host's run is docs/formats.md")
 

@@ -342,7 +342,7 @@ def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
 def test_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path):
     # A relative tolerance of 5% alone needs 59 documents; damage confined to 2% of documents (damage_share, the default) is absent from
     # a sample of n with probability 0.98^n, which may use a third of the 5% error budget: from 203 documents (0.98^202 = 1.69%,
-    # 0.98^203 = 1.65%). bleu's items are bounded: no such rule.
+    # 0.98^203 = 1.655%). bleu's items are bounded: no such rule.
     from pipelines.gate.policy import check_attainable
 
     policy = load_policy(write_policy(tmp_path))  # max_rel_drop 0.05
@@ -367,3 +367,17 @@ def test_rule_source_follows_precedence(tmp_path):
     assert policy.rule_source("w8a8", "tickets", "max_kl") == "defaults.max_kl"
     assert policy.rule_source(None, "tickets", "max_kl") == "defaults.max_kl"
     assert policy.for_set(None, "tickets").max_kl == 0.1
+
+
+def test_power_says_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path):
+    # `eval-sets power` and the refusal at load agree: 203 documents at damage_share 0.02, whichever relative rule is in force
+    # (59 from a rel_margin's floor alone, which is all a bounded corpus metric like bleu needs)
+    from pipelines.commands.eval_sets import power_rows
+
+    small, enough = (sized("wiki", n, "word_perplexity", "weighted_perplexity", False) for n in (150, 203))
+    for policy in (load_policy(write_policy(tmp_path)), load_policy(write_policy(tmp_path, eval_sets={"wiki": {"rel_margin": 0.05}}))):
+        rows = power_rows([small, enough], policy, "w8a8", [0.1])
+        assert [row["identical_items_needed"] for row in rows] == [203, 203]
+        assert "it needs at least 203 documents" in (rows[0]["refused"] or "") and rows[1]["refused"] is None
+    margin = load_policy(write_policy(tmp_path, eval_sets={"mt": {"rel_margin": 0.05}}))
+    assert power_rows([sized("mt", 150, "bleu", "bleu")], margin, "w8a8", [0.1])[0]["identical_items_needed"] == 59

@@ -152,7 +152,7 @@ def _watch_group(command: list[str], *, seconds: float, window_s: float = 3.0) -
     starvation seen (else None) and the CPU the group was given."""
     process = subprocess.Popen(command, start_new_session=True)
     try:
-        watch = reclaim.StarvationWatch(process.pid, window_s=window_s, min_cpu_s=0.3)
+        watch = reclaim.StarvationWatch(process.pid, window_s=window_s, min_cpu_s=0.05)
         started = time.monotonic()
         while time.monotonic() - started < seconds:
             found = watch.look()
@@ -167,7 +167,7 @@ def _watch_group(command: list[str], *, seconds: float, window_s: float = 3.0) -
 
 def test_a_group_runnable_and_given_no_cpu_is_starved():
     found, given = _watch_group([sys.executable, "-c", STARVE_SOURCE], seconds=10)
-    assert found is not None and given < 0.3, (found, given)
+    assert found is not None and given < 0.3, (found, given)  # its Python start-up included
     assert found.startswith("runnable for ") and "on CPUs " in found and "the hypervisor took" in found
 
 
@@ -181,7 +181,7 @@ def test_a_stopped_group_is_not_starved_it_does_not_want_a_cpu():
     process = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
         os.kill(process.pid, 19)  # SIGSTOP: state T
-        watch = reclaim.StarvationWatch(process.pid, window_s=1.0, min_cpu_s=0.3)
+        watch = reclaim.StarvationWatch(process.pid, window_s=1.0, min_cpu_s=0.05)
         assert [watch.look(now) for now in (0.0, 0.6, 1.2, 1.8)] == [None] * 4
     finally:
         process.kill()

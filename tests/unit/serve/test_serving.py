@@ -387,13 +387,14 @@ def test_the_watchdog_leaves_when_the_group_ends_by_itself(tmp_path):
 @pytest.fixture
 def starving(tmp_path, monkeypatch, fake_vllm) -> Path:
     """The stand-in server starves itself for real at its start (fakes.STARVE_SOURCE) in FAKE_VLLM_MODE starved or
-    starved-once; the starvation window is shortened to 2 s."""
+    starved-once; the starvation window is shortened to 3 s (a starved process gets about 0.01 s of CPU in it, a healthy
+    one at least 0.05 s unless some 60 processes share the 2 cores)."""
     source = tmp_path / "starve.py"
     source.write_text(STARVE_SOURCE)
     monkeypatch.setenv("FAKE_VLLM_STARVE", str(source))
     monkeypatch.setenv("FAKE_VLLM_STARVED_MARK", str(tmp_path / "starved-once"))
-    monkeypatch.setattr(serving, "STARVED_WINDOW_S", 2.0)
-    monkeypatch.setattr(serving, "STARVED_MIN_CPU_S", 0.3)
+    monkeypatch.setattr(serving, "STARVED_WINDOW_S", 3.0)
+    monkeypatch.setattr(serving, "STARVED_MIN_CPU_S", 0.05)
     return fake_vllm
 
 
@@ -412,9 +413,25 @@ def test_a_start_up_starved_of_cpu_is_started_again_and_serves(tmp_path, starvin
     assert _fake_servers(tmp_path) == [] and _watchdogs_of(os.getpid()) == []
 
 
-def test_a_start_up_starved_every_time_fails_naming_the_starvation_and_leaves_nothing(tmp_path, starving, monkeypatch):
+def test_a_start_up_starved_every_time_waits_out_its_time_out_on_the_last_start_and_leaves_nothing(tmp_path, starving, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_VLLM_MODE", "starved")
-    with pytest.raises(ServeError, match=r"starved during start-up: runnable for \d+ s and given 0\.\d s of CPU"), \
-            serving.vllm_server(starving, log_path=tmp_path / "server.log"):
+    settings = serving.ServeSettings(startup_timeout_s=8)
+    with pytest.raises(ServeError, match=r"did not become healthy within 8 s \(\d+ python R \d\.\d s CPU"), \
+            serving.vllm_server(starving, log_path=tmp_path / "server.log", settings=settings):
         pass
+    said = capsys.readouterr().err
+    assert said.count("vLLM was starved during start-up") == 1 and f"(start 2 of {serving.STARVED_STARTS})" in said, said
     _wait_for(lambda: _fake_servers(tmp_path) == [] and _watchdogs_of(os.getpid()) == [], 15)
+
+
+def test_a_16_bit_kv_cache_unlike_the_servers_dtype_is_refused_before_a_server_starts(tmp_path, fake_vllm, monkeypatch):
+    # vLLM's CPU attention read a bfloat16 cache beside float32 attention back wrong (docs/formats.md): the rule on the class
+    # refuses the recipe; this one the server whose dtype was overridden
+    monkeypatch.setattr(serving, "served_kv_cache_dtype", lambda folder: "bfloat16")
+    with pytest.raises(ServeError) as raised, serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log",
+                                                                   settings=serving.ServeSettings(dtype="float32")):
+        pass
+    assert raised.value.field == "dtype" and "its KV cache is bfloat16 but this server computes in float32" in raised.value.message
+    assert not (tmp_path / "server.log").exists() and _fake_servers(tmp_path) == []
+    with serving.vllm_server(fake_vllm, log_path=tmp_path / "server.log", settings=serving.ServeSettings(dtype="bfloat16")) as server:
+        assert server.process.poll() is None
