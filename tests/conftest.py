@@ -90,15 +90,17 @@ def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_set(tmp_path_factory.mktemp("eval_sets") / "calibration")
 
 
-FAMILY_JOBS = "tests/integration/test_families_e2e.py"
+# The end-to-end files with models, sets and servers of their own (no session fixture of the demo model's): one work unit.
+OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_real_model.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`make test` (-n 2 --dist loadscope): the end-to-end tests run as two work units, each kept on one worker, the family
-    jobs (their own models, sets and servers; one lane on the last core) and the rest, whose session fixtures (one w8a8
-    quantize, the baseline's cached scores) must be computed once; every unit test is a unit of its own, run by
-    whichever worker finishes its end-to-end unit first (the family jobs').
+    """`make test` (-n 2 --dist loadscope): the end-to-end tests run as two work units, each kept on one worker: the files
+    with models of their own (the family jobs, one lane on the last core; the real pretrained model) and the rest, whose
+    session fixtures (one w8a8 quantize, the baseline's cached scores) must be computed once. Every unit test is a unit
+    of its own, run by whichever worker finishes its end-to-end unit first. Measured on 2 cores (CI, 4 December): the
+    demo-model unit 51 minutes, the family jobs 28.5 beside it, then the unit tier; the real model (7 minutes) moved over.
     (xdist's own loadgroup marks do not reach its scheduler under pytest 9: it renames a node id pytest no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -107,7 +109,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class SuiteScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith("tests/integration/"):
-                return "families" if nodeid.startswith(FAMILY_JOBS) else "end-to-end"
+                return "own-models" if nodeid.startswith(OWN_MODELS) else "demo-model"
             return nodeid
 
     return SuiteScheduling(config, log)
