@@ -42,6 +42,9 @@ KL_METHOD = (
     f"{MAX_NEW_TOKENS} tokens max, mean over positions per item (lower bound of full KL)"
 )
 _CONCURRENCY = 8
+# A pooled keep-alive connection the server closed as the request went out (uvicorn closes idle ones after 5 s): the
+# request is sent again on a new one. Both endpoints are idempotent here (a tokenization; a greedy completion).
+TRANSPORT_ATTEMPTS = 3
 
 
 class Reference(BaseModel):
@@ -64,7 +67,18 @@ def _token_id(key: str) -> int:
 async def _post(client: httpx.AsyncClient, server: RunningServer, path: str, payload: dict) -> dict:
     root = server.base_url.removesuffix("/v1")
     # The key is needed on /v1/...; vLLM does not guard /tokenize, but the header costs nothing there.
-    response = await client.post(f"{root}{path}", json={"model": server.served_name, **payload}, headers=server.auth_headers)
+    for attempt in range(1, TRANSPORT_ATTEMPTS + 1):
+        try:
+            response = await client.post(f"{root}{path}", json={"model": server.served_name, **payload}, headers=server.auth_headers)
+            break
+        except httpx.TimeoutException:
+            server.check_engine()
+            raise ServeError(f"{path} did not answer within {server.request_timeout_s:g} s", file=server.log_path) from None
+        except httpx.TransportError as error:  # measured: httpx.ReadError after a 20-minute scoring on a starved host
+            if attempt == TRANSPORT_ATTEMPTS:
+                server.check_engine()
+                raise ServeError(f"{path}: the server dropped the connection {TRANSPORT_ATTEMPTS} times "
+                                 f"({type(error).__name__}: {error or 'no detail'})", file=server.log_path) from None
     if response.status_code != 200:
         server.check_engine()
         raise ServeError(f"{path} returned HTTP {response.status_code}: {response.text[:200]}", file=server.log_path)

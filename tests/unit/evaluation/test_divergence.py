@@ -81,3 +81,58 @@ def test_item_kl_averages_positions_and_an_empty_path_is_not_measured():
     empty = Reference(doc_id=1, prompt_ids=[1], generated_ids=[], baseline_topk=[])
     assert item_kl(empty, []) is None
     assert item_kl(reference, [{}, {}]) is None
+
+
+def _stand_in_server(tmp_path):
+    from types import SimpleNamespace
+
+    checked: list[str] = []
+    return SimpleNamespace(base_url="http://127.0.0.1:9/v1", served_name="candidate", auth_headers={}, log_path=tmp_path / "server.log",
+                           request_timeout_s=5.0, check_engine=lambda: checked.append("checked")), checked
+
+
+def _post_through(handler, server):
+    import asyncio
+
+    import httpx
+
+    from pipelines.evaluation.divergence import _post
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _post(client, server, "/tokenize", {"prompt": "x"})
+
+    return asyncio.run(run())
+
+
+def test_a_connection_the_server_dropped_is_sent_again_and_a_server_that_keeps_dropping_is_a_serve_error(tmp_path):
+    # Measured: httpx.ReadError on a pooled keep-alive connection ended a 20-minute scoring as an internal error
+    import httpx
+
+    from pipelines.errors import ServeError
+    from pipelines.evaluation.divergence import TRANSPORT_ATTEMPTS
+
+    server, checked = _stand_in_server(tmp_path)
+    calls = []
+
+    def flaky(request):
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            raise httpx.ReadError("connection reset", request=request)
+        return httpx.Response(200, json={"tokens": [1, 2]})
+
+    assert _post_through(flaky, server) == {"tokens": [1, 2]} and calls == ["/tokenize", "/tokenize"] and checked == []
+
+    def dropping(request):
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    with pytest.raises(ServeError, match=f"/tokenize: the server dropped the connection {TRANSPORT_ATTEMPTS} times "
+                                         r"\(RemoteProtocolError: Server disconnected"):
+        _post_through(dropping, server)
+    assert checked == ["checked"]
+
+    def slow(request):
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with pytest.raises(ServeError, match=r"/tokenize did not answer within 5 s"):
+        _post_through(slow, server)
