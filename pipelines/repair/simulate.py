@@ -1,4 +1,5 @@
-"""The 16-bit model in transformers on the CPU, with any set of units fake-quantized: the repair's simulator.
+"""The 16-bit model in transformers, with any set of units fake-quantized: the repair's simulator. It runs on the
+first GPU when torch sees one (float32 there too, TF32 left off: the same arithmetic as on a CPU), else on the CPU.
 
 What it measures, per assignment of schemes to units (pipelines.repair.fakequant does the quantizing):
 - `kl`: the gate's yardstick, teacher-forced. On each reference path (the baseline's greedy continuation of
@@ -44,7 +45,8 @@ class Simulator:
     def __init__(self, model_dir: Path, units: list[Unit], gptq: Algorithm | None = None):
         from transformers import AutoModelForCausalLM  # heavy: imported when used
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = compute_device()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
         self.units = {unit.name: unit for unit in units}
         self.linears = {info.name: self.model.get_submodule(info.name) for unit in units for info in unit.modules}
         self.unit_of = {info.name: unit.name for unit in units for info in unit.modules}
@@ -160,7 +162,7 @@ class Simulator:
         hooks += [sum_.module.register_forward_pre_hook(sum_.hook) for sum_ in sums.values()]
         try:
             for ids in encoded:
-                self.model(input_ids=torch.tensor([ids]))
+                self.model(input_ids=torch.tensor([ids], device=self.device))
                 advance()
         finally:
             for hook in hooks:
@@ -174,7 +176,7 @@ class Simulator:
     @torch.no_grad()
     def proxy(self, encoded: list[list[int]], schemes: dict[str, list[GroupScheme]]) -> dict[str, dict[GroupScheme, float]]:
         """Relative output error per unit and scheme on the calibration texts (one batched 16-bit forward)."""
-        ids, mask = _batch(encoded)
+        ids, mask = _batch(encoded, self.device)
         keep = mask.reshape(-1).bool()
         sums: dict[str, dict[GroupScheme, list[float]]] = {u: {s: [0.0, 0.0] for s in schemes[u]} for u in schemes}
         hooks = []
@@ -206,7 +208,7 @@ class Simulator:
     def set_reference(self, paths: list[RefPath]) -> None:
         """The 16-bit model's log-probabilities at every generated position, and each decoder layer's input."""
         sequences = [p.prompt_ids + p.generated_ids[:-1] for p in paths]
-        ids, mask = _batch(sequences)
+        ids, mask = _batch(sequences, self.device)
         rows, cols, items = [], [], []
         for index, path in enumerate(paths):
             for j in range(len(path.generated_ids)):
@@ -222,7 +224,8 @@ class Simulator:
             for hook in hooks:
                 hook.remove()
         self._reference = {
-            "rows": torch.tensor(rows), "cols": torch.tensor(cols), "items": torch.tensor(items), "n_items": len(paths),
+            "rows": torch.tensor(rows, device=self.device), "cols": torch.tensor(cols, device=self.device),
+            "items": torch.tensor(items, device=self.device), "n_items": len(paths),
             "ids": ids, "mask": mask, "layer_inputs": captured,
         }
         self._reference["logp"] = self._logp(hidden)
@@ -246,8 +249,8 @@ class Simulator:
             hidden = self._hidden_from(min((self.units[u].layer for u in assignment), default=0))
             logq = self._logp(hidden)
         per_position = (ref["logp"].exp() * (ref["logp"] - logq)).sum(-1).clamp(min=0)
-        totals = torch.zeros(ref["n_items"]).index_add_(0, ref["items"], per_position)
-        counts = torch.zeros(ref["n_items"]).index_add_(0, ref["items"], torch.ones_like(per_position))
+        totals = torch.zeros(ref["n_items"], device=self.device).index_add_(0, ref["items"], per_position)
+        counts = torch.zeros(ref["n_items"], device=self.device).index_add_(0, ref["items"], torch.ones_like(per_position))
         items = (totals / counts.clamp(min=1))[counts > 0]
         return KL(mean=float(items.mean()), items=[round(float(v), 8) for v in items])
 
@@ -290,15 +293,20 @@ def _observer_hook(scales: list[StaticInputScale]):
     return hook
 
 
-def _batch(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and their attention mask (positions are those of the unpadded sequences)."""
+def compute_device() -> torch.device:
+    """The first GPU when torch sees one, else the CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _batch(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and their attention mask (positions are those of the unpadded sequences), on `device`."""
     width = max(len(s) for s in sequences)
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)] = torch.tensor(sequence)
         mask[row, : len(sequence)] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -307,14 +315,15 @@ def greedy_paths(model_dir: Path, prompts: list[tuple[str, int, list[int]]], max
     each prompt (at most `max_new_tokens`, as the gate's KL takes them), in the model's own dtype."""
     from transformers import AutoModelForCausalLM  # heavy: imported when used
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    device = compute_device()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval().to(device)
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     paths = []
     for eval_set, doc_id, prompt_ids in prompts:
         ids, generated = list(prompt_ids), []
         for _ in range(max_new_tokens):
-            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            token = int(model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax())
             generated.append(token)
             ids.append(token)
             if token in stops:

@@ -160,9 +160,10 @@ FLOORS: list[set[str]] = [
     {"planner"},
     {"loadtest"},
     {"gate"},
-    {"benchmarks", "registry"},
+    {"registry"},
     {"runs"},
     {"repair"},
+    {"benchmarks"},  # figures of whole stages: the repair's sensitivity pass among them (cuda_check)
     {"jobs"},
     {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
     {"fleet"},
