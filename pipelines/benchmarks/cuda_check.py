@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     recipes = [name for name in args.recipes.split(",") if name]
     document: dict[str, Any] = {"host": _guarded(host_section), "gemm": _guarded(gemm_section), "models": []}
     eval_sets = _eval_sets(args.eval_sets.split(","))
-    scratch = Path(tempfile.mkdtemp(prefix="cuda-check-", dir=current_settings().artifacts_dir))
+    root = current_settings().artifacts_dir
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="cuda-check-", dir=root))
     try:
         document["models"].append(model_section(args.model, recipes, eval_sets, scratch / "model", args.sensitivity_recipe))
         write_json_atomic(args.out / "cuda_check.json", document)  # kept if the shaped model's section is cut short

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from pipelines.hardware.targets import installed_target
-from pipelines.paths import DEMO_EVAL_SETS, REPO_ROOT
+from pipelines.paths import DEMO_EVAL_SETS, EVAL_SETS_DIR, REPO_ROOT
 from pipelines.registry.store import Registry
 
 MARKER = "QUANTGATE_TEST_COMMAND"
@@ -140,3 +141,14 @@ def _terminate_when(process: subprocess.Popen, condition: Callable[[str], bool],
             process.send_signal(signal.SIGTERM)
             break
     return stderr
+
+
+def first_items_eval_sets(root: Path, eval_set: str, items: int, *also: str) -> Path:
+    """A user's eval_sets folder (for QUANTGATE_EVAL_SETS) holding `eval_set` cut to its first `items` items and the
+    sets named in `also` whole (a recipe's calibration set, say)."""
+    sets = root / "eval_sets"
+    for folder in (eval_set, *also):
+        shutil.copytree(EVAL_SETS_DIR / folder, sets / folder)
+    data = sets / eval_set / "data.jsonl"
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:items]))
+    return sets

@@ -17,16 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from families import FAMILIES, make_family_model
-from helpers import QUANTIZE, CommandRun, Workspace
+from helpers import QUANTIZE, CommandRun, Workspace, first_items_eval_sets
 
 from pipelines.fleet.cores import allowed_cores, plan_cores
-from pipelines.paths import EVAL_SETS_DIR
 from pipelines.planner import GiB, load_config, model_shape
 from pipelines.planner.kv import CPU_BLOCK_SIZE, kv_element_bytes, vllm_kv_cache
 
@@ -44,11 +42,7 @@ def family_runs(workspace: Workspace, tmp_path_factory: pytest.TempPathFactory) 
     """One w8a8 job per family, two at a time where there are two cores (each pair's servers pinned to separate cores:
     the jobs spend half their time in single-threaded start-ups, so the pair takes about 60% of the two in sequence)."""
     root = tmp_path_factory.mktemp("families")
-    sets = root / "eval_sets"
-    for folder in (EVAL_SET, "calibration"):  # the set scored and w8a8's calibration set, as a user's folder holds them
-        shutil.copytree(EVAL_SETS_DIR / folder, sets / folder)
-    data = sets / EVAL_SET / "data.jsonl"
-    data.write_text("".join(data.read_text().splitlines(keepends=True)[:ITEMS]))
+    sets = first_items_eval_sets(root, EVAL_SET, ITEMS, "calibration")  # the set scored and w8a8's calibration set
     models = {family: make_family_model(family, root / family) for family in OTHER_FAMILIES}
     cores = allowed_cores()
     # Beside the rest of the suite (`make test`: a pytest-xdist worker of its own, tests/conftest.py) one lane on the last

@@ -222,7 +222,9 @@ def test_the_induced_breach_is_reported_and_rolled_back_to_the_previous_verified
     assert run.code == 1, run.stderr
     document = run.json
     assert document["verdict"] == "breach" and document["breached_windows"][:2] == [1, 2]
-    assert document["preemptions"] > 0 and document["kv_cache_usage"] > 0.95
+    # Preemptions are the proof the cache ran out; the usage gauge is sampled per scrape, and with 4 usable blocks (vLLM
+    # keeps the fifth as its null block) the peak seen was 1.0 on cpu:avx2 and 0.75 on cpu:avx512bf16 while preempting.
+    assert document["preemptions"] > 0 and document["kv_cache_usage"] >= 0.5
     assert all("preemptions" in w["breached"] for w in document["windows"][:2])
     rollback = document["rollback"]
     assert rollback["moved"] and rollback["from_version"] == watched.second and rollback["to_version"] == watched.first
