@@ -10,9 +10,10 @@ vLLM's own kernel selection (the probe, pipelines/hardware/serve_probe.py) canno
    environment (nvidia-smi's compute capability, judged by the written rules in pipelines/hardware/targets.py).
 2. recipes: each shipped recipe through the quantize step (`quantize_model`: refused with its reason, or quantized
    by llm-compressor), its time, weight bytes and peak GPU memory; the artifact loaded back by transformers
-   (compressed-tensors decompresses it) and compared with the 16-bit model on the eval sets' calibration set (eval_sets/calibration):
+   (compressed-tensors decompresses it) and compared with the 16-bit model on 32 texts of the shipped calibration set:
    teacher-forced next-token KL (nats, full vocabulary, float32) and top-1 agreement. transformers' forward with
    decompressed weights, not vLLM's kernels: a check of the artifact's numbers, not of its serving speed.
+   `--shaped-layers N` adds a random-weight model at a real model's widths (a 7B's by default), built on the machine.
 3. kernels: torch's GEMMs on this GPU at decode- and prefill-like row counts, by format: bf16, FP8 (torch._scaled_mm
    with one scale per tensor, and per row x per column) and int8 (torch._int_mm). vLLM falls back to these where its
    CUTLASS / Marlin kernels do not apply; they are a floor for what the formats buy, not vLLM's figures.
