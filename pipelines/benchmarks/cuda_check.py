@@ -83,7 +83,9 @@ class Reference:
         import torch  # heavy: imported when used
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        from pipelines.repair.simulate import compute_device
+
+        self.device = compute_device()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.encoded = [torch.tensor([tokenizer(text, truncation=True, max_length=512)["input_ids"]], device=self.device) for text in texts]
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
@@ -101,11 +103,13 @@ class Reference:
         import torch  # heavy: imported when used
         from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+        from pipelines.repair.simulate import kl_per_position
+
         # Loaded where it runs: a model decompressed on the CPU and then moved keeps some tensors behind (seen on the H200).
         model = AutoModelForCausalLM.from_pretrained(artifact_dir, dtype=torch.bfloat16, device_map=str(self.device),
                                                      quantization_config=CompressedTensorsConfig(run_compressed=False))
         logq = self.log_probs(model.eval())
-        kl = [float((p.exp() * (p - q)).sum(-1).clamp(min=0).mean()) for p, q in zip(self.logp, logq, strict=True)]
+        kl = [float(kl_per_position(p, q).mean()) for p, q in zip(self.logp, logq, strict=True)]
         agree = [float((p.argmax(-1) == q.argmax(-1)).float().mean()) for p, q in zip(self.logp, logq, strict=True)]
         return {"kl_mean": sum(kl) / len(kl), "top1_agreement": sum(agree) / len(agree), "texts": len(kl)}
 
@@ -142,6 +146,7 @@ def _guarded(step: Callable[[], Any]) -> Any:
 
 
 def _cuda_ms(torch, call: Callable[[], Any], repeats: int = 20) -> float:
+    """Milliseconds per call by CUDA events, after three warm-up calls, to 4 decimals."""
     for _ in range(3):
         call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -151,7 +156,7 @@ def _cuda_ms(torch, call: Callable[[], Any], repeats: int = 20) -> float:
         call()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return round(start.elapsed_time(end) / repeats, 4)
 
 
 def _gemm_calls(torch, m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
@@ -178,16 +183,12 @@ def gemm_section() -> list[dict[str, Any]]:
     for m, k, n in GEMM_SHAPES:
         timed: dict[str, Any] = {}
         for name, call in _gemm_calls(torch, m, k, n).items():
-            timed[name] = _guarded(partial(_rounded_ms, torch, call))
+            timed[name] = _guarded(partial(_cuda_ms, torch, call))
         base = timed["bf16"]
         rows.append({"shape": [m, k, n], "ms": timed,
                      "speedup": {name: round(base / ms, 2) for name, ms in timed.items()
                                  if isinstance(ms, float) and isinstance(base, float) and ms > 0}})
     return rows
-
-
-def _rounded_ms(torch, call: Callable[[], Any]) -> float:
-    return round(_cuda_ms(torch, call), 4)
 
 
 def sensitivity_section(recipe_name: str, model_dir: Path, eval_sets: list, cache: Path) -> dict[str, Any]:

@@ -248,7 +248,7 @@ class Simulator:
         with self.applied(assignment):
             hidden = self._hidden_from(min((self.units[u].layer for u in assignment), default=0))
             logq = self._logp(hidden)
-        per_position = (ref["logp"].exp() * (ref["logp"] - logq)).sum(-1).clamp(min=0)
+        per_position = kl_per_position(ref["logp"], logq)
         totals = torch.zeros(ref["n_items"], device=self.device).index_add_(0, ref["items"], per_position)
         counts = torch.zeros(ref["n_items"], device=self.device).index_add_(0, ref["items"], torch.ones_like(per_position))
         items = (totals / counts.clamp(min=1))[counts > 0]
@@ -291,6 +291,11 @@ def _observer_hook(scales: list[StaticInputScale]):
             scale.observe(args[0])
 
     return hook
+
+
+def kl_per_position(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary KL(p || q) in nats at each position, from log-probabilities (last dimension the vocabulary)."""
+    return (logp.exp() * (logp - logq)).sum(-1).clamp(min=0)
 
 
 def compute_device() -> torch.device:
