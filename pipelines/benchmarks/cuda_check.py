@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pipelines.artifact import check_model_dir
 from pipelines.errors import QuantGateError
 from pipelines.files.atomic import write_json_atomic
 from pipelines.paths import DEMO_EVAL_SETS, DEMO_MODEL_DIR
@@ -301,10 +303,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default=RECIPES)
     parser.add_argument("--eval-sets", default=",".join(DEMO_EVAL_SETS))
     parser.add_argument("--sensitivity-recipe", default="aggressive")
-    parser.add_argument("--shaped-layers", type=int, default=0, help="also run a random model of this many layers at --shaped-width")
-    parser.add_argument("--shaped-width", default="4096,14336", help="hidden,intermediate of the shaped model (a 7B's by default)")
+    parser.add_argument("--shaped-layers", type=_bounded(0, 128), default=0, help="also run a random model of this many layers at --shaped-width")
+    parser.add_argument("--shaped-width", type=_widths, default=(4096, 14336), help="hidden,intermediate of the shaped model (a 7B's by default)")
     parser.add_argument("--out", type=Path, default=Path("artifacts") / "benchmarks")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except QuantGateError as error:  # bad input or a missing environment: one line, exit 2 (docs/exit-codes.md)
+        print(f"cuda_check: {error.one_line()}", file=sys.stderr)
+        return 2
+
+
+def _bounded(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text[:40]!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+def _widths(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"give HIDDEN,INTERMEDIATE (two whole numbers): {text[:40]!r}")
+    hidden, intermediate = (_bounded(128, 65_536)(part) for part in parts)
+    return hidden, intermediate
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_model_dir(args.model)  # before any model is loaded: one line naming the folder
     recipes = [name for name in args.recipes.split(",") if name]
     document: dict[str, Any] = {"host": _guarded(host_section), "gemm": _guarded(gemm_section), "models": []}
     eval_sets = _eval_sets(args.eval_sets.split(","))
@@ -316,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(args.out / "cuda_check.json", document)  # kept if the shaped model's section is cut short
         print(render(document), flush=True)
         if args.shaped_layers:
-            hidden, intermediate = (int(v) for v in args.shaped_width.split(","))
+            hidden, intermediate = args.shaped_width
             folder = scratch / f"shaped-{hidden}x{intermediate}x{args.shaped_layers}"
             shaped = shaped_model(args.model, folder, args.shaped_layers, hidden, intermediate)
             document["models"].append(model_section(shaped, recipes, eval_sets, scratch / "shaped", args.sensitivity_recipe))

@@ -49,3 +49,19 @@ def test_a_refused_recipe_is_a_row_with_its_reason():
     }]}
     text = cuda_check.render(document)
     assert "| fp8-block | refused: no kernel on cpu:avx2 |" in text and "sensitivity pass: ServeError: no" in text
+
+
+@pytest.mark.parametrize("argv", [["--shaped-width", "abc"], ["--shaped-width", "1,2"], ["--shaped-layers", "-1"],
+                                  ["--shaped-layers", "9" * 50]])
+def test_bad_arguments_exit_2_before_any_work(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cuda_check.main(argv)
+    assert stopped.value.code == 2 and "error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/../model", "README.md", "<b>x</b>"])
+def test_a_model_folder_that_is_not_one_is_one_line_and_exit_2(model, tmp_path, capsys):
+    assert cuda_check.main(["--model", model, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cuda_check: ") and "\n" not in err and "model" in err
+    assert not (tmp_path / "cuda_check.json").exists()
