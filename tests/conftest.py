@@ -113,3 +113,45 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return nodeid
 
     return SuiteScheduling(config, log)
+
+
+class _WorkerClock:
+    """Where a `make test` run spends its time: per xdist worker, the seconds its tests took (setup, call, teardown) in each
+    work unit and when its last test ended; printed at the end, so a CI log shows which unit is the critical path."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.started = time.monotonic()
+        self.busy: dict[str, dict[str, float]] = {}
+        self.last_end: dict[str, float] = {}
+
+    def add(self, worker: str, nodeid: str, seconds: float) -> None:
+        import time
+
+        unit = "own-models" if nodeid.startswith(OWN_MODELS) else "demo-model" if nodeid.startswith("tests/integration/") else "unit tests"
+        per_unit = self.busy.setdefault(worker, {})
+        per_unit[unit] = per_unit.get(unit, 0.0) + seconds
+        self.last_end[worker] = time.monotonic() - self.started
+
+    def lines(self) -> list[str]:
+        return [f"{worker}: last test ended at {self.last_end[worker] / 60:.1f} min; "
+                + ", ".join(f"{unit} {seconds / 60:.1f} min" for unit, seconds in sorted(units.items()))
+                for worker, units in sorted(self.busy.items())]
+
+
+_CLOCK = _WorkerClock()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the controller: the worker that ran the test
+    if node is not None:
+        _CLOCK.add(node.gateway.id, report.nodeid, report.duration)
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest durations: the end of a CI log is what is kept
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _CLOCK.busy:
+        terminalreporter.write_sep("=", "time per worker and work unit")
+        for line in _CLOCK.lines():
+            terminalreporter.write_line(line)

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -55,10 +56,20 @@ from pipelines.fleet.traffic import LogTail, TrafficCounter
 from pipelines.hardware.targets import installed_target
 from pipelines.registry.store import Registry
 from pipelines.schema import StrictModel
-from pipelines.serve.reclaim import Watchdog
-from pipelines.serve.serving import LOOPBACK, RunningServer, ServeSettings, free_port, start_process_group, stop_process_group, vllm_server
+from pipelines.serve.reclaim import Watchdog, exit_description
+from pipelines.serve.serving import (
+    LOOPBACK,
+    RunningServer,
+    ServeSettings,
+    free_port,
+    log_tail,
+    start_process_group,
+    stop_process_group,
+    vllm_server,
+)
 
 TICK_S = 1.0
+PROXY_CONSOLE_LOG = "nginx-console.log"
 PROXY_START_TIMEOUT_S = 30.0
 HEALTH_PROBE_S = 1.0
 RESTART_STARTUP_FACTOR = 4.0
@@ -146,6 +157,10 @@ def vllm_args(route: ResolvedRoute) -> str:
     return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}", *pinned])
 
 
+class ProxyError(ServeError):
+    """nginx could not be started: nothing reaches any route."""
+
+
 class RouteServer:
     """One route's vLLM server, started through the product's own `vllm_server` and restartable."""
 
@@ -157,11 +172,11 @@ class RouteServer:
         self.server: RunningServer | None = None
         self.first_startup_s: float | None = None
 
-    def start(self) -> RunningServer:
+    def start(self, while_waiting: Callable[[], None] | None = None) -> RunningServer:
         stack = ExitStack()
         try:
             self.server = stack.enter_context(vllm_server(self.route.model_dir, log_path=self.log, settings=self._settings(),
-                                                          served_name=self.served_name))
+                                                          served_name=self.served_name, while_waiting=while_waiting))
         except BaseException:
             stack.close()
             raise
@@ -287,7 +302,8 @@ class Supervisor:
         # A new server's silence is timed from its own start: a silence that began before (its predecessor's death, seen
         # on /health a tick before its exit) made the restarted primary "hung" 3 s after a 15 s SIGSTOP (measured).
         self.silent_since.pop(index, None)
-        running = server.start()
+        # While one route (re)starts, for up to minutes, the proxy is still watched: it is what every other route is reached by.
+        running = server.start(while_waiting=self._keep_proxy if self.proxy is not None else None)
         state.status, state.why = "up", ""
         state.port, state.pid, state.started_at, state.startup_s = running.port, running.process.pid, time.time(), running.startup_s
         state.ports = [*state.ports, PortEra(port=running.port, since=time.time())]
@@ -311,17 +327,18 @@ class Supervisor:
         self._write_proxy_config()
         progress(f"starting nginx on {self.layout.listen_host}:{self.layout.listen_port} (config: {self.layout.conf})")
         process, watchdog = start_process_group(command(self.prepared.nginx, self.layout), env=dict(os.environ),
-                                                log_path=self.folder / "nginx-console.log")
+                                                log_path=self.folder / PROXY_CONSOLE_LOG)
         self.proxy = (process, watchdog)
         self.state.proxy.pid = process.pid
         deadline = time.monotonic() + PROXY_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise ServeError(f"nginx exited at start (exit code {process.returncode}); see {self.layout.error_log}", file=self.layout.error_log)
+                raise ProxyError(f"nginx exited at start ({exit_description(process.returncode)}); see {self.layout.error_log}",
+                                 file=self.layout.error_log)
             if listening(self.layout.listen_host, self.layout.listen_port):
                 return
             time.sleep(0.1)
-        raise ServeError(f"nginx did not listen on port {self.layout.listen_port} within {PROXY_START_TIMEOUT_S:.0f} s", file=self.layout.error_log)
+        raise ProxyError(f"nginx did not listen on port {self.layout.listen_port} within {PROXY_START_TIMEOUT_S:.0f} s", file=self.layout.error_log)
 
     def _stop_proxy(self) -> None:
         proxy, self.proxy = self.proxy, None
@@ -362,7 +379,7 @@ class Supervisor:
         state = self.state.routes[index]
         code = server.exit_code()
         if code is not None:
-            self._route_died(index, server, f"process exited (exit code {code})")
+            self._route_died(index, server, f"process exited ({exit_description(code)})")
         elif server.server is not None and self.deployment.rules.server_death.hung_after_s is not None:
             self._check_hung(index, server)
         elif server.server is None and state.status == "dead":
@@ -402,6 +419,8 @@ class Supervisor:
         self.save()
         try:
             self._start_route(index, server)
+        except ProxyError:
+            raise  # nginx could not be started again while this route started: the deployment's end, not this route's
         except ServeError as error:
             state.status, state.why = "dead", f"restart failed: {error.one_line()}"
             self.note(f"{state.label}: {state.why}")
@@ -420,6 +439,11 @@ class Supervisor:
             self.state.proxy.reloads += 1
             self.note(f"nginx reloaded: {why}")
 
+    def _keep_proxy(self) -> None:
+        """What the watch loop does for nginx, also done while a route starts: restart it if it died, fold its logs."""
+        self._check_proxy()
+        self._fold_logs()
+
     def _check_proxy(self) -> None:
         if self.proxy is None:
             return
@@ -427,6 +451,8 @@ class Supervisor:
         code = process.poll()
         if code is None:
             return
-        self.note(f"nginx exited (exit code {code}); starting it again")
+        said = log_tail(self.folder / PROXY_CONSOLE_LOG, 2)  # nginx's own words, or its watchdog's if it stopped the group
+        self.note(f"nginx exited ({exit_description(code)}; its console: {said}); starting it again")
         self._stop_proxy()
         self._start_proxy()
+        self.save()

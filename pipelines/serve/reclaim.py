@@ -154,6 +154,16 @@ def start_watchdog(pgid: int, *, grace_s: float = DEFAULT_GRACE_S, log: IO | Non
     return Watchdog(process=process, write_fd=write_fd, pgid=pgid)
 
 
+def exit_description(returncode: int) -> str:
+    """A child's end as Popen reports it, in words: `exit code 1`, or `killed by SIGKILL` for a negative code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group `pgid`, read from /proc."""
     members = []

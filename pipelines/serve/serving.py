@@ -22,7 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -296,6 +296,7 @@ def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[
 
 def _wait_until_healthy(
     server: subprocess.Popen, port: int, log_path: Path, timeout_s: float, *, served_name: str, api_key: str, watch_starvation: bool = False,
+    while_waiting: Callable[[], None] | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     starvation = StarvationWatch(server.pid, window_s=STARVED_WINDOW_S, min_cpu_s=STARVED_MIN_CPU_S) if watch_starvation else None
@@ -315,6 +316,8 @@ def _wait_until_healthy(
             starved = starvation.look() if starvation is not None else None
             if starved is not None:
                 raise StarvedStart(f"vLLM was starved during start-up: {starved}", file=log_path)
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.5)
     raise ServeError(f"vLLM did not become healthy within {timeout_s:.0f} s ({describe_group(server.pid)}): {failure_line(log_path)}",
                      file=log_path)
@@ -400,6 +403,7 @@ def start_process_group(
 
 def _start_healthy(
     model_dir: Path, served_name: str, port: int, settings: ServeSettings, env: dict[str, str], log_path: Path, *, fixed_port: bool,
+    while_waiting: Callable[[], None] | None,
 ) -> tuple[subprocess.Popen, Watchdog, int]:
     """Start the server and wait for it; a starved start is stopped and started again (STARVED_STARTS in all)."""
     api_key = env["VLLM_API_KEY"]
@@ -408,7 +412,7 @@ def _start_healthy(
         try:
             with track(f"starting vLLM ({served_name})", total=None, unit="s"):
                 _wait_until_healthy(process, port, log_path, settings.startup_timeout_s, served_name=served_name, api_key=api_key,
-                                    watch_starvation=start < STARVED_STARTS)
+                                    watch_starvation=start < STARVED_STARTS, while_waiting=while_waiting)
             return process, watchdog, port
         except StarvedStart as starved:
             stop_process_group(process)
@@ -437,9 +441,12 @@ def vllm_server(
     settings: ServeSettings | None = None,
     served_name: str = "model",
     port: int | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> Iterator[RunningServer]:
     """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
-    including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py)."""
+    including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py).
+    `while_waiting` is called about twice a second while the server starts: a caller with other duties (the fleet's
+    supervisor keeps its proxy alive) goes on with them instead of being blocked for the whole start-up."""
     settings = settings or ServeSettings()
     require_model_dir(model_dir, "model")
     fixed_port = port is not None
@@ -459,7 +466,8 @@ def vllm_server(
     shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
     try:
         env = _environment(settings, Path(shim.name), api_key)
-        process, watchdog, port = _start_healthy(model_dir, served_name, port, settings, env, log_path, fixed_port=fixed_port)
+        process, watchdog, port = _start_healthy(model_dir, served_name, port, settings, env, log_path, fixed_port=fixed_port,
+                                                  while_waiting=while_waiting)
         try:
             startup_s = time.monotonic() - started
             yield RunningServer(

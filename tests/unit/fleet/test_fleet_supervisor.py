@@ -67,7 +67,14 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_
 
 
 @contextmanager
-def stand_in_server(model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None) -> Iterator[RunningServer]:
+def stand_in_server(model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None, while_waiting=None,
+                    start_up_s: float = 0.0) -> Iterator[RunningServer]:
+    """Like vllm_server; `start_up_s` makes its start-up last that long, with `while_waiting` called as vllm_server calls it."""
+    deadline = time.monotonic() + start_up_s
+    while time.monotonic() < deadline:
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(0.1)
     port = free_port()
     key = secrets.token_urlsafe(32)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,5 +306,47 @@ def test_a_drill_whose_route_never_comes_back_says_where_the_route_is(prepared: 
     error = seen.get("error")
     assert isinstance(error, ServeError), error
     assert re.search(r"the restart of primary did not happen within recover_s \(3 s\); primary is failed after 0 restart\(s\) "
-                     r"\(process exited \(exit code -9\) at [\d:]+; not restarted \(restart: false\)\); "
+                     r"\(process exited \(killed by SIGKILL\) at [\d:]+; not restarted \(restart: false\)\); "
                      r"the supervisor said: .*primary: process exited", error.one_line()), error.one_line()
+
+
+def test_nginx_killed_while_a_route_restarts_is_started_again_before_the_route_is_back(prepared: Prepared, monkeypatch) -> None:
+    """A route's restart takes as long as vLLM's start-up (30 s to minutes); the supervisor keeps nginx alive meanwhile, or the
+    fallback, which is up, is unreachable for that long (a CI run: 139 requests refused while the primary restarted)."""
+    starts: list[str] = []
+
+    def slow_restarts(model_dir: Path, **kwargs):
+        starts.append(model_dir.name)
+        restart = starts.count(model_dir.name) > 1
+        return stand_in_server(model_dir, **kwargs, start_up_s=8.0 if restart else 0.0)
+
+    monkeypatch.setattr(supervisor_module, "vllm_server", slow_restarts)
+    port = prepared.deployment.listen.port
+    folder = run_dir(prepared.deployment.name)
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            key = (folder / "client-key").read_text().strip()
+            state = read_state(folder)
+            os.kill(state.routes[0].pid or 0, signal.SIGKILL)
+            wait_until(lambda: read_state(folder).routes[0].restarts == 1)
+            nginx = state.proxy.pid
+            os.kill(nginx or 0, signal.SIGKILL)  # nginx dies while the primary's restart lasts 8 s
+            wait_until(lambda: read_state(folder).proxy.pid not in (None, nginx), timeout_s=6)
+            seen["primary then"] = read_state(folder).routes[0].status
+            seen["answer"] = ask(port, key)[:2]
+            seen["events"] = [event.text for event in read_state(folder).events]
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=drive, daemon=True).start()
+    Supervisor(prepared).run()
+
+    assert "error" not in seen, seen.get("error")
+    assert seen["primary then"] in ("restarting", "starting"), seen
+    assert seen["answer"] == (200, "fallback-1")
+    assert any(re.search(r"nginx exited \(killed by SIGKILL; its console: .*\); starting it again", text) for text in seen["events"]), seen["events"]

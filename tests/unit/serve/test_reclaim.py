@@ -180,7 +180,11 @@ def test_a_busy_or_waiting_group_is_never_starved(source):
 def test_a_stopped_group_is_not_starved_it_does_not_want_a_cpu():
     process = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        os.kill(process.pid, 19)  # SIGSTOP: state T
+        os.kill(process.pid, 19)  # SIGSTOP: state T, once the kernel has delivered it
+        deadline = time.monotonic() + 10
+        while reclaim._stat_fields(process.pid)[0] != "T":  # until then the new process may still be runnable (a CI run saw R)
+            assert time.monotonic() < deadline, "SIGSTOP was not delivered within 10 s"
+            time.sleep(0.01)
         watch = reclaim.StarvationWatch(process.pid, window_s=1.0, min_cpu_s=0.05)
         assert [watch.look(now) for now in (0.0, 0.6, 1.2, 1.8)] == [None] * 4
     finally:
