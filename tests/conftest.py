@@ -90,8 +90,8 @@ def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_set(tmp_path_factory.mktemp("eval_sets") / "calibration")
 
 
-# The end-to-end files with models, sets and servers of their own (no session fixture of the demo model's): one work unit.
-OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_real_model.py")
+# The end-to-end files with models, runs and servers of their own (no session fixture of the demo model's runs): one work unit.
+OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_formats_e2e.py", "tests/integration/test_real_model.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
@@ -101,6 +101,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     session fixtures (one w8a8 quantize, the baseline's cached scores) must be computed once. Every unit test is a unit
     of its own, run by whichever worker finishes its end-to-end unit first. Measured on 2 cores (CI, 4 December): the
     demo-model unit 51 minutes, the family jobs 28.5 beside it, then the unit tier; the real model (7 minutes) moved over.
+    Again on 4 December (AVX-512 host, 40 min of pytest): the demo-model unit was still the longest; the formats file (FP8
+    and KV runs on their own sets, 10-11 min) moved over, and the family jobs calibrate on 16 samples (about 5 min less).
     (xdist's own loadgroup marks do not reach its scheduler under pytest 9: it renames a node id pytest no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None
