@@ -30,7 +30,7 @@ from pipelines.fleet.deployment import Deployment, ServerDeath
 from pipelines.fleet.drill import DrillSettings, run_drill
 from pipelines.fleet.fit import FitReport
 from pipelines.fleet.routes import ResolvedRoute
-from pipelines.fleet.state import read_state, run_dir
+from pipelines.fleet.state import ServeState, read_state, run_dir
 from pipelines.fleet.status import status_report
 from pipelines.fleet.supervisor import Prepared, Supervisor
 from pipelines.serve.reclaim import describe_group, group_members
@@ -139,6 +139,26 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError("condition not met in time")
+
+
+def supervise_while(prepared: Prepared, drive) -> tuple[ServeState, dict[str, object]]:
+    """The supervisor in the main thread (where it must start its children: their parent-death signal follows the thread)
+    while `drive(folder, seen)` runs in another once the deployment serves; Ctrl-C ends it when `drive` returns or fails
+    (its exception is `seen["error"]`)."""
+    folder = run_dir(prepared.deployment.name)
+    seen: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
+            drive(folder, seen)
+        except BaseException as error:
+            seen["error"] = error
+        finally:
+            _thread.interrupt_main()
+
+    threading.Thread(target=target, daemon=True).start()
+    return Supervisor(prepared).run(), seen
 
 
 def test_crash_and_hang_fail_over_and_come_back(prepared: Prepared) -> None:
@@ -259,20 +279,10 @@ def httpx_reachable(port: int) -> bool:
 
 
 def test_the_drill_counts_every_request_through_a_crash_and_a_hang(prepared: Prepared, capsys: pytest.CaptureFixture) -> None:
-    folder = run_dir("unit")
-    seen: dict[str, object] = {}
+    def drive(folder: Path, seen: dict[str, object]) -> None:
+        seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, rate=50, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
 
-    def drive() -> None:
-        try:
-            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
-            seen["report"] = run_drill(folder, DrillSettings(requests=3000, concurrency=2, rate=50, warmup_s=1.0, hang_s=3.0, recover_s=30.0))
-        except BaseException as error:
-            seen["error"] = error
-        finally:
-            _thread.interrupt_main()
-
-    threading.Thread(target=drive, daemon=True).start()
-    Supervisor(prepared).run()
+    _, seen = supervise_while(prepared, drive)
     assert "error" not in seen, seen.get("error")
     report = seen["report"]
     crash, hang = report.faults
@@ -289,20 +299,10 @@ def test_a_drill_whose_route_never_comes_back_says_where_the_route_is(prepared: 
     """A failed drill names the route's status and the supervisor's last words, not just the time-out (CI, 4 December)."""
     deployment = prepared.deployment.model_copy(update={"rules": prepared.deployment.rules.model_copy(
         update={"server_death": ServerDeath(restart=False)})})
-    folder = run_dir("unit")
-    seen: dict[str, object] = {}
+    def drive(folder: Path, seen: dict[str, object]) -> None:
+        run_drill(folder, DrillSettings(requests=3000, concurrency=1, rate=20, warmup_s=0.5, hang_s=1.0, recover_s=3.0))
 
-    def drive() -> None:
-        try:
-            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
-            run_drill(folder, DrillSettings(requests=3000, concurrency=1, rate=20, warmup_s=0.5, hang_s=1.0, recover_s=3.0))
-        except BaseException as error:
-            seen["error"] = error
-        finally:
-            _thread.interrupt_main()
-
-    threading.Thread(target=drive, daemon=True).start()
-    Supervisor(prepared.model_copy(update={"deployment": deployment})).run()
+    _, seen = supervise_while(prepared.model_copy(update={"deployment": deployment}), drive)
     error = seen.get("error")
     assert isinstance(error, ServeError), error
     assert re.search(r"the restart of primary did not happen within recover_s \(3 s\); primary is failed after 0 restart\(s\) "
@@ -321,31 +321,19 @@ def test_nginx_killed_while_a_route_restarts_is_started_again_before_the_route_i
         return stand_in_server(model_dir, **kwargs, start_up_s=8.0 if restart else 0.0)
 
     monkeypatch.setattr(supervisor_module, "vllm_server", slow_restarts)
-    port = prepared.deployment.listen.port
-    folder = run_dir(prepared.deployment.name)
-    seen: dict[str, object] = {}
+    def drive(folder: Path, seen: dict[str, object]) -> None:
+        key = (folder / "client-key").read_text().strip()
+        state = read_state(folder)
+        os.kill(state.routes[0].pid or 0, signal.SIGKILL)
+        wait_until(lambda: read_state(folder).routes[0].restarts == 1)
+        nginx = state.proxy.pid
+        os.kill(nginx or 0, signal.SIGKILL)  # nginx dies while the primary's restart lasts 8 s
+        wait_until(lambda: read_state(folder).proxy.pid not in (None, nginx), timeout_s=6)
+        seen["primary then"] = read_state(folder).routes[0].status
+        seen["answer"] = ask(prepared.deployment.listen.port, key)[:2]
+        seen["events"] = [event.text for event in read_state(folder).events]
 
-    def drive() -> None:
-        try:
-            wait_until(lambda: (folder / "state.json").is_file() and read_state(folder).phase == "serving")
-            key = (folder / "client-key").read_text().strip()
-            state = read_state(folder)
-            os.kill(state.routes[0].pid or 0, signal.SIGKILL)
-            wait_until(lambda: read_state(folder).routes[0].restarts == 1)
-            nginx = state.proxy.pid
-            os.kill(nginx or 0, signal.SIGKILL)  # nginx dies while the primary's restart lasts 8 s
-            wait_until(lambda: read_state(folder).proxy.pid not in (None, nginx), timeout_s=6)
-            seen["primary then"] = read_state(folder).routes[0].status
-            seen["answer"] = ask(port, key)[:2]
-            seen["events"] = [event.text for event in read_state(folder).events]
-        except BaseException as error:
-            seen["error"] = error
-        finally:
-            _thread.interrupt_main()
-
-    threading.Thread(target=drive, daemon=True).start()
-    Supervisor(prepared).run()
-
+    _, seen = supervise_while(prepared, drive)
     assert "error" not in seen, seen.get("error")
     assert seen["primary then"] in ("restarting", "starting"), seen
     assert seen["answer"] == (200, "fallback-1")
