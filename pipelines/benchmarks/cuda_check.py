@@ -31,8 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -208,34 +207,13 @@ def sensitivity_section(recipe_name: str, model_dir: Path, eval_sets: list, cach
     calibrated = calibration_available(loaded.recipe, None)
     ladders = {u.name: unit_ladder(u, ladder.ladder, target, calibrated) for u in units}
     started = time.perf_counter()
-    with _baseline_cache_if_served():
-        measured = SensitivityModel(model_dir, loaded.recipe, loaded.text, units, ladders, eval_sets, ServeSettings(), cache,
-                                    ladder.text, SensitivitySettings()).measure()
+    measured = SensitivityModel(model_dir, loaded.recipe, loaded.text, units, ladders, eval_sets, ServeSettings(), cache,
+                                ladder.text, SensitivitySettings()).measure()
     return {"recipe": recipe_name, "ladder": str(ladder.path), "device": str(compute_device()), "units": len(units),
             "rungs": sum(len(x.options) for x in ladders.values()), "prompts": measured.prompts, "positions": measured.positions,
             "reference_source": measured.reference_source, "wall_s": measured.wall_s, "total_s": round(time.perf_counter() - started, 2),
             "spearman": measured.spearman, "split_half": measured.split_half, "kl_parent": measured.kl_parent,
             "top_units": [(e.unit, e.kl) for e in measured.units[:5]]}
-
-
-@contextmanager
-def _baseline_cache_if_served() -> Iterator[None]:
-    """The baseline cache's keys name the serve environment's versions; a machine without one (the GPU machine has no
-    vLLM) has no cached baseline either, and the pass makes its reference paths with the 16-bit model."""
-    from pipelines.hardware.host import require_serve_env
-    from pipelines.repair import sensitivity
-
-    try:
-        require_serve_env()
-    except QuantGateError:
-        original = sensitivity.cached_baselines
-        sensitivity.cached_baselines = lambda *args: {}
-        try:
-            yield
-        finally:
-            sensitivity.cached_baselines = original
-        return
-    yield
 
 
 def render(document: dict[str, Any]) -> str:

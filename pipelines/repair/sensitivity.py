@@ -117,7 +117,11 @@ class Sensitivity(BaseModel):
 
 
 def cached_baselines(model_dir: Path, eval_sets: list[EvalSet], serve: ServeSettings, cache_dir: Path) -> dict[str, baseline_cache.BaselineEntry]:
-    """The gate's baseline cache entries of these sets (scores and reference paths), by set; sets without one are left out."""
+    """The gate's baseline cache entries of these sets (scores and reference paths), by set; sets without one are left out.
+    None on a machine without a serve environment (the GPU machine has no vLLM): the cache's keys name its versions, so
+    nothing there was cached, and the pass makes its reference paths with the 16-bit model."""
+    if not current_settings().serve_python.exists():
+        return {}
     model_hash = folder_hash(model_dir)
     loaded = {s.name: baseline_cache.load_cached(baseline_cache.cache_key(model_hash, s, serve), cache_dir) for s in eval_sets}
     return {name: entry for name, entry in loaded.items() if entry is not None}
