@@ -5,11 +5,12 @@ An eval set's doc_to_* templates are the user's code, rendered for every item at
 unsafe methods and changes to lists and dicts; this module adds budgets enforced while rendering, never
 checked only afterwards:
 
-- time: a deadline per item, one per set (RenderBudget) and one per command over every set it renders
-  (CommandBudget: twelve sets each just inside their own budget do not add up to minutes), the set's and the
-  command's growing with the number of renderings (a large legitimate set is never refused for its size);
-  checked at every call, filter, attribute or item access, operator, loop iteration and output chunk; every
-  `{% for %}` iterates through a checked iterator, so nested loops that write nothing still stop;
+- time (CPU time of the rendering thread, not the wall clock: a loaded machine is not a hostile template): a deadline
+  per item, one per set (RenderBudget) and one per command over every set it renders (CommandBudget: twelve sets each
+  just inside their own budget do not add up to minutes), the set's and the command's growing with the number of
+  renderings (a large legitimate set is never refused for its size); checked at every call, filter, attribute or
+  item access, operator, loop iteration and output chunk; every `{% for %}` iterates through a checked iterator, so
+  nested loops that write nothing still stop;
 - output: what a template writes is streamed and counted (per item and per set), and every value a call,
   filter, operator or `~` produces, and every value written or turned into text, is held to a size;
   operations whose result size an argument chooses (`center(2000000000)`, `'%2000000000s'`, `join`,
@@ -44,6 +45,9 @@ MAX_SET_RENDERED_CHARS = 100_000_000  # every template of a set over all its ite
 CHARS_PER_RENDER = 1_000
 MAX_VALUE_WEIGHT = 10_000_000  # what a value may become as text (a list of a shared big list counts each reference)
 ITEM_SECONDS = 2.0  # one template against one item
+# Budgets count the CPU time of the rendering thread: a template bomb spends CPU, while a process that waits for a CPU spends
+# none (a CI run on 2 loaded cores saw a trivial template "take more than 2 s" of wall-clock time between two checks).
+_clock = time.thread_time
 SET_SECONDS = 10.0  # every template of a set against all its items (+ SECONDS_PER_RENDER each: pipelines.evaluation.budget)
 MAX_EXPONENT = 1024
 # An integer no template needs is one Python cannot even print (about 4,300 digits): refused before it is computed,
@@ -88,7 +92,7 @@ class RenderBudget:
             budget.renders += 1
         self.chars += self.chars_per_render
         self.chars_limit += self.chars_per_render
-        started = time.monotonic()
+        started = _clock()
         limits = ((ITEM_SECONDS, None), (self.time.left, self.time), (self.command.left, self.command))
         seconds, limit = min(limits, key=lambda pair: pair[0])
         item = _ItemState(self, started + seconds, limit)
@@ -99,7 +103,7 @@ class RenderBudget:
             return "".join(item.written(chunk) for chunk in template.generate(**doc))
         finally:
             _ACTIVE.item = previous
-            spent = time.monotonic() - started
+            spent = _clock() - started
             self.time.spent += spent
             self.command.spent += spent
 
@@ -112,7 +116,7 @@ class _ItemState:
     chars: int = 0
 
     def check_time(self) -> None:
-        if time.monotonic() <= self.deadline:
+        if _clock() <= self.deadline:
             return
         if isinstance(self.limit, CommandBudget):
             raise CommandBudgetError(f"this command's templates took more than {self.limit.describe()} to render in all")
@@ -142,7 +146,7 @@ def _tick() -> None:
 
 def _seconds_left() -> float:
     item = getattr(_ACTIVE, "item", None)
-    return ITEM_SECONDS if item is None else max(0.001, item.deadline - time.monotonic())
+    return ITEM_SECONDS if item is None else max(0.001, item.deadline - _clock())
 
 
 # ---------------------------------------------------------------- sizes

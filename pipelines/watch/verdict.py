@@ -2,7 +2,8 @@
 
 A limit is the tighter of the policy's production SLO (performance.production, defaulting to the load test's own SLO
 targets) and the load test's own figure at the deployed concurrency times `envelope_tolerance` (docs/watch.md has the table).
-A figure without data in the window (no request finished) gets no verdict; it is never a breach. The same limits are
+A latency limit is raised to the upper bound of its histogram bucket (`_at_resolution`). A figure without data in the
+window (no request finished) gets no verdict; it is never a breach. The same limits are
 written into the deployed alert rules (pipelines/deploy/files.py), so `watch` and Prometheus judge alike.
 """
 
@@ -13,6 +14,7 @@ from typing import Literal
 from pipelines.deploy.spec import Envelope
 from pipelines.schema import StrictModel
 from pipelines.watch.figures import Figures
+from pipelines.watch.series import LATENCY_BUCKETS
 
 Verdict = Literal["within", "breach", "no data"]
 
@@ -35,12 +37,12 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
     production = envelope.production
     tolerance = production.envelope_tolerance
     found = [
-        FigureLimit(figure="ttft_p95_s", limit=envelope.ttft_p95_limit_ms / 1000,
-                    source=_latency_source("TTFT", envelope.ttft_ms.p95, production.ttft_p95_ms or envelope.slo.ttft_ms, tolerance,
-                                           envelope.concurrency, "production.ttft_p95_ms" if production.ttft_p95_ms else "slo.ttft_ms")),
-        FigureLimit(figure="itl_p95_s", limit=envelope.itl_p95_limit_ms / 1000,
-                    source=_latency_source("ITL", envelope.itl_ms.p95, production.itl_p95_ms or envelope.slo.tpot_ms, tolerance,
-                                           envelope.concurrency, "production.itl_p95_ms" if production.itl_p95_ms else "slo.tpot_ms")),
+        _at_resolution("ttft_p95_s", envelope.ttft_p95_limit_ms / 1000, LATENCY_BUCKETS["ttft"],
+                       _latency_source("TTFT", envelope.ttft_ms.p95, production.ttft_p95_ms or envelope.slo.ttft_ms, tolerance,
+                                       envelope.concurrency, "production.ttft_p95_ms" if production.ttft_p95_ms else "slo.ttft_ms")),
+        _at_resolution("itl_p95_s", envelope.itl_p95_limit_ms / 1000, LATENCY_BUCKETS["itl"],
+                       _latency_source("ITL", envelope.itl_ms.p95, production.itl_p95_ms or envelope.slo.tpot_ms, tolerance,
+                                       envelope.concurrency, "production.itl_p95_ms" if production.itl_p95_ms else "slo.tpot_ms")),
         FigureLimit(figure="error_rate", limit=production.max_error_rate,
                     source=f"policy production.max_error_rate (the load test had {envelope.failed} failed of {envelope.requests})"),
         FigureLimit(figure="kv_cache_usage", limit=production.max_kv_cache_usage, source="policy production.max_kv_cache_usage"),
@@ -54,6 +56,18 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
                                  source=f"load test's memory watermark {envelope.peak_memory_bytes / 2**20:.0f} MiB x {tolerance:g} "
                                         "(the watched figure is the API server process's RSS only)"))
     return found
+
+
+def _at_resolution(figure: str, limit_s: float, bounds: tuple[float, ...], source: str) -> FigureLimit:
+    """A p95 read from a histogram is interpolated inside the bucket that holds it: it is provably above a limit only when
+    it is above the upper bound of the limit's bucket (more than 5% of the observations lie beyond that bound). So the limit
+    is raised to that bound: a 5 us ITL limit (a load test whose client read the stream in bursts) against vLLM's first
+    ITL bucket (10 ms) made every window a breach. Above the largest finite bound the limit stands."""
+    bound = next((bound for bound in bounds if bound >= limit_s), None)
+    if bound is None or bound == limit_s:
+        return FigureLimit(figure=figure, limit=limit_s, source=source)
+    return FigureLimit(figure=figure, limit=bound, source=f"{source}; {limit_s * 1000:.3g} ms raised to its histogram bucket's bound "
+                                                          f"{bound * 1000:g} ms (vLLM's buckets: a p95 inside one bucket is read by interpolation)")
 
 
 def _latency_source(name: str, measured_ms: float, slo_ms: float | None, tolerance: float, concurrency: int, slo_field: str) -> str:

@@ -206,9 +206,10 @@ def test_the_deployed_files_pass_promtool_and_carry_the_measured_arguments(watch
     assert [g["name"] for g in groups] == [f"quantgate-{MODEL}-v{watched.second}"] and all(r["health"] == "ok" for r in groups[0]["rules"])
 
 
-# The demo model's ITL is a few ms (the envelope's limit was 6-10 ms on the hosts met), and the load test and this window run
-# while another test worker shares the 2 cores: a CI run saw ITL p95 9.5 ms here over its limit, at 1 request in flight.
-# An ITL over its limit by less than this factor is that noise; every other figure is held exactly.
+# The demo model's ITL is a few ms, inside vLLM's first ITL bucket (10 ms), the resolution the limit is held at; the window
+# runs while another test worker shares the 2 cores. An ITL over its limit by less than this factor is that noise; every
+# other figure is held exactly. (CI runs saw ITL p95 9.5 ms against envelope limits of 6-10 ms and of 5 us: the load test's
+# client had read the stream in bursts; the limit is now raised to the bucket's bound, pipelines/watch/verdict.py.)
 ITL_NOISE = 3.0
 
 
@@ -231,9 +232,10 @@ def test_the_induced_breach_is_reported_and_rolled_back_to_the_previous_verified
     assert run.code == 1, run.stderr
     document = run.json
     assert document["verdict"] == "breach" and document["breached_windows"][:2] == [1, 2]
-    # Preemptions are the proof the cache ran out; the usage gauge is sampled per scrape, and with 4 usable blocks (vLLM
-    # keeps the fifth as its null block) the peak seen was 1.0 on cpu:avx2 and 0.75 on cpu:avx512bf16 while preempting.
-    assert document["preemptions"] > 0 and document["kv_cache_usage"] >= 0.5
+    # Preemptions are the proof the cache ran out; the usage gauge is only sampled (every 0.5 s), and with 4 usable blocks
+    # (vLLM keeps the fifth as its null block) the peak seen while preempting was 1.0 on cpu:avx2, then 0.75 and 0.0 (31
+    # preemptions) in two CI runs on cpu:avx512bf16: it is read, not held to a value.
+    assert document["preemptions"] > 0 and document["kv_cache_usage"] is not None
     assert all("preemptions" in w["breached"] for w in document["windows"][:2])
     rollback = document["rollback"]
     assert rollback["moved"] and rollback["from_version"] == watched.second and rollback["to_version"] == watched.first
