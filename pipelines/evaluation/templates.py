@@ -122,7 +122,7 @@ class _ItemState:
             raise CommandBudgetError(f"this command's templates took more than {self.limit.describe()} to render in all")
         if self.limit is not None:
             raise TemplateBudgetError(f"the set's templates took more than {self.limit.describe()} to render in all")
-        raise TemplateBudgetError(f"rendering one item took more than {ITEM_SECONDS:g} s")
+        raise TemplateBudgetError(f"rendering one item took more than {ITEM_SECONDS:g} s of CPU")
 
     def written(self, chunk: str) -> str:
         self.check_time()
@@ -319,7 +319,7 @@ def _regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
     try:
         return regex.sub(pattern, replacement, string, count=count, timeout=_seconds_left())
     except TimeoutError:
-        raise TemplateBudgetError(f"regex_replace took more than {ITEM_SECONDS:g} s") from None
+        raise TemplateBudgetError(f"regex_replace took more than {ITEM_SECONDS:g} s of CPU") from None
 
 
 # ---------------------------------------------------------------- the environment

@@ -118,7 +118,7 @@ class Sensitivity(BaseModel):
 
 def cached_baselines(model_dir: Path, eval_sets: list[EvalSet], serve: ServeSettings, cache_dir: Path) -> dict[str, baseline_cache.BaselineEntry]:
     """The gate's baseline cache entries of these sets (scores and reference paths), by set; sets without one are left out.
-    None on a machine without a serve environment (the GPU machine has no vLLM): the cache's keys name its versions, so
+    Nothing on a machine without a serve environment (the GPU machine has no vLLM): the cache's keys name its versions, so
     nothing there was cached, and the pass makes its reference paths with the 16-bit model."""
     if not current_settings().serve_python.exists():
         return {}

@@ -446,7 +446,8 @@ def vllm_server(
     """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
     including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py).
     `while_waiting` is called about twice a second while the server starts: a caller with other duties (the fleet's
-    supervisor keeps its proxy alive) goes on with them instead of being blocked for the whole start-up."""
+    supervisor keeps its proxy alive) goes on with them instead of being blocked for the whole start-up; an exception it
+    raises ends the start (the server's group is stopped) and leaves the block."""
     settings = settings or ServeSettings()
     require_model_dir(model_dir, "model")
     fixed_port = port is not None

@@ -45,9 +45,8 @@ HISTOGRAMS = {
     "batch_tokens": "vllm:iteration_tokens_total",
 }
 # The bucket bounds (seconds) of the histograms a limit is held against: vLLM's defaults (vllm/v1/metrics/buckets.py of the
-# pinned vLLM; a server started with --custom-histogram-buckets has others). A p95 is read inside one bucket by
-# interpolation, so it cannot be told apart from a limit in the same bucket: pipelines/watch/verdict.py raises such a limit
-# to the bucket's upper bound.
+# pinned vLLM; a server started with --custom-histogram-buckets has others). Below the first bound a p95 cannot be told
+# apart from zero: pipelines/watch/verdict.py raises a limit there to that bound.
 LATENCY_BUCKETS = {
     "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
              640.0, 2560.0),

@@ -2,7 +2,7 @@
 
 A limit is the tighter of the policy's production SLO (performance.production, defaulting to the load test's own SLO
 targets) and the load test's own figure at the deployed concurrency times `envelope_tolerance` (docs/watch.md has the table).
-A latency limit is raised to the upper bound of its histogram bucket (`_at_resolution`). A figure without data in the
+A latency limit below the first bound of vLLM's histogram is raised to it (`_at_resolution`). A figure without data in the
 window (no request finished) gets no verdict; it is never a breach. The same limits are
 written into the deployed alert rules (pipelines/deploy/files.py), so `watch` and Prometheus judge alike.
 """
@@ -59,15 +59,16 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
 
 
 def _at_resolution(figure: str, limit_s: float, bounds: tuple[float, ...], source: str) -> FigureLimit:
-    """A p95 read from a histogram is interpolated inside the bucket that holds it: it is provably above a limit only when
-    it is above the upper bound of the limit's bucket (more than 5% of the observations lie beyond that bound). So the limit
-    is raised to that bound: a 5 us ITL limit (a load test whose client read the stream in bursts) against vLLM's first
-    ITL bucket (10 ms) made every window a breach. Above the largest finite bound the limit stands."""
-    bound = next((bound for bound in bounds if bound >= limit_s), None)
-    if bound is None or bound == limit_s:
+    """A p95 read from a histogram is interpolated inside the bucket that holds it; below the first bucket's bound that is a
+    straight line from zero, which says nothing about a limit there: such a limit is raised to that bound (a 5 us ITL limit,
+    from a load test whose client read the stream in bursts, against vLLM's first ITL bucket of 10 ms made every window a
+    breach). A limit at or above the first bound stands, as written (Prometheus' histogram_quantile reads it alike); one
+    above the last finite bound can never be breached, since both cap the estimate there."""
+    first = bounds[0]
+    if limit_s >= first - 1e-12:
         return FigureLimit(figure=figure, limit=limit_s, source=source)
-    return FigureLimit(figure=figure, limit=bound, source=f"{source}; {limit_s * 1000:.3g} ms raised to its histogram bucket's bound "
-                                                          f"{bound * 1000:g} ms (vLLM's buckets: a p95 inside one bucket is read by interpolation)")
+    return FigureLimit(figure=figure, limit=first, source=f"{source}; {limit_s * 1000:.3g} ms raised to the histogram's first bucket bound "
+                                                          f"{first * 1000:g} ms (vLLM's buckets: nothing below it can be told apart)")
 
 
 def _latency_source(name: str, measured_ms: float, slo_ms: float | None, tolerance: float, concurrency: int, slo_field: str) -> str:

@@ -324,10 +324,11 @@ def test_nginx_killed_while_a_route_restarts_is_started_again_before_the_route_i
     def drive(folder: Path, seen: dict[str, object]) -> None:
         key = (folder / "client-key").read_text().strip()
         state = read_state(folder)
-        os.kill(state.routes[0].pid or 0, signal.SIGKILL)
+        primary, nginx = state.routes[0].pid, state.proxy.pid
+        assert primary and nginx, state  # kill(0) would signal the test run's own process group
+        os.kill(primary, signal.SIGKILL)
         wait_until(lambda: read_state(folder).routes[0].restarts == 1)
-        nginx = state.proxy.pid
-        os.kill(nginx or 0, signal.SIGKILL)  # nginx dies while the primary's restart lasts 8 s
+        os.kill(nginx, signal.SIGKILL)  # nginx dies while the primary's restart lasts 8 s
         wait_until(lambda: read_state(folder).proxy.pid not in (None, nginx), timeout_s=6)
         seen["primary then"] = read_state(folder).routes[0].status
         seen["answer"] = ask(prepared.deployment.listen.port, key)[:2]
