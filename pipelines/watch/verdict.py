@@ -41,7 +41,8 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
                        _latency_source("TTFT", envelope.ttft_ms.p95, production.ttft_p95_ms or envelope.slo.ttft_ms, tolerance,
                                        envelope.concurrency, "production.ttft_p95_ms" if production.ttft_p95_ms else "slo.ttft_ms")),
         _at_resolution("itl_p95_s", envelope.itl_p95_limit_ms / 1000, LATENCY_BUCKETS["itl"],
-                       _latency_source("ITL", envelope.itl_ms.p95, production.itl_p95_ms or envelope.slo.tpot_ms, tolerance,
+                       _latency_source("TPOT (the load test's ITL was read in bursts)" if envelope.itl_bursty else "ITL",
+                                       envelope.itl_basis_ms, production.itl_p95_ms or envelope.slo.tpot_ms, tolerance,
                                        envelope.concurrency, "production.itl_p95_ms" if production.itl_p95_ms else "slo.tpot_ms")),
         FigureLimit(figure="error_rate", limit=production.max_error_rate,
                     source=f"policy production.max_error_rate (the load test had {envelope.failed} failed of {envelope.requests})"),
@@ -72,7 +73,7 @@ def _at_resolution(figure: str, limit_s: float, bounds: tuple[float, ...], sourc
 
 
 def _latency_source(name: str, measured_ms: float, slo_ms: float | None, tolerance: float, concurrency: int, slo_field: str) -> str:
-    envelope = f"load test p95 {measured_ms:.1f} ms at concurrency {concurrency} x {tolerance:g} = {measured_ms * tolerance:.1f} ms"
+    envelope = f"load test {name} p95 {measured_ms:.1f} ms at concurrency {concurrency} x {tolerance:g} = {measured_ms * tolerance:.1f} ms"
     if slo_ms is None:
         return envelope
     tighter = "SLO" if slo_ms <= measured_ms * tolerance or measured_ms <= 0 else "envelope"

@@ -87,7 +87,7 @@ def test_within_the_envelope_exit_0_with_a_planner_checked_recommendation(tool, 
     assert document["verdict"] == "within" and document["breached_windows"] == []
     verdicts = {v["figure"]: v for v in document["overall"]["verdicts"]}
     assert verdicts["ttft_p95_s"]["verdict"] == "within" and verdicts["ttft_p95_s"]["limit"] == pytest.approx(0.2384761, rel=1e-3)
-    assert verdicts["preemptions"]["verdict"] == "within" and "load test p95" in verdicts["ttft_p95_s"]["source"]
+    assert verdicts["preemptions"]["verdict"] == "within" and "load test TTFT p95" in verdicts["ttft_p95_s"]["source"]
     (found,) = document["recommendations"]
     assert found["kind"] in ("kv_headroom", "longer_max_model_len") and found["planner"]["fits"]
     assert found["evidence"]["window"] in (1, 2) and found["evidence"]["figures"]["kv_cache_usage"] == pytest.approx(0.2)
