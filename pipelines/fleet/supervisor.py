@@ -367,8 +367,7 @@ class Supervisor:
             time.sleep(TICK_S)
             for index, server in enumerate(self.servers):
                 self._check_route(index, server)
-            self._check_proxy()
-            self._fold_logs()
+            self._keep_proxy()
             self.save()
 
     def _fold_logs(self) -> None:
