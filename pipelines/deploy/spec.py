@@ -102,9 +102,8 @@ class Envelope(FrozenModel):
     @property
     def itl_bursty(self) -> bool:
         """The load test's ITL p95 is a tenth of its own median TPOT or less: 95% of the gaps between tokens hold almost
-        none of a request's time, so its client read the stream in bursts (a read of several
-        tokens makes gaps of about 0; measured: ITL p95 2.6 us beside a TPOT of milliseconds, on 2 loaded cores), so its
-        ITL figures measure the client, not the server."""
+        none of a request's time: its client read the stream in bursts (a read of several tokens makes gaps of about 0;
+        measured: ITL p95 2.6 us beside a TPOT of milliseconds, on 2 loaded cores), and its ITL figures measure the client."""
         return self.itl_ms.p95 * BURST_FACTOR < self.tpot_ms.p50
 
     @property

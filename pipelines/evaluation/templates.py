@@ -45,15 +45,15 @@ MAX_SET_RENDERED_CHARS = 100_000_000  # every template of a set over all its ite
 CHARS_PER_RENDER = 1_000
 MAX_VALUE_WEIGHT = 10_000_000  # what a value may become as text (a list of a shared big list counts each reference)
 ITEM_SECONDS = 2.0  # one template against one item
-# Budgets count the CPU time of the rendering thread: a template bomb spends CPU, while a process that waits for a CPU spends
-# none (a CI run on 2 loaded cores saw a trivial template "take more than 2 s" of wall-clock time between two checks).
-_clock = time.thread_time
 SET_SECONDS = 10.0  # every template of a set against all its items (+ SECONDS_PER_RENDER each: pipelines.evaluation.budget)
 MAX_EXPONENT = 1024
 # An integer no template needs is one Python cannot even print (about 4,300 digits): refused before it is computed,
 # since one C-level power or product cannot be interrupted by the time budget.
 MAX_INTEGER_BITS = 64_000
 MAX_JSON_INDENT = 16
+# Budgets count the CPU time of the rendering thread: a template bomb spends CPU, while a process that waits for a CPU spends
+# none (a CI run on 2 loaded cores saw a trivial template "take more than 2 s" of wall-clock time between two checks).
+_clock = time.thread_time
 _WEIGHT_OF_ATOM = 32  # a number, None, a bool: at most this many characters (an int of 4,300 digits is refused by Python)
 _WEIGHT_OF_OBJECT = 64  # anything else: its default repr
 _FORMAT_NUMBER = re.compile(r"\d+")

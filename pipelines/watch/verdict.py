@@ -14,7 +14,7 @@ from typing import Literal
 from pipelines.deploy.spec import Envelope
 from pipelines.schema import StrictModel
 from pipelines.watch.figures import Figures
-from pipelines.watch.series import LATENCY_BUCKETS
+from pipelines.watch.series import FIRST_LATENCY_BUCKET_S
 
 Verdict = Literal["within", "breach", "no data"]
 
@@ -37,10 +37,10 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
     production = envelope.production
     tolerance = production.envelope_tolerance
     found = [
-        _at_resolution("ttft_p95_s", envelope.ttft_p95_limit_ms / 1000, LATENCY_BUCKETS["ttft"],
+        _at_resolution("ttft_p95_s", envelope.ttft_p95_limit_ms / 1000, FIRST_LATENCY_BUCKET_S["ttft"],
                        _latency_source("TTFT", envelope.ttft_ms.p95, production.ttft_p95_ms or envelope.slo.ttft_ms, tolerance,
                                        envelope.concurrency, "production.ttft_p95_ms" if production.ttft_p95_ms else "slo.ttft_ms")),
-        _at_resolution("itl_p95_s", envelope.itl_p95_limit_ms / 1000, LATENCY_BUCKETS["itl"],
+        _at_resolution("itl_p95_s", envelope.itl_p95_limit_ms / 1000, FIRST_LATENCY_BUCKET_S["itl"],
                        _latency_source("TPOT (the load test's ITL was read in bursts)" if envelope.itl_bursty else "ITL",
                                        envelope.itl_basis_ms, production.itl_p95_ms or envelope.slo.tpot_ms, tolerance,
                                        envelope.concurrency, "production.itl_p95_ms" if production.itl_p95_ms else "slo.tpot_ms")),
@@ -59,13 +59,12 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
     return found
 
 
-def _at_resolution(figure: str, limit_s: float, bounds: tuple[float, ...], source: str) -> FigureLimit:
+def _at_resolution(figure: str, limit_s: float, first: float, source: str) -> FigureLimit:
     """A p95 read from a histogram is interpolated inside the bucket that holds it; below the first bucket's bound that is a
     straight line from zero, which says nothing about a limit there: such a limit is raised to that bound (a 5 us ITL limit,
     from a load test whose client read the stream in bursts, against vLLM's first ITL bucket of 10 ms made every window a
     breach). A limit at or above the first bound stands, as written (Prometheus' histogram_quantile reads it alike); one
     above the last finite bound can never be breached, since both cap the estimate there."""
-    first = bounds[0]
     if limit_s >= first - 1e-12:
         return FigureLimit(figure=figure, limit=limit_s, source=source)
     return FigureLimit(figure=figure, limit=first, source=f"{source}; {limit_s * 1000:.3g} ms raised to the histogram's first bucket bound "

@@ -17,7 +17,7 @@ from test_loadtest_runner import gate, servers, tool  # noqa: F401 (fixtures)
 from pipelines.cli import main
 from pipelines.deploy.files import dashboard_expressions
 from pipelines.registry.store import Registry
-from pipelines.watch.series import LATENCY_BUCKETS
+from pipelines.watch.series import FIRST_LATENCY_BUCKET_S
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -52,7 +52,7 @@ def test_deploy_writes_files_promtool_accepts_with_limits_from_the_load_test(too
     assert set(by_figure) == {"ttft_p95_s", "itl_p95_s", "error_rate", "kv_cache_usage", "preemptions", "waiting_p95", "memory_bytes", "up"}
     candidate = Registry(workspace.registry).show("demo-llama", version).gate.performance.figures("candidate")
     ttft = candidate.at(16).ttft_ms.p95
-    held = max(min(2.0, ttft * 1.5 / 1000), LATENCY_BUCKETS["ttft"][0])  # not below vLLM's first TTFT bucket bound
+    held = max(min(2.0, ttft * 1.5 / 1000), FIRST_LATENCY_BUCKET_S["ttft"])  # not below vLLM's first TTFT bucket bound
     assert by_figure["ttft_p95_s"]["expr"].endswith(f"> {held:g}")
     assert "[120s]" in by_figure["ttft_p95_s"]["expr"] and by_figure["preemptions"]["for"] == "0s"
     assert by_figure["waiting_p95"]["expr"].endswith("> 16") and "measured max_num_seqs" in by_figure["waiting_p95"]["annotations"]["description"]
