@@ -39,6 +39,8 @@ TOOL_MODULE = "vllm.benchmarks.serve"
 PERCENTILES = (50, 95, 99)
 PERCENTILE_METRICS = ("ttft", "tpot", "itl")
 Role = Literal["baseline", "candidate"]
+POLL_S = 0.1  # how often a batch's progress is read from the tool's log (a pair of runs lasts seconds)
+EXIT_WAIT_S = 5.0  # after its stdin closes, the tool's time to exit before it is killed
 
 
 class BenchResult(BaseModel):
@@ -94,17 +96,18 @@ class PlannedRun(FrozenModel):
 
     @property
     def name(self) -> str:
-        return f"{self.role}-warmup" if self.warmup else f"{self.role}-c{self.concurrency}-r{self.repeat}"
+        return f"{self.role}-warmup-c{self.concurrency}" if self.warmup else f"{self.role}-c{self.concurrency}-r{self.repeat}"
 
     @property
     def result_file(self) -> str:
         return f"{self.name}.json"
 
 
-def plan_runs(levels: list[int], roles: list[Role], repeats: int, requests_at) -> list[PlannedRun]:
-    """A warm-up per model, then each level `repeats` times per model; the model that goes first alternates from
-    one repeat to the next, so that a drift of the machine's speed (another job, thermal) falls on both alike."""
-    runs = [PlannedRun(role=role, concurrency=min(levels[-1], 4), repeat=0, requests=requests_at(1), warmup=True) for role in roles]
+def plan_runs(levels: list[int], roles: list[Role], repeats: int, requests_at, *, warmup: bool = True) -> list[PlannedRun]:
+    """A warm-up per model (unless the caller warmed the servers), then each level `repeats` times per model; the model
+    that goes first alternates from one repeat to the next, so that a drift of the machine's speed falls on both alike."""
+    runs = [PlannedRun(role=role, concurrency=min(levels[-1], 4), repeat=0, requests=requests_at(1), warmup=True)
+            for role in roles] if warmup and levels else []
     for level in levels:
         for repeat in range(repeats):
             order = roles if repeat % 2 == 0 else list(reversed(roles))
@@ -156,14 +159,15 @@ def driver_environment() -> dict[str, str]:
 
 class BenchDriver:
     """The tool's process (vllm_bench_driver.py), started before the servers are ready so that vLLM's import
-    overlaps their start and scoring; `run` hands it the plan and the servers' keys (on its stdin: never on a
-    command line or in a file) and watches it. Its output goes to `<work_dir>/vllm-bench.log` (removed again when
-    it was never used). It is killed when the block ends, and gets SIGKILL if this process dies (parent-death
-    signal). A driver that cannot start is an error only when it is asked to run.
+    overlaps their start and scoring; each `run` hands it one batch of runs and the servers' keys (on its stdin: never
+    on a command line or in a file) and waits for that batch, so that a caller can decide the next batch from the last
+    one's results (the paired comparison). Its output goes to `<work_dir>/vllm-bench.log` (removed again when it was
+    never used). It ends when the block ends (its stdin closed, then killed), and gets SIGKILL if this process dies
+    (parent-death signal). A driver that cannot start is an error only when it is asked to run.
 
         with BenchDriver(work_dir) as driver:
             ... start servers, write datasets ...
-            driver.run(runs, servers, timeout_s=..., bar=bar)
+            driver.run(runs, servers, timeout_s=..., bar=bar)     # as many batches as needed
     """
 
     def __init__(self, work_dir: Path):
@@ -172,6 +176,9 @@ class BenchDriver:
         self.process: subprocess.Popen | None = None
         self.start_error: OSError | None = None
         self.used = False
+        self.batches = 0
+        self.finished = 0  # runs the tool has finished, over every batch
+        self.in_flight = False  # a batch was handed over and not seen through
 
     def __enter__(self) -> BenchDriver:
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -186,16 +193,21 @@ class BenchDriver:
             self.start_error = error
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         process = self.process
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait()
+        if process is not None and process.poll() is None and (exc_type is not None or self.in_flight):
+            process.kill()  # an error or Ctrl-C, or a batch left running: no reason to let it finish
         if process is not None and process.stdin is not None:
             try:
-                process.stdin.close()
+                process.stdin.close()  # no more batches: the tool exits by itself
             except OSError:
                 pass
+        if process is not None and process.poll() is None:
+            try:
+                process.wait(timeout=EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if not self.used:  # started early for a load test that did not run: leave nothing behind
             self.log_path.unlink(missing_ok=True)
             try:
@@ -205,39 +217,52 @@ class BenchDriver:
 
     def run(self, runs: list[tuple[PlannedRun, list[str]]], servers: dict[Role, RunningServer], *, timeout_s: float,
             bar: Bar | None = None) -> None:
-        """Every run, in order. A failing tool, a server that dies or the time limit is an error (exit 2)."""
+        """One batch of runs, in order; returns when the tool has finished them. A failing tool, a server that dies or
+        the time limit is an error (exit 2)."""
         self.used = True
-        if self.process is None or self.process.stdin is None:
+        process = self.process
+        if process is None or process.stdin is None:
             raise LoadTestError(f"could not start vLLM bench serve from the serve environment ({self.start_error})",
                                 file=current_settings().serve_python)
-        plan = self.work_dir / "bench-plan.json"
+        self.batches += 1
+        plan = self.work_dir / f"bench-plan-{self.batches}.json"
         plan.write_text(json.dumps({"runs": [{"name": run.name, "argv": argv, "key_env": key_variable(run.role)} for run, argv in runs]}, indent=1))
         order = {"plan": str(plan), "keys": {key_variable(role): server.api_key or "" for role, server in servers.items()}}
         try:
-            self.process.stdin.write(json.dumps(order) + "\n")
-            self.process.stdin.close()
+            process.stdin.write(json.dumps(order) + "\n")
+            process.stdin.flush()
         except OSError:  # it died while importing: its log says why (below)
             pass
-        _watch(self.process, servers, self.log_path, time.monotonic() + timeout_s, timeout_s, bar)
-        if self.process.returncode != 0:
-            raise LoadTestError(f"vLLM bench serve failed (exit code {self.process.returncode}): {log_tail(self.log_path, 3)}",
-                                file=self.log_path)
+        target = self.finished + len(runs)
+        self.in_flight = True
+        _watch(process, servers, self.log_path, Batch(offset=self.finished, target=target, deadline=time.monotonic() + timeout_s,
+                                                      timeout_s=timeout_s), bar)
+        self.finished, self.in_flight = target, False
 
 
-def _watch(process: subprocess.Popen, servers: dict[Role, RunningServer], log_path: Path, deadline: float, timeout_s: float, bar: Bar | None) -> None:
-    while process.poll() is None:
+class Batch(FrozenModel):
+    offset: int  # runs finished before this batch
+    target: int  # runs finished once it is done
+    deadline: float
+    timeout_s: float
+
+
+def _watch(process: subprocess.Popen, servers: dict[Role, RunningServer], log_path: Path, batch: Batch, bar: Bar | None) -> None:
+    while (done := finished_runs(log_path)) < batch.target:
+        if process.poll() is not None:
+            raise LoadTestError(f"vLLM bench serve failed (exit code {process.returncode}): {log_tail(log_path, 3)}", file=log_path)
         for server in servers.values():
             if server.process.poll() is not None:
                 process.kill()
                 server.check_alive()
-        if time.monotonic() > deadline:
+        if time.monotonic() > batch.deadline:
             process.kill()
-            raise LoadTestError(f"vLLM bench serve did not finish within {timeout_s:.0f} s (performance.load.timeout_s)", file=log_path)
+            raise LoadTestError(f"vLLM bench serve did not finish within {batch.timeout_s:.0f} s (performance.load.timeout_s)", file=log_path)
         if bar is not None:
-            bar.update(completed=finished_runs(log_path))
-        time.sleep(0.5)
+            bar.update(completed=done - batch.offset)
+        time.sleep(POLL_S)
     if bar is not None:
-        bar.update(completed=finished_runs(log_path))
+        bar.update(completed=batch.target - batch.offset)
 
 
 def finished_runs(log_path: Path) -> int:

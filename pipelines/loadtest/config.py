@@ -2,11 +2,12 @@
 
     performance:
       enabled: true            # run the load test after a promoted quality gate (--no-loadtest turns it off)
-      enforce: auto            # auto: enforced on a GPU target, report-only on a CPU target; always; never
+      enforce: auto            # auto: enforced on a GPU target, report-only on a CPU target; always (true); never (false)
       min_throughput_ratio: 0.9
       max_ttft_p95_ratio: 1.25
       slo: {ttft_ms: 2000, tpot_ms: 200, min_good_fraction: 0.9}
-      load: {repeats: 3, min_requests: 8, requests_per_slot: 2, max_concurrency: null, output_tokens: baseline}
+      load: {repeats: 1, min_requests: 8, requests_per_slot: 2, max_concurrency: null, output_tokens: baseline}
+      comparison: {budget_s: 60, min_run_s: 2, min_run_requests: 32, min_pairs: 4, max_pairs: 30, margin: 0.1}
       production: {max_error_rate: 0.01, max_kv_cache_usage: 0.95, max_preemptions: 0, envelope_tolerance: 1.5}
 
 `production` is what a deployed version is held to afterwards (`quantize watch`, the alert rules of `quantize deploy`):
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, PlainValidator, model_validator
+from pydantic import BaseModel, Field, PlainValidator, ValidationInfo, field_validator, model_validator
 
 from pipelines.schema import FrozenModel
 
@@ -36,8 +37,20 @@ MAX_PLANNED_REQUESTS = 200_000
 Ratio = Annotated[float, Field(gt=0, le=MAX_RATIO, allow_inf_nan=False)]
 Milliseconds = Annotated[float, Field(gt=0, le=MAX_MS, allow_inf_nan=False)]
 GoodFraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-Enforce = Literal["auto", "always", "never"]
 MAX_OUTPUT_TOKENS = 1_000_000
+MAX_BUDGET_S = 86_400.0
+
+
+def _enforce(value: object) -> str:
+    """`auto`, `always`, `never`; YAML's true and false are `always` and `never` (`enforce: true` requires speed)."""
+    if value is True or value is False:
+        return "always" if value else "never"
+    if value in ("auto", "always", "never"):
+        return str(value)
+    raise ValueError(f"must be auto, always (true) or never (false) (got {value!r})")
+
+
+Enforce = Annotated[Literal["auto", "always", "never"], PlainValidator(_enforce)]
 
 
 def _output_tokens(value: object) -> str | int:
@@ -70,7 +83,8 @@ class SloTargets(FrozenModel):
 class LoadSettings(FrozenModel):
     """The sweep: concurrency 1, 2, 4, ... up to the deployment's, each level run `repeats` times per model."""
 
-    repeats: int = Field(default=3, ge=1, le=50, description="runs per model and level, alternating which model goes first")
+    repeats: int = Field(default=1, ge=1, le=50, description="runs per model and level below the top (the top level is the "
+                                                            "paired comparison's: performance.comparison)")
     min_requests: int = Field(default=8, ge=1, le=MAX_REQUESTS, description="requests per run at the lowest levels")
     requests_per_slot: int = Field(default=2, ge=1, le=1000, description="requests per run = max(min_requests, this x concurrency)")
     max_concurrency: int | None = Field(
@@ -103,6 +117,48 @@ class LoadSettings(FrozenModel):
         if problem:
             raise ValueError(problem)
         return self
+
+
+class ComparisonSettings(FrozenModel):
+    """The paired, interleaved comparison at the deployment's concurrency (pipelines/loadtest/comparison.py): a warm-up
+    per model, then pairs of runs (one per model, the order drawn per pair) until the throughput ratio's 95% interval is
+    within `margin` of its estimate, or the budget or max_pairs runs out."""
+
+    min_run_s: float = Field(default=2.0, gt=0, le=3600, allow_inf_nan=False,
+                             description="each measured run lasts at least this long on the faster model (steady state, not a burst)")
+    min_run_requests: int = Field(default=32, ge=1, le=MAX_REQUESTS, description="and sends at least this many requests (and 8 x concurrency)")
+    min_pairs: int = Field(default=4, ge=2, le=1000, description="pairs before the interval may stop the comparison")
+    max_pairs: int = Field(default=30, ge=2, le=1000, description="pairs at most")
+    margin: float = Field(default=0.10, gt=0, lt=1, allow_inf_nan=False,
+                          description="stop when the interval is within this of its estimate; `no difference` inside 1 +- this")
+    budget_s: float = Field(default=60.0, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False,
+                            description="seconds the comparison may take, warm-ups included; what it has not concluded by then is inconclusive")
+
+    @property
+    def minimum_budget_s(self) -> float:
+        """A warm-up run per model and min_pairs pairs of runs, each at least min_run_s: less cannot conclude anything."""
+        return minimum_budget(self.min_run_s, self.min_pairs)
+
+    @field_validator("max_pairs")
+    @classmethod
+    def _at_least_min_pairs(cls, value: int, info: ValidationInfo) -> int:
+        floor = info.data.get("min_pairs")
+        if floor is not None and value < floor:
+            raise ValueError(f"max_pairs {value} is below min_pairs {floor}")
+        return value
+
+    @field_validator("budget_s")
+    @classmethod
+    def _feasible(cls, value: float, info: ValidationInfo) -> float:
+        run_s, pairs = info.data.get("min_run_s"), info.data.get("min_pairs")
+        if run_s is not None and pairs is not None and value < minimum_budget(run_s, pairs):
+            raise ValueError(f"{value:g} s is too small for a warm-up and {pairs} pairs of runs of {run_s:g} s each: at least "
+                             f"{minimum_budget(run_s, pairs):g} s")
+        return value
+
+
+def minimum_budget(min_run_s: float, min_pairs: int) -> float:
+    return 2 * min_run_s * (1 + min_pairs)
 
 
 def sweep_levels(top: int) -> list[int]:
@@ -142,6 +198,7 @@ class PerformancePolicy(FrozenModel):
     )
     slo: SloTargets = SloTargets()
     load: LoadSettings = LoadSettings()
+    comparison: ComparisonSettings = ComparisonSettings()
     production: ProductionSlo = ProductionSlo()
 
     def merged(self, override: PerformanceOverrides | None) -> PerformancePolicy:
@@ -186,6 +243,17 @@ class LoadOverrides(_Override):
     timeout_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
 
 
+class ComparisonOverrides(_Override):
+    _NOT_NULL = ("budget_s", "min_run_s", "min_run_requests", "min_pairs", "max_pairs", "margin")
+
+    budget_s: float | None = Field(default=None, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False)
+    min_run_s: float | None = Field(default=None, gt=0, le=3600, allow_inf_nan=False)
+    min_run_requests: int | None = Field(default=None, ge=1, le=MAX_REQUESTS)
+    min_pairs: int | None = Field(default=None, ge=2, le=1000)
+    max_pairs: int | None = Field(default=None, ge=2, le=1000)
+    margin: float | None = Field(default=None, gt=0, lt=1, allow_inf_nan=False)
+
+
 class ProductionOverrides(_Override):
     _NOT_NULL = ("max_error_rate", "max_kv_cache_usage", "max_preemptions", "envelope_tolerance")
 
@@ -201,7 +269,7 @@ class ProductionOverrides(_Override):
 class PerformanceOverrides(_Override):
     """Any subset of the block, for one recipe; fields left out are inherited, a threshold set to null is off."""
 
-    _NOT_NULL = ("enabled", "enforce", "slo", "load", "production")
+    _NOT_NULL = ("enabled", "enforce", "slo", "load", "comparison", "production")
 
     enabled: bool | None = None
     enforce: Enforce | None = None
@@ -209,6 +277,7 @@ class PerformanceOverrides(_Override):
     max_ttft_p95_ratio: Ratio | None = None
     slo: SloOverrides | None = None
     load: LoadOverrides | None = None
+    comparison: ComparisonOverrides | None = None
     production: ProductionOverrides | None = None
 
     def explicit(self) -> dict[str, Any]:

@@ -4,29 +4,19 @@ Per model and level, each figure is the median over the repeated runs of what th
 (its own percentiles of TTFT, TPOT and ITL over the run's requests); the good fraction pools the runs' good
 and completed requests.
 
-Ratios come from the same runs: repeat r of the candidate is paired with repeat r of the baseline at the same
-level (run back to back, the order alternating between repeats). The estimate is the geometric mean of the
-paired ratios, and the 95% interval a t-interval on their logarithms, exp(mean +- t(0.975, n-1) x sd/sqrt(n)).
-Assumptions: the pairs' log ratios are independent and roughly normal (speed varies multiplicatively), and
-pairing plus the alternating order removes slow drift of the machine's speed. With 3 repeats the t quantile
-is 4.30, so the interval is wide; more repeats (performance.load.repeats) narrow it. One pair has no interval.
+Ratios come from the same runs: run r of the candidate is paired with run r of the baseline at the same level (run
+back to back; at the deployment's concurrency these are the paired comparison's pairs, pipelines/loadtest/comparison.py).
+The estimate and interval are pipelines/loadtest/sequential.py's; one pair has no interval.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 
-from scipy import stats
-
 from pipelines.loadtest.bench import BenchResult, PlannedRun
-from pipelines.loadtest.results import LevelFigures, LevelRatio, Percentiles, RatioInterval
+from pipelines.loadtest.results import LevelFigures, LevelRatio, Percentiles
+from pipelines.loadtest.sequential import ratio_interval
 
-CONFIDENCE = 0.95
-INTERVAL_METHOD = (
-    "geometric mean of paired candidate/baseline runs (same level, back to back, order alternating); "
-    "95% t-interval on the log ratios (df = pairs - 1)"
-)
 Results = dict[PlannedRun, BenchResult]
 
 
@@ -54,19 +44,6 @@ def level_figures(concurrency: int, results: list[BenchResult], with_slo: bool) 
         goodput=_median([r.request_goodput for r in results]) if with_slo and None not in good else None,  # type: ignore[misc]
         good_fraction=fraction,
     )
-
-
-def ratio_interval(candidate: list[float], baseline: list[float], confidence: float = CONFIDENCE) -> RatioInterval | None:
-    """Paired ratios candidate[i] / baseline[i] (see the module docstring); None when a value is not positive."""
-    pairs = list(zip(candidate, baseline, strict=True))
-    if not pairs or any(c <= 0 or b <= 0 for c, b in pairs):
-        return None
-    logs = [math.log(c / b) for c, b in pairs]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return RatioInterval(estimate=math.exp(mean), pairs=1)
-    half = stats.t.ppf(0.5 + confidence / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return RatioInterval(estimate=math.exp(mean), low=math.exp(mean - half), high=math.exp(mean + half), pairs=len(logs))
 
 
 def by_level(results: Results, role: str) -> dict[int, list[tuple[int, BenchResult]]]:

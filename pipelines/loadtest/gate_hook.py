@@ -10,7 +10,8 @@ memory for one more server, a start saved.
 
 When: after the quality gate, only for a candidate it promoted (a rejected one cannot be promoted by speed)
 and when neither `--no-loadtest` nor the policy's `performance.enabled: false` turns it off. Its failed
-checks reject the candidate only when the policy's performance block is enforced (pipelines.loadtest.verdict).
+checks reject the candidate only when the policy's performance block is enforced (pipelines.loadtest.verdict); an
+enforced check the comparison could not decide is an error (exit 2), its report kept in the failed run's folder.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
+from pipelines.files.atomic import write_json_atomic
 from pipelines.hardware.targets import installed_target
 from pipelines.loadtest import bench
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import LOADTEST_DIR, StageInputs, run_loadtest
-from pipelines.loadtest.verdict import apply_to_gate
+from pipelines.loadtest.verdict import apply_to_gate, inconclusive_error
 from pipelines.serve.serving import RunningServer, ServeSettings, vllm_server
+
+INCONCLUSIVE_JSON = "performance-inconclusive.json"  # an enforced, undecided load test's report, kept beside error.txt
 
 
 class ServerPool:
@@ -87,9 +91,14 @@ def after_quality_gate(gate, pool: ServerPool | None, inputs: Callable[[], Stage
         return gate, None
 
     started, before = time.monotonic(), set(stages)
+    stage = inputs()
     try:
-        report: PerformanceReport = run_loadtest(inputs(), pool, pool.driver)
+        report: PerformanceReport = run_loadtest(stage, pool, pool.driver)
     finally:  # its own time, without the server starts the pool recorded as stages of their own
         starts = sum(seconds for name, seconds in stages.items() if name not in before)
         stages["loadtest_s"] = round(time.monotonic() - started - starts, 2)
+    undecided = inconclusive_error(report)
+    if undecided is not None:  # the evidence stays in the failed run's folder
+        write_json_atomic(stage.run_dir / LOADTEST_DIR / INCONCLUSIVE_JSON, report.model_dump(mode="json"))
+        raise undecided
     return apply_to_gate(gate, report.reasons, report.warnings), report

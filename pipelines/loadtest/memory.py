@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from pipelines.artifact import served_kv_cache_dtype
+from pipelines.loadtest.results import MemoryGain, ModelFigures
 from pipelines.planner import GiB, kv_capacity_tokens
 from pipelines.serve.serving import ServeSettings
 
@@ -140,3 +141,24 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
         self.sample()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weight_bytes(folder: Path) -> int | None:
+    """Bytes of a model folder's weight files (what the server loads); None when it holds none."""
+    try:
+        sizes = [path.stat().st_size for path in folder.iterdir() if path.is_file() and path.suffix in WEIGHT_SUFFIXES]
+    except OSError:
+        return None
+    return sum(sizes) if sizes else None
+
+
+def memory_gain(models: list[ModelFigures], baseline_dir: Path, artifact_dir: Path | None) -> MemoryGain | None:
+    """Weights and KV capacity of the candidate beside the baseline's (None: no candidate)."""
+    if artifact_dir is None:
+        return None
+    kv = {model.role: model.kv_capacity_tokens for model in models}
+    return MemoryGain(baseline_weight_bytes=weight_bytes(baseline_dir), candidate_weight_bytes=weight_bytes(artifact_dir),
+                      baseline_kv_tokens=kv.get("baseline"), candidate_kv_tokens=kv.get("candidate"))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pipelines.loadtest.results import LevelFigures, Percentiles, PerformanceReport, PerformanceSummary, RatioInterval
+from pipelines.loadtest.results import LevelFigures, MemoryGain, Percentiles, PerformanceReport, PerformanceSummary, SpeedComparison
+from pipelines.loadtest.verdict import ratio_text
 from pipelines.planner.gpus import GiB
 
 Rows = list[list[str]]
@@ -22,13 +23,6 @@ def _ms(values: Percentiles) -> str:
 
 def _good(level: LevelFigures) -> str:
     return "-" if level.good_fraction is None else f"{level.good_fraction:.0%}"
-
-
-def ratio_text(ratio: RatioInterval | None) -> str:
-    if ratio is None:
-        return "-"
-    interval = f" [{ratio.low:.3f}, {ratio.high:.3f}]" if ratio.low is not None and ratio.high is not None else " (one pair)"
-    return f"{ratio.estimate:.3f}{interval}"
 
 
 def level_rows(report: PerformanceReport) -> Rows:
@@ -66,21 +60,63 @@ def tuning_rows(report: PerformanceReport) -> Rows:
     ]]
 
 
+def _state(report: PerformanceReport) -> str:
+    if any(check.status == "failed" for check in report.checks):
+        return "FAILED" if report.enforced else "failed (not enforced)"
+    if any(check.status == "inconclusive" for check in report.checks):
+        return "INCONCLUSIVE" if report.enforced else "inconclusive (not enforced)"
+    return "passed"
+
+
 def headline(report: PerformanceReport) -> str:
-    ratio = next((r for r in report.ratios if r.concurrency == report.deployment_concurrency), None)
-    figures = f"at concurrency {report.deployment_concurrency}: throughput ratio {ratio_text(ratio.throughput)}, " \
-              f"TTFT p95 ratio {ratio_text(ratio.ttft_p95)}; " if ratio else ""
-    state = "passed" if report.passed else ("FAILED" if report.enforced else "failed (not enforced)")
-    return f"Performance {state}: {figures}{report.enforcement}"
+    speed = report.comparison
+    if speed is None:
+        return f"Load test: {report.enforcement}"
+    figures = (f"at concurrency {speed.concurrency}: throughput ratio {ratio_text(speed.throughput.interval)}, "
+               f"TTFT p95 ratio {ratio_text(speed.ttft_p95.interval)} ({len(speed.pairs)} pairs, {speed.seconds:.0f} s); ")
+    return f"Performance {_state(report)}: {figures}{report.enforcement}"
+
+
+def _bytes(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def memory_words(gain: MemoryGain) -> str:
+    ratio = gain.weight_ratio
+    weights = f"weights {_bytes(gain.candidate_weight_bytes)} vs {_bytes(gain.baseline_weight_bytes)}" + (f" ({ratio:.2f}x)" if ratio else "")
+    kv = ""
+    if gain.candidate_kv_tokens and gain.baseline_kv_tokens:
+        kv = f", KV cache {gain.candidate_kv_tokens:,} vs {gain.baseline_kv_tokens:,} tokens in the same space"
+    return weights + kv
+
+
+def buys(speed: SpeedComparison | None, gain: MemoryGain | None, target: str) -> str | None:
+    """What the candidate buys on the serving host, first in the verdict: memory always, speed only where the paired
+    comparison concluded it ("buys memory, not speed, on cpu:avx512bf16: throughput 0.87x [0.83, 0.91]")."""
+    if speed is None or gain is None:
+        return None
+    ratio = gain.weight_ratio
+    what = "memory" if ratio is not None and ratio < 1 else "no memory"
+    interval = speed.throughput.interval
+    shown = "-" if interval is None else f"{interval.estimate:.2f}x" + (
+        f" [{interval.low:.2f}, {interval.high:.2f}]" if interval.low is not None and interval.high is not None else "")
+    margin = f"{speed.settings.margin:.0%}"
+    claim = {
+        "faster": f"buys {what} and speed on {target}: throughput {shown}",
+        "slower": f"buys {what}, not speed, on {target}: throughput {shown}",
+        "no difference": f"buys {what}, and speed is unchanged within {margin} on {target}: throughput {shown}",
+        "inconclusive": f"buys {what}; speed on {target} is inconclusive after {len(speed.pairs)} pairs in {speed.seconds:.0f} s: "
+                        f"throughput {shown} (raise performance.comparison.budget_s to decide)",
+    }[speed.throughput.outcome]
+    return f"{claim} ({memory_words(gain)})"
 
 
 def probed_line(report: PerformanceReport) -> str:
     """The kernel probe's ratios beside the measured one (docs/hardware.md): one Linear against the whole server."""
     probed = report.probed
     assert probed is not None
-    ratio = next((r for r in report.ratios if r.concurrency == report.deployment_concurrency), None)
-    throughput = ratio.throughput if ratio is not None else None
-    measured = f"; measured output-throughput ratio at concurrency {report.deployment_concurrency}: {throughput.estimate:.2f}" if throughput else ""
+    throughput = report.comparison.throughput.interval if report.comparison is not None else None
+    measured = f"; measured output-throughput ratio at concurrency {report.deployment_concurrency}: {ratio_text(throughput)}" if throughput else ""
     decode = f"{probed.decode_ratio:.2f}x" if probed.decode_ratio is not None else "?"
     prefill = f"{probed.prefill_ratio:.2f}x" if probed.prefill_ratio is not None else "?"
     return (f"Probed on {probed.host_class}: the candidate's slowest scheme ({probed.slowest}) takes {decode} the time of a 16-bit Linear "
@@ -89,13 +125,28 @@ def probed_line(report: PerformanceReport) -> str:
 
 def summary(report: PerformanceReport) -> PerformanceSummary:
     """The few figures a run's outcome and a job's result carry (gate.json has everything)."""
-    ratio = next((r for r in report.ratios if r.concurrency == report.deployment_concurrency), None)
+    speed = report.comparison
+    throughput = speed.throughput.interval if speed is not None else None
+    ttft = speed.ttft_p95.interval if speed is not None else None
     return PerformanceSummary(
         enforced=report.enforced, passed=report.passed, target=report.target, deployment_concurrency=report.deployment_concurrency,
-        throughput_ratio=ratio.throughput.estimate if ratio and ratio.throughput else None,
-        ttft_p95_ratio=ratio.ttft_p95.estimate if ratio and ratio.ttft_p95 else None,
-        measured_max_num_seqs=report.tuning.measured_max_num_seqs if report.tuning else None,
+        throughput_ratio=throughput.estimate if throughput else None,
+        throughput_interval=[throughput.low, throughput.high] if throughput and throughput.low is not None and throughput.high is not None else None,
+        speed=speed.throughput.outcome if speed is not None else None, pairs=len(speed.pairs) if speed is not None else None,
+        ttft_p95_ratio=ttft.estimate if ttft else None,
+        measured_max_num_seqs=report.tuning.measured_max_num_seqs if report.tuning else None, buys=report.buys,
     )
+
+
+def comparison_lines(speed: SpeedComparison) -> list[str]:
+    settings = speed.settings
+    return [
+        f"Paired comparison at concurrency {speed.concurrency}: {len(speed.pairs)} pairs of runs of {speed.requests_per_run} requests "
+        f"(order drawn per pair, seed {speed.order_seed}) after a warm-up run per model, in {speed.seconds:.1f} s of a "
+        f"{settings.budget_s:g} s budget; stopped: {speed.stopped}. Throughput: {speed.throughput.outcome} "
+        f"({ratio_text(speed.throughput.interval)}); TTFT p95: {speed.ttft_p95.outcome} ({ratio_text(speed.ttft_p95.interval)}).",
+        f"Method: {speed.method}; `no difference` means within {settings.margin:.0%} either way.",
+    ]
 
 
 def markdown_sections(report: PerformanceReport, table) -> list[str]:
@@ -103,24 +154,26 @@ def markdown_sections(report: PerformanceReport, table) -> list[str]:
     workload = report.workload
     parts = [
         "## Performance (load test)",
+        *([f"**The candidate {report.buys}.**"] if report.buys else []),
         headline(report),
         f"Tool: {report.tool.get('name')} (vLLM {report.tool.get('vllm', '?')}, `{report.tool.get('module')}`), on {report.target}; "
         f"{workload.get('prompts')} prompts from {', '.join(f'{k} ({v})' for k, v in workload.get('eval_sets', {}).items())}, "
         f"output lengths from {workload.get('output_tokens_from')}; concurrency {', '.join(map(str, report.levels))}, "
-        f"{report.policy.load.repeats} runs per model and level; {report.wall_s:.1f} s.",
+        f"{report.policy.load.repeats} run(s) per model and level below the deployment's; {report.wall_s:.1f} s in all.",
         table(LEVEL_COLUMNS, level_rows(report)),
         "Each figure is the median over the repeated runs of what vLLM bench serve reported for a run; Good (SLO): the share "
         "of requests meeting every SLO target, all runs pooled.",
     ]
-    if report.ratios:
-        parts += ["### Candidate / baseline", table(RATIO_COLUMNS, ratio_rows(report)), f"Interval: {report.interval_method}."]
+    if report.comparison is not None:
+        parts += ["### Candidate / baseline", *comparison_lines(report.comparison), table(RATIO_COLUMNS, ratio_rows(report)),
+                  "Levels below the deployment's were run once per model: their ratios have no interval."]
         if report.probed is not None and report.probed.slowdown is not None:
             parts.append(probed_line(report))
     parts += ["### KV cache and memory", table(MEMORY_COLUMNS, memory_rows(report))]
     if report.tuning is not None:
         parts += ["### Measured tuning", table(TUNING_COLUMNS, tuning_rows(report)), report.tuning.basis + "."]
     if report.checks:
-        parts += ["### Checks", "\n".join(f"- {'pass' if c.passed else 'FAIL'}: {c.text}" for c in report.checks)]
+        parts += ["### Checks", "\n".join(f"- {c.status}: {c.text}" for c in report.checks)]
     for key, name in report.plots.items():
         parts.append(f"![{PLOT_TITLES.get(key, key)}]({name})")
     return parts
@@ -129,6 +182,9 @@ def markdown_sections(report: PerformanceReport, table) -> list[str]:
 def console_tables(report: PerformanceReport, table, say) -> None:
     """The terminal's view: the headline, the ratios (or the levels for one model), tuning; `table(title, columns, rows)`."""
     say(headline(report))
+    if report.comparison is not None:
+        for line in comparison_lines(report.comparison)[:1]:
+            say(line)
     if report.ratios:
         say(table("Load test: candidate / baseline", RATIO_COLUMNS, ratio_rows(report)))
     else:

@@ -5,15 +5,18 @@ Light on purpose (pydantic only): pipelines.gate.schema imports it for GateRepor
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, computed_field, model_validator
 
 from pipelines.hardware.speed import ProbedSpeed
-from pipelines.loadtest.config import PerformancePolicy
+from pipelines.loadtest.config import ComparisonSettings, PerformancePolicy
 from pipelines.schema import StrictModel
 
 Role = Literal["baseline", "candidate"]
+Outcome = Literal["faster", "slower", "no difference", "inconclusive"]
+Stop = Literal["precise", "budget", "max_pairs"]
+CheckStatus = Literal["passed", "failed", "inconclusive"]
 
 
 class Percentiles(StrictModel):
@@ -57,12 +60,69 @@ class ModelFigures(StrictModel):
 
 
 class RatioInterval(StrictModel):
-    """candidate / baseline: the geometric mean of the paired runs' ratios and its 95% interval (null with one pair)."""
+    """candidate / baseline: the geometric mean of the paired runs' ratios and its 95% interval (null with one pair;
+    pipelines/loadtest/sequential.py)."""
 
     estimate: float = Field(gt=0)
     low: float | None = None
     high: float | None = None
     pairs: int = Field(ge=1)
+
+
+class RunFigures(StrictModel):
+    output_throughput: float = Field(description="output tokens/s")
+    p95_ttft_ms: float
+    duration_s: float
+
+
+class ComparisonPair(StrictModel):
+    index: int
+    first: Role
+    baseline: RunFigures
+    candidate: RunFigures
+    throughput_ratio: float
+    ttft_p95_ratio: float | None
+
+
+class SpeedConclusion(StrictModel):
+    metric: str
+    interval: RatioInterval | None
+    outcome: Outcome
+
+
+class SpeedComparison(StrictModel):
+    """gate.json's `performance.comparison`: what the paired comparison measured and concluded."""
+
+    concurrency: int
+    requests_per_run: int
+    warmup_rates: dict[str, float] = Field(description="requests/s of each model's warm-up run (what sized the runs)")
+    pairs: list[ComparisonPair]
+    throughput: SpeedConclusion
+    ttft_p95: SpeedConclusion
+    stopped: Stop = Field(description="precise: the interval reached the margin; budget: the next pair would overrun budget_s; max_pairs")
+    seconds: float = Field(description="the comparison's wall time, warm-ups included")
+    settings: ComparisonSettings
+    order_seed: int
+    method: str
+
+    @property
+    def concluded(self) -> bool:
+        return self.throughput.outcome != "inconclusive"
+
+
+class MemoryGain(StrictModel):
+    """What the candidate saves in memory, always reported: weights on disk and the KV cache vLLM measured."""
+
+    baseline_weight_bytes: int | None
+    candidate_weight_bytes: int | None
+    baseline_kv_tokens: int | None
+    candidate_kv_tokens: int | None
+
+    @property
+    def weight_ratio(self) -> float | None:
+        if not self.baseline_weight_bytes or self.candidate_weight_bytes is None:
+            return None
+        return self.candidate_weight_bytes / self.baseline_weight_bytes
 
 
 class LevelRatio(StrictModel):
@@ -85,23 +145,44 @@ class Tuning(StrictModel):
 
 
 class Check(StrictModel):
+    """A policy limit read on the measurement: a ratio's on its whole interval (inconclusive when the limit lies inside)."""
+
     name: Literal["throughput_ratio", "ttft_p95_ratio", "slo_good_fraction", "errors"]
     value: float
     limit: float
-    passed: bool
+    status: CheckStatus
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_passed(cls, data: Any) -> Any:
+        """gate.json written before checks had a status held `passed` alone (read back by the registry, watch, repair)."""
+        if isinstance(data, dict) and "passed" in data:
+            data = dict(data)
+            passed = data.pop("passed")
+            data.setdefault("status", "passed" if passed else "failed")
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
 
 
 class PerformanceSummary(StrictModel):
     """The headline a run's outcome, a job's result and its ledger carry (gate.json's `performance` has it all)."""
 
     enforced: bool
-    passed: bool
+    passed: bool = Field(description="every check passed on its interval (never true for an inconclusive ratio)")
     target: str
     deployment_concurrency: int
     throughput_ratio: float | None
+    throughput_interval: list[float] | None = Field(default=None, description="[low, high] of the throughput ratio, 95%")
+    speed: Outcome | None = Field(default=None, description="the paired comparison's conclusion on throughput (null: no candidate)")
+    pairs: int | None = None
     ttft_p95_ratio: float | None
     measured_max_num_seqs: int | None
+    buys: str | None = Field(default=None, description="what the candidate buys on the serving host, in words")
 
 
 class PerformanceReport(StrictModel):
@@ -124,6 +205,9 @@ class PerformanceReport(StrictModel):
     wall_s: float = 0.0
     probed: ProbedSpeed | None = Field(default=None, description="the kernel probe's ratios for the candidate's slowest scheme on "
                                                                  "this host class (docs/hardware.md), beside the measured ratios")
+    comparison: SpeedComparison | None = Field(default=None, description="the paired comparison at the deployment's concurrency")
+    memory: MemoryGain | None = None
+    buys: str | None = Field(default=None, description="what the candidate buys on the serving host: memory always, speed where concluded")
 
     @property
     def passed(self) -> bool:

@@ -16,14 +16,14 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from pipelines.console.output import progress
-from pipelines.console.progress import track
-from pipelines.errors import InputError
+from pipelines.console.progress import duration, track
+from pipelines.errors import InputError, LoadTestError
 from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.evaluate import Prompt
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, probed_speed
 from pipelines.hardware.targets import installed_target
-from pipelines.loadtest import bench, figures, memory, plots, tuning, verdict
+from pipelines.loadtest import bench, comparison, figures, memory, plots, render, sequential, tuning, verdict
 from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
 from pipelines.loadtest.workload import build_workload, write_dataset
@@ -88,11 +88,10 @@ def run_loadtest(inputs: StageInputs, servers: ServerSource, driver: bench.Bench
     top, limited_by = sweep_top(inputs)
     check_plan(load, top, len(inputs.roles))
     levels = sweep_levels(top)
-    runs = bench.plan_runs(levels, inputs.roles, load.repeats, load.requests_at)
     work = inputs.run_dir / LOADTEST_DIR
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _sweep(inputs, levels, runs, top, limited_by, work, servers, driver, started)
+        return _measure(inputs, levels, top, limited_by, work, servers, driver, started)
     except BaseException:  # an error, Ctrl-C or SIGTERM: the bulky generated inputs go; logs and results stay
         for dataset in work.glob(f"{WORKLOAD_PREFIX}*.jsonl"):
             dataset.unlink(missing_ok=True)
@@ -107,34 +106,71 @@ def check_plan(load: LoadSettings, top: int, models: int) -> None:
                          field="performance.load")
 
 
-def _sweep(inputs: StageInputs, levels: list[int], runs: list[bench.PlannedRun], top: int, limited_by: str, work: Path,
-           servers: ServerSource, driver: bench.BenchDriver | None, started: float) -> PerformanceReport:
+def sweep_runs(inputs: StageInputs, levels: list[int]) -> list[bench.PlannedRun]:
+    """The sweep: with a candidate, the levels below the top (the top is the paired comparison's, which warms the servers
+    first); a model alone, every level after a warm-up."""
+    load = inputs.policy.load
+    if len(inputs.roles) == 1:
+        return bench.plan_runs(levels, inputs.roles, load.repeats, load.requests_at)
+    return bench.plan_runs(levels[:-1], inputs.roles, load.repeats, load.requests_at, warmup=False)
+
+
+class _Tool:
+    """The tool's process bound to the servers and the workload: planned runs in, their results out."""
+
+    def __init__(self, inputs: StageInputs, driver: bench.BenchDriver, servers: dict[Role, RunningServer], workload, work: Path,
+                 deadline: float):
+        self.inputs, self.driver, self.servers, self.workload, self.work, self.deadline = inputs, driver, servers, workload, work, deadline
+        self.datasets: dict[int, Path] = {}
+
+    def dataset(self, requests: int) -> Path:
+        if requests not in self.datasets:
+            self.datasets[requests] = write_dataset(self.workload.first(requests), self.work / f"{WORKLOAD_PREFIX}{requests}.jsonl")
+        return self.datasets[requests]
+
+    def __call__(self, runs: list[bench.PlannedRun], bar=None) -> dict[bench.PlannedRun, bench.BenchResult]:
+        goodput = self.inputs.policy.slo.goodput_arguments
+        planned = [(run, bench.bench_argv(run, self.servers[run.role], self.inputs.model_dir(run.role), self.dataset(run.requests),
+                                          self.work, goodput)) for run in runs]
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise LoadTestError(f"the load test ran out of its {self.inputs.policy.load.timeout_s:.0f} s (performance.load.timeout_s)",
+                                file=self.driver.log_path)
+        self.driver.run(planned, self.servers, timeout_s=left, bar=bar)
+        return {run: bench.read_result(self.work / run.result_file) for run in runs}
+
+
+def _measure(inputs: StageInputs, levels: list[int], top: int, limited_by: str, work: Path, servers: ServerSource,
+             driver: bench.BenchDriver | None, started: float) -> PerformanceReport:
     policy, load = inputs.policy, inputs.policy.load
-    needed = max(run.requests for run in runs)
-    progress(f"load test: {len(runs)} runs of vLLM bench serve ({', '.join(inputs.roles)}; concurrency {', '.join(map(str, levels))}; "
-             f"{load.repeats} repeats; up to {needed} prompts of {', '.join(s.name for s in inputs.eval_sets)})")
+    runs = sweep_runs(inputs, levels)
+    paired = len(inputs.roles) == 2
+    pool = max([run.requests for run in runs] + ([comparison.pilot_requests(policy.comparison, top)] if paired else []))
+    first = f"a paired comparison at concurrency {top} (up to {duration(policy.comparison.budget_s)}), then " if paired else ""
+    swept = ", ".join(map(str, levels[:-1] if paired else levels)) or "none"
+    progress(f"load test: {first}a sweep of {len(runs)} runs ({', '.join(inputs.roles)}; concurrency {swept}); "
+             f"{pool} prompts of {', '.join(s.name for s in inputs.eval_sets)}")
     with nullcontext(driver) if driver is not None else bench.BenchDriver(work) as driver:  # imports vLLM while servers start
         running = {role: servers(role) for role in inputs.roles}
         server = {role: pair[0] for role, pair in running.items()}
         workload = build_workload(
-            inputs.eval_sets, inputs.prompts, needed, load.output_tokens, inputs.baseline_dir, inputs.serve.max_model_len,
-            server["baseline"],
+            inputs.eval_sets, inputs.prompts, pool, load.output_tokens, inputs.baseline_dir, inputs.serve.max_model_len, server["baseline"],
         )
-        datasets = {n: write_dataset(workload.first(n), work / f"{WORKLOAD_PREFIX}{n}.jsonl") for n in sorted({run.requests for run in runs})}
-        planned = [
-            (run, bench.bench_argv(run, server[run.role], inputs.model_dir(run.role), datasets[run.requests], work, policy.slo.goodput_arguments))
-            for run in runs
-        ]
+        tool = _Tool(inputs, driver, server, workload, work, started + load.timeout_s)
         groups = {role: s.process.pid for role, s in server.items()}
-        with memory.MemorySampler(set(groups.values())) as sampler, track("load test", total=len(runs), unit="run") as bar:
-            driver.run(planned, server, timeout_s=load.timeout_s, bar=bar)
-    results = {run: bench.read_result(work / run.result_file) for run in runs}
+        with memory.MemorySampler(set(groups.values())) as sampler:
+            compared = comparison.PairedComparison(tool, policy.comparison, concurrency=top) if paired else None
+            speed = compared.run() if compared is not None else None
+            results = dict(compared.results) if compared is not None else {}
+            if runs:
+                with track("load test: sweep", total=len(runs), unit="run") as bar:
+                    results.update(tool(runs, bar))
     with_slo = bool(policy.slo.goodput_arguments)
     models = [
         _model_figures(role, inputs, server[role], running[role][1], figures.model_levels(results, role, with_slo), sampler.peak.get(groups[role]))
         for role in inputs.roles
     ]
-    return _report(inputs, workload.summary(), levels, top, limited_by, models, figures.level_ratios(results), started)
+    return _report(inputs, workload.summary(), levels, top, limited_by, models, figures.level_ratios(results), speed, started)
 
 
 def _model_figures(role: Role, inputs: StageInputs, server: RunningServer, served_by: str, levels, peak) -> ModelFigures:
@@ -155,11 +191,10 @@ def _tool() -> dict[str, str]:
 
 
 def _report(inputs: StageInputs, workload: dict, levels: list[int], top: int, limited_by: str, models: list[ModelFigures],
-            ratios, started: float) -> PerformanceReport:
+            ratios, speed: comparison.SpeedComparison | None, started: float) -> PerformanceReport:
     policy = inputs.policy
     judged = models[-1]  # the candidate, or the model alone
-    ratio = next((r for r in ratios if r.concurrency == top), None)
-    found, notes = verdict.checks(policy, top, judged.at(top), ratio)
+    found = verdict.checks(policy, top, judged.at(top), speed)
     enforced, sentence = verdict.enforcement(policy, inputs.target)
     reasons, warnings = verdict.outcome(found, enforced, inputs.target)
     measured = tuning.measured_tuning(
@@ -167,12 +202,14 @@ def _report(inputs: StageInputs, workload: dict, levels: list[int], top: int, li
         artifact_dir=inputs.model_dir(judged.role), target=inputs.target,
     )
     written = plots.write_plots(models, inputs.run_dir, inputs.title or judged.role)
+    gain = memory.memory_gain(models, inputs.baseline_dir, inputs.artifact_dir)
     return PerformanceReport(
         tool=_tool(),
         target=inputs.target, enforced=enforced, enforcement=sentence, policy=policy, workload=workload,
-        levels=levels, deployment_concurrency=top, models=models, ratios=ratios, interval_method=figures.INTERVAL_METHOD,
-        tuning=measured, checks=found, reasons=reasons, warnings=[*warnings, *notes], plots=written,
-        wall_s=round(time.monotonic() - started, 2), probed=_probed(inputs),
+        levels=levels, deployment_concurrency=top, models=models, ratios=ratios, interval_method=sequential.METHOD,
+        tuning=measured, checks=found, reasons=reasons, warnings=warnings, plots=written,
+        wall_s=round(time.monotonic() - started, 2), probed=_probed(inputs), comparison=speed, memory=gain,
+        buys=render.buys(speed, gain, inputs.target),
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from pipelines.artifact import CONFIG_NAME, MANIFEST_NAME, read_model_config, require_model_dir, verify_artifact
 from pipelines.errors import InputError
 from pipelines.evaluation.evalsets import EvalSet, select_eval_sets
@@ -16,7 +18,7 @@ from pipelines.files.atomic import write_json_atomic, write_text_atomic
 from pipelines.gate.policy import FitRequirement, load_gate_policy
 from pipelines.gate.report import performance_markdown
 from pipelines.hardware.targets import installed_target
-from pipelines.loadtest.config import MAX_LEVEL, PerformancePolicy
+from pipelines.loadtest.config import MAX_LEVEL, ComparisonSettings, PerformancePolicy
 from pipelines.loadtest.gate_hook import ServerPool
 from pipelines.loadtest.results import PerformanceReport, Role
 from pipelines.loadtest.stage import StageInputs, check_plan, plan_for, run_loadtest
@@ -34,6 +36,14 @@ def _identity(artifact: Path | None) -> RecipeIdentity:
     if artifact is None or not (artifact / MANIFEST_NAME).exists():
         return RecipeIdentity(name=artifact.name if artifact else "16-bit")
     return identity_from_text(verify_artifact(artifact).recipe_text, artifact.name)
+
+
+def budget(settings: ComparisonSettings, seconds: float) -> ComparisonSettings:
+    """The comparison's settings with --budget-s, checked like the policy's (one line, exit 2, when it cannot hold a pair)."""
+    try:
+        return ComparisonSettings.model_validate({**settings.model_dump(), "budget_s": seconds})
+    except ValidationError as error:
+        raise InputError(error.errors()[0]["msg"].removeprefix("Value error, "), field="--budget-s") from None
 
 
 class Options(StrictModel):
@@ -68,7 +78,7 @@ def servable_folder(path: Path, field: str) -> Path:
 
 def options(
     model_dir: Path, artifact_dir: Path | None, *, policy_path: Path | None, concurrency: int | None, repeats: int | None,
-    eval_sets: list[str] | None, max_model_len: int,
+    eval_sets: list[str] | None, max_model_len: int, budget_s: float | None = None,
 ) -> Options:
     """The command line's inputs, each checked (one line naming the option on a problem)."""
     model = servable_folder(model_dir, "--model")
@@ -79,6 +89,8 @@ def options(
     load = {key: value for key, value in (("max_concurrency", concurrency), ("repeats", repeats)) if value is not None}
     if load:
         performance = performance.model_copy(update={"load": performance.load.model_copy(update=load)})
+    if budget_s is not None:
+        performance = performance.model_copy(update={"comparison": budget(performance.comparison, budget_s)})
     fit = policy.fit_for(identity)
     # The sweep's top, never above MAX_LEVEL (a fit's concurrency may be far higher): the servers' max_num_seqs.
     top = min(performance.load.max_concurrency or (fit.concurrency if fit else None) or ServeSettings().max_num_seqs, MAX_LEVEL)

@@ -15,11 +15,24 @@ from scipy import stats
 from pipelines.errors import InputError, LoadTestError
 from pipelines.evaluation.evaluate import Prompt
 from pipelines.gate.policy import DEFAULT_POLICY, load_policy
-from pipelines.loadtest import bench, figures, memory, render, tuning, verdict
+from pipelines.loadtest import bench, figures, memory, render, sequential, tuning, verdict
 from pipelines.loadtest.bench import BenchResult, PlannedRun
-from pipelines.loadtest.config import LoadSettings, PerformanceOverrides, PerformancePolicy
+from pipelines.loadtest.config import ComparisonSettings, LoadSettings, PerformanceOverrides, PerformancePolicy
 from pipelines.loadtest.plots import write_plots
-from pipelines.loadtest.results import LevelFigures, LevelRatio, ModelFigures, Percentiles, PerformanceReport, RatioInterval
+from pipelines.loadtest.results import (
+    Check,
+    ComparisonPair,
+    LevelFigures,
+    LevelRatio,
+    MemoryGain,
+    ModelFigures,
+    Percentiles,
+    PerformanceReport,
+    RatioInterval,
+    RunFigures,
+    SpeedComparison,
+    SpeedConclusion,
+)
 from pipelines.loadtest.workload import Workload, WorkloadItem, answer_limit, select_prompts, write_dataset
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.serve.serving import ServeSettings
@@ -48,6 +61,8 @@ def test_the_shipped_policy_has_a_performance_block_with_a_recipe_override():
     ("min_throughput_ratio", "0"), ("min_throughput_ratio", "-0.5"), ("max_ttft_p95_ratio", "0"),
     ("slo.ttft_ms", "0"), ("slo.tpot_ms", "-1"), ("slo.min_good_fraction", "0"), ("slo.min_good_fraction", "1.5"),
     ("load.repeats", "0"), ("load.min_requests", "-3"), ("load.output_tokens", "0"), ("min_throughput_ratio", ".nan"),
+    ("comparison.budget_s", "-60"), ("comparison.budget_s", ".inf"), ("comparison.budget_s", ".nan"), ("comparison.budget_s", "soon"),
+    ("comparison.budget_s", "5"), ("min_throughput_ratio", "fast"), ("min_throughput_ratio", ".inf"), ("comparison.min_run_s", "0"),
 ])
 def test_a_value_no_measurement_can_meet_is_refused_naming_file_and_field(tmp_path, field, value):
     outer, _, inner = field.rpartition(".")
@@ -156,16 +171,16 @@ def result(throughput: float, ttft_p95: float, *, good: int | None = 8, failed: 
 
 def test_the_ratio_is_the_geometric_mean_of_paired_runs_with_a_t_interval_on_the_logs():
     candidate, baseline = [110.0, 121.0, 99.0], [100.0, 110.0, 100.0]
-    ratio = figures.ratio_interval(candidate, baseline)
+    ratio = sequential.ratio_interval(candidate, baseline)
     logs = [math.log(c / b) for c, b in zip(candidate, baseline, strict=True)]
     mean, sd = sum(logs) / 3, stats.tstd(logs)
-    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    half = stats.t.ppf(0.99, 2) * sd / math.sqrt(3)  # the sequential rule's critical value (sequential.py)
     assert ratio.estimate == pytest.approx(math.exp(mean))
     assert (ratio.low, ratio.high) == (pytest.approx(math.exp(mean - half)), pytest.approx(math.exp(mean + half)))
     assert ratio.low < ratio.estimate < ratio.high and ratio.pairs == 3
-    single = figures.ratio_interval([2.0], [1.0])
+    single = sequential.ratio_interval([2.0], [1.0])
     assert (single.estimate, single.low, single.high) == (2.0, None, None)
-    assert figures.ratio_interval([0.0], [1.0]) is None
+    assert sequential.ratio_interval([0.0], [1.0]) is None
 
 
 def test_levels_take_the_median_of_repeats_and_pool_the_good_requests():
@@ -204,13 +219,25 @@ def test_auto_enforces_on_a_gpu_target_and_reports_only_on_a_cpu_target(target, 
     assert applies is enforced and ("enforced" if enforced else "report-only") in sentence and enforce in sentence
 
 
+def speed(throughput: RatioInterval, ttft: RatioInterval | None = None, *, concurrency: int = 16) -> SpeedComparison:
+    """A paired comparison's result with these intervals (the pairs' own figures are not read by the checks)."""
+    figures_ = RunFigures(output_throughput=100.0, p95_ttft_ms=20.0, duration_s=2.0)
+    pairs = [ComparisonPair(index=i, first="baseline", baseline=figures_, candidate=figures_, throughput_ratio=1.0, ttft_p95_ratio=1.0)
+             for i in range(throughput.pairs)]
+    return SpeedComparison(
+        concurrency=concurrency, requests_per_run=128, warmup_rates={"baseline": 50.0, "candidate": 45.0}, pairs=pairs,
+        throughput=SpeedConclusion(metric="t", interval=throughput, outcome=sequential.outcome(throughput, 0.1)),
+        ttft_p95=SpeedConclusion(metric="f", interval=ttft, outcome=sequential.outcome(ttft, 0.1, higher_is_faster=False)),
+        stopped="precise", seconds=30.0, settings=ComparisonSettings(), order_seed=7, method=sequential.METHOD,
+    )
+
+
 def test_an_impossible_slo_rejects_on_a_gpu_target_and_only_warns_on_a_cpu_target():
     policy = PerformancePolicy.model_validate({"slo": {"ttft_ms": 0.001}})
-    ratio = LevelRatio(concurrency=16, throughput=RatioInterval(estimate=1.2, low=1.1, high=1.3, pairs=3),
-                       ttft_p95=RatioInterval(estimate=0.9, low=0.8, high=1.0, pairs=3))
-    found, _ = verdict.checks(policy, 16, level(16, good=0.0), ratio)
-    assert [(c.name, c.passed) for c in found] == [
-        ("throughput_ratio", True), ("ttft_p95_ratio", True), ("slo_good_fraction", False), ("errors", True)]
+    compared = speed(RatioInterval(estimate=1.2, low=1.1, high=1.3, pairs=4), RatioInterval(estimate=0.9, low=0.8, high=1.0, pairs=4))
+    found = verdict.checks(policy, 16, level(16, good=0.0), compared)
+    assert [(c.name, c.status) for c in found] == [
+        ("throughput_ratio", "passed"), ("ttft_p95_ratio", "passed"), ("slo_good_fraction", "failed"), ("errors", "passed")]
     from pipelines.gate.schema import GateResult, StatsSettings
 
     promoted = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
@@ -224,23 +251,48 @@ def test_an_impossible_slo_rejects_on_a_gpu_target_and_only_warns_on_a_cpu_targe
     assert on_cpu.verdict == "promoted" and on_cpu.warnings[0].startswith("performance (report-only on cpu): 0.0% of requests")
 
 
-def test_a_slower_candidate_fails_the_ratio_checks_and_an_interval_across_the_limit_is_called_inconclusive():
-    ratio = LevelRatio(concurrency=8, throughput=RatioInterval(estimate=0.8, low=0.6, high=0.95, pairs=3),
-                       ttft_p95=RatioInterval(estimate=1.4, low=1.1, high=1.7, pairs=3))
-    found, notes = verdict.checks(PerformancePolicy(), 8, level(8, failed=2), ratio)
-    failed = {c.name: c.text for c in found if not c.passed}
-    assert failed == {
-        "throughput_ratio": "output throughput ratio 0.800 at concurrency 8 < min_throughput_ratio 0.9",
-        "ttft_p95_ratio": "TTFT p95 ratio 1.400 at concurrency 8 > max_ttft_p95_ratio 1.25",
+def test_a_ratio_is_judged_on_its_whole_interval_and_an_interval_across_the_limit_is_inconclusive_never_passed():
+    slower = speed(RatioInterval(estimate=0.8, low=0.7, high=0.85, pairs=4), RatioInterval(estimate=1.4, low=1.3, high=1.5, pairs=4))
+    found = verdict.checks(PerformancePolicy(), 8, level(8, failed=2), slower)
+    assert {c.name: c.text for c in found if c.status == "failed"} == {
+        "throughput_ratio": "output throughput ratio 0.800 [95% CI 0.700, 0.850] at concurrency 8 < min_throughput_ratio 0.9",
+        "ttft_p95_ratio": "TTFT p95 ratio 1.400 [95% CI 1.300, 1.500] at concurrency 8 > max_ttft_p95_ratio 1.25",
         "errors": "2 of 24 requests failed at concurrency 8",
     }
-    assert len(notes) == 2 and all("not conclusive with 3 paired runs" in note for note in notes)
+    across = speed(RatioInterval(estimate=0.95, low=0.6, high=1.5, pairs=30), RatioInterval(estimate=1.0, low=0.7, high=1.4, pairs=30))
+    found = verdict.checks(PerformancePolicy(), 8, level(8), across)
+    assert [(c.name, c.status) for c in found][:2] == [("throughput_ratio", "inconclusive"), ("ttft_p95_ratio", "inconclusive")]
+    assert not any(c.passed for c in found[:2]) and "undecided against min_throughput_ratio 0.9" in found[0].text
+    reasons, warnings = verdict.outcome(found, False, "cpu")
+    assert reasons == [] and warnings[0].startswith("performance inconclusive: output throughput ratio 0.950")
+
+
+def test_an_inconclusive_check_under_an_enforced_policy_is_an_error_naming_the_budget(tmp_path):
+    performance = report(tmp_path, speed(RatioInterval(estimate=0.95, low=0.6, high=1.5, pairs=9)), enforce="always")
+    error = verdict.inconclusive_error(performance)
+    assert error is not None and error.exit_code == 2 and error.field == "performance.comparison.budget_s"
+    assert "raise performance.comparison.budget_s (now 60 s)" in str(error) and "9 pairs in 30 s" in str(error)
+    assert verdict.inconclusive_error(report(tmp_path, speed(RatioInterval(estimate=0.95, low=0.6, high=1.5, pairs=9)))) is None
+    assert verdict.inconclusive_error(report(tmp_path, enforce="always")) is None  # decided: the verdict speaks
+
+
+def test_enforce_true_and_false_are_always_and_never(tmp_path):
+    assert PerformancePolicy.model_validate({"enforce": True}).enforce == "always"
+    assert PerformancePolicy.model_validate({"enforce": False}).enforce == "never"
+    with pytest.raises(ValueError, match="auto, always"):
+        PerformancePolicy.model_validate({"enforce": "sometimes"})
 
 
 def test_a_policy_without_thresholds_checks_only_errors():
     policy = PerformancePolicy.model_validate({"min_throughput_ratio": None, "max_ttft_p95_ratio": None})
-    found, _ = verdict.checks(policy, 4, level(4, good=None), None)
+    found = verdict.checks(policy, 4, level(4, good=None), speed(RatioInterval(estimate=1.0, low=0.9, high=1.1, pairs=4)))
     assert [c.name for c in found] == ["errors"]
+
+
+def test_a_check_written_before_statuses_reads_back():
+    check = Check.model_validate({"name": "errors", "value": 0, "limit": 0, "passed": False, "text": "t"})
+    assert check.status == "failed" and check.model_dump()["passed"] is False
+    assert Check.model_validate(check.model_dump()) == check
 
 
 # --------------------------------------------------------------------------------- tuning
@@ -336,18 +388,22 @@ def test_the_memory_of_a_process_group_is_sampled():
 # --------------------------------------------------------------------------------- report sections and plots
 
 
-def report(tmp_path: Path) -> PerformanceReport:
+def report(tmp_path: Path, compared: SpeedComparison | None = None, enforce: str = "auto") -> PerformanceReport:
     models = [model([level(1, throughput=100), level(2, throughput=180)], "baseline"),
               model([level(1, throughput=110), level(2, throughput=150)], "candidate")]
-    ratios = [LevelRatio(concurrency=c, throughput=RatioInterval(estimate=r, low=r - 0.1, high=r + 0.1, pairs=3), ttft_p95=None)
-              for c, r in ((1, 1.1), (2, 0.83))]
+    compared = compared or speed(RatioInterval(estimate=0.83, low=0.78, high=0.88, pairs=5), concurrency=2)
+    ratios = [LevelRatio(concurrency=1, throughput=RatioInterval(estimate=1.1, pairs=1), ttft_p95=None),
+              LevelRatio(concurrency=2, throughput=compared.throughput.interval, ttft_p95=None)]
     plots = write_plots(models, tmp_path, "w8a8 against 16-bit")
-    found, _ = verdict.checks(PerformancePolicy(), 2, models[1].levels[-1], ratios[-1])
+    policy = PerformancePolicy(enforce=enforce)
+    found = verdict.checks(policy, 2, models[1].levels[-1], compared)
+    gain = MemoryGain(baseline_weight_bytes=8 * 2**20, candidate_weight_bytes=4 * 2**20, baseline_kv_tokens=1000, candidate_kv_tokens=1000)
     return PerformanceReport(
-        tool={"name": "vllm bench serve", "module": "vllm.benchmarks.serve", "vllm": "0.32.0"}, target="cpu", enforced=False,
-        enforcement=verdict.enforcement(PerformancePolicy(), "cpu")[1], policy=PerformancePolicy(),
+        tool={"name": "vllm bench serve", "module": "vllm.benchmarks.serve", "vllm": "0.32.0"}, target="cpu:avx512bf16",
+        enforced=verdict.enforcement(policy, "cpu")[0], enforcement=verdict.enforcement(policy, "cpu")[1], policy=policy,
         workload={"prompts": 4, "eval_sets": {"a": 4}, "output_tokens_from": "baseline answers"}, levels=[1, 2],
-        deployment_concurrency=2, models=models, ratios=ratios, interval_method=figures.INTERVAL_METHOD, checks=found, plots=plots,
+        deployment_concurrency=2, models=models, ratios=ratios, interval_method=sequential.METHOD, checks=found, plots=plots,
+        comparison=compared, memory=gain, buys=render.buys(compared, gain, "cpu:avx512bf16"),
     )
 
 
@@ -360,14 +416,28 @@ def test_plots_are_pngs_in_the_run_folder_and_report_md_links_them(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = performance_markdown(performance)
     assert "](loadtest-throughput.png)" in text and "](loadtest-ttft-p95.png)" in text
-    assert "| 2 | 0.830 [0.730, 0.930] | - |" in text and "report-only" in text
-    assert "FAIL: output throughput ratio 0.830 at concurrency 2 < min_throughput_ratio 0.9" in text
+    assert "| 2 | 0.830 [95% CI 0.780, 0.880] | - |" in text and "report-only" in text
+    assert "failed: output throughput ratio 0.830 [95% CI 0.780, 0.880] at concurrency 2 < min_throughput_ratio 0.9" in text
+    assert "**The candidate buys memory, not speed, on cpu:avx512bf16: throughput 0.83x [0.78, 0.88] (weights 4.0 MiB vs 8.0 MiB" in text
+    assert "Performance failed (not enforced)" in text and "passed" not in text.split("### Checks")[0].split("Performance ")[1][:10]
 
 
-def test_the_summary_carries_the_deployment_concurrencys_ratios(tmp_path):
+@pytest.mark.parametrize("interval, words", [
+    (RatioInterval(estimate=0.87, low=0.83, high=0.91, pairs=6), "buys memory, not speed, on cpu:avx512bf16: throughput 0.87x [0.83, 0.91]"),
+    (RatioInterval(estimate=1.5, low=1.3, high=1.7, pairs=6), "buys memory and speed on cpu:avx512bf16: throughput 1.50x [1.30, 1.70]"),
+    (RatioInterval(estimate=1.0, low=0.95, high=1.04, pairs=6), "buys memory, and speed is unchanged within 10% on cpu:avx512bf16"),
+    (RatioInterval(estimate=1.0, low=0.7, high=1.4, pairs=6), "buys memory; speed on cpu:avx512bf16 is inconclusive after 6 pairs in 30 s"),
+])
+def test_what_the_candidate_buys_names_memory_always_and_speed_only_where_concluded(interval, words):
+    gain = MemoryGain(baseline_weight_bytes=100, candidate_weight_bytes=50, baseline_kv_tokens=None, candidate_kv_tokens=None)
+    assert render.buys(speed(interval), gain, "cpu:avx512bf16").startswith(words)
+
+
+def test_the_summary_carries_the_comparisons_conclusion(tmp_path):
     summary = render.summary(report(tmp_path)).model_dump()
-    assert summary == {"enforced": False, "passed": False, "target": "cpu", "deployment_concurrency": 2, "throughput_ratio": 0.83,
-                       "ttft_p95_ratio": None, "measured_max_num_seqs": None}
+    assert summary == {"enforced": False, "passed": False, "target": "cpu:avx512bf16", "deployment_concurrency": 2, "throughput_ratio": 0.83,
+                       "throughput_interval": [0.78, 0.88], "speed": "slower", "pairs": 5, "ttft_p95_ratio": None,
+                       "measured_max_num_seqs": None, "buys": report(tmp_path).buys}
 
 
 def test_gate_json_stays_schema_2_and_reads_back_with_or_without_performance(tmp_path):
@@ -398,4 +468,4 @@ def test_the_cost_benchmark_splits_stage_times_and_summarises_a_run(tmp_path):
     gate = GateResult(recipe="w8a8", verdict="promoted", sets=[], fit=None, reasons=[], warnings=[], settings=StatsSettings())
     lines = summary(GateReport(gate=gate, stages=stages, performance=report(tmp_path)))
     assert lines[1] == "quality gate 160.0 s, load test 56.0 s (0.35 x the quality gate)"
-    assert "| 2 | 0.830 [0.730, 0.930] | - |" in lines
+    assert "| 2 | 0.830 [95% CI 0.780, 0.880] | - |" in lines
