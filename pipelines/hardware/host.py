@@ -145,6 +145,62 @@ def emulation_env(emulated: CpuIsa | None) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ detection
 
+_CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+class LastLevelCache(BaseModel):
+    """The processor's last-level cache as the kernel reports it (a VM reports the host's slice it was given)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: int | None
+    bytes: int | None
+    source: str = Field(description="where it was read: sysfs, sysconf, or `unknown`")
+
+
+def last_level_cache(folder: Path = _CPU_CACHE_DIR) -> LastLevelCache:
+    """The highest-level data or unified cache of cpu0 (sysfs index*/level and size, e.g. 3 and "32768K"), else
+    sysconf's level-3 size; level and bytes None when neither says."""
+    found: list[tuple[int, int]] = []
+    for index in sorted(folder.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip() if (index / "type").is_file() else "Unified"
+            level = int((index / "level").read_text().strip())
+            size = _size_bytes((index / "size").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and size:
+            found.append((level, size))
+    if found:
+        level, size = max(found)
+        return LastLevelCache(level=level, bytes=size, source="sysfs")
+    try:
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        size = 0
+    return LastLevelCache(level=3, bytes=size, source="sysconf") if size > 0 else LastLevelCache(level=None, bytes=None, source="unknown")
+
+
+def _size_bytes(text: str) -> int:
+    """sysfs's cache size ("32768K", "1M", "512") in bytes."""
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", text.upper())
+    if match is None:
+        raise ValueError(text)
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def serve_threads() -> int:
+    """The threads vLLM's CPU worker computes with on this host by default: its cores (the process's affinity)
+    less the one it reserves for its scheduler when there are more than one (vllm/utils/ompmultiprocessing.py,
+    one rank on x86 and Arm)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores - 1 if cores > 1 else 1
+
+
 
 def cpuinfo_flags() -> set[str]:
     try:

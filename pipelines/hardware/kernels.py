@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -31,6 +31,7 @@ PROBE_IN_FEATURES = 1024
 PROBE_OUT_FEATURES = 2048
 PROBE_BUDGET_S = 0.5  # per case and row count: a kernel slower than this is timed on one call
 PROBE_TIMEOUT_S = 600.0
+Fact = TypeVar("Fact", bound=BaseModel)
 # A scheme whose probed slowdown (geometric mean of the decode and prefill ratios) reaches this is slow here: the
 # run estimates its scoring time before scoring it, and the policy can cap that. One Linear's ratio bounds the
 # model's from above (attention, sampling and the server's own work are not slowed): on cpu:avx2 int8 W8A8 probes
@@ -186,12 +187,12 @@ STANDARD_KV_CASES: tuple[KvCase, ...] = (KvCase(kv_cache_dtype="fp8", head_size=
 Case = KernelCase | KvCase
 
 
-def _probe_version() -> str:
+def probe_version() -> str:
     return hashlib.sha256(PROBE_SCRIPT.read_bytes()).hexdigest()[:12]
 
 
 def _cache_path(profile: HostProfile, dtype: str) -> Path:
-    return cache_dir() / f"kernels-{profile.fingerprint}-{dtype}-{_probe_version()}.json"
+    return cache_dir() / f"kernels-{profile.fingerprint}-{dtype}-{probe_version()}.json"
 
 
 def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | None = None) -> dict[str, KernelFact]:
@@ -225,7 +226,12 @@ def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | 
 
 @lru_cache(maxsize=8)
 def _cached(path: Path) -> dict[str, KernelFact]:
+    return read_facts(path, KernelFact)
+
+
+def read_facts(path: Path, model: type[Fact]) -> dict[str, Fact]:
+    """A cache file of probe facts by key ({} when it is missing or damaged: the facts are probed again)."""
     try:
-        return {key: KernelFact.model_validate(value) for key, value in json.loads(path.read_text()).items()}
+        return {key: model.model_validate(value) for key, value in json.loads(path.read_text()).items()}
     except (OSError, ValueError, ValidationError, AttributeError):
         return {}

@@ -18,8 +18,19 @@ platform does not enforce it (a bfloat16 KV cache beside a float32 model serves 
 measured; the written rules refuse it: targets._cpu_16_bit_kv_problem). On CUDA the backend is chosen per GPU and
 model and the KV cases are not probed.
 
+A shape case (`"shape_cases": [{"key", "config", "in_features", "out_features", "bias", "copies": {"quant": n, "base":
+m}}]`, with `"shape_rows"`, `"shape_budget_s"` and `"threads"`) times one of the model's own Linear shapes the way a
+server meets it: `n` quantized and `m` 16-bit copies of the layer (chosen by the caller so that their weights fill the
+last-level cache where the model's do), each forward call on the next copy, whole passes over the copies alternated
+between the quantized and the 16-bit set (the order swapped every round), the median pass per call reported. A case
+with `config` null is a Linear the artifact keeps in 16 bits: only its 16-bit copies are timed. `threads` is the
+number of threads vLLM's worker computes with (torch.set_num_threads). Then the first call of one copy of each set
+at `fresh_rows` row counts never seen before (odd counts above the probed ones, distinct per case): vLLM's oneDNN
+handlers build a primitive per row count, a cost a server pays at every new prompt-batch size.
+
 stdout: one line `QUANTGATE-PROBE <json>`: {"host": {...}, "cases": {key: {"scheme", "kernel", "error",
-"quant_ms", "base_ms"}}, "kv_cases": {key: {"isa", "error"}}}. vLLM's own logging goes to stderr.
+"quant_ms", "base_ms"}}, "kv_cases": {key: {"isa", "error"}}, "shape_cases": {key: {"scheme", "kernel", "error",
+"quant_ms", "base_ms", "rounds", "fresh_ms", "seconds"}}, "threads": n}. vLLM's own logging goes to stderr.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -133,24 +145,48 @@ def _error(error: BaseException) -> str:
     return " ".join(text.split())[:600]
 
 
+def _base_layer(ReplicatedLinear, k: int, n: int, dtype, bias: bool = False):
+    """The 16-bit Linear vLLM builds for an unquantized layer of this shape, loaded."""
+    base = ReplicatedLinear(k, n, bias=bias, params_dtype=dtype)
+    base.weight.data.normal_(0.0, 0.02)
+    if bias:
+        base.bias.data.normal_(0.0, 0.02)
+    base.quant_method.process_weights_after_loading(base)
+    return base
+
+
+def _quant_layer(ReplicatedLinear, config, k: int, n: int, dtype, bias: bool = False):
+    """The Linear vLLM builds for a checkpoint layer of this shape under `config` (a CompressedTensorsConfig): its
+    scheme is vLLM's own choice (the kernel is chosen when it is loaded)."""
+    return ReplicatedLinear(k, n, bias=bias, params_dtype=dtype, quant_config=config, prefix="model.layers.0.mlp.down_proj")
+
+
+def _load(torch, layer, k: int, n: int):
+    """Fill a quantized layer with plausible values and run vLLM's post-loading step (repacking, the kernel's set-up)."""
+    _fill(torch, layer, k, n)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _names(layer) -> tuple[str, str]:
+    """(scheme, kernel): vLLM's compressed-tensors scheme class and the linear kernel it chose for the layer."""
+    scheme = getattr(layer, "scheme", None)
+    scheme_name = type(scheme).__name__ if scheme is not None else type(layer.quant_method).__name__
+    # int and mixed-precision schemes keep their kernel as `kernel`, W8A8 FP8 as `fp8_linear`, W8A16 FP8 as `linear_kernel`
+    kernel = next((k for k in (getattr(scheme, name, None) for name in ("kernel", "fp8_linear", "linear_kernel")) if k is not None), None)
+    return scheme_name, type(kernel).__name__ if kernel is not None else scheme_name
+
+
 def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: float) -> dict:
     ReplicatedLinear, CompressedTensorsConfig = modules
     k, n = int(case["in_features"]), int(case["out_features"])
     result: dict = {"scheme": None, "kernel": None, "error": None, "quant_ms": {}, "base_ms": {}}
     try:
-        base = ReplicatedLinear(k, n, bias=False, params_dtype=dtype)
-        base.weight.data.normal_(0.0, 0.02)
-        base.quant_method.process_weights_after_loading(base)
-        config = CompressedTensorsConfig.from_config(case["config"])
-        layer = ReplicatedLinear(k, n, bias=False, params_dtype=dtype, quant_config=config,
-                                 prefix="model.layers.0.mlp.down_proj")
-        scheme = getattr(layer, "scheme", None)
-        result["scheme"] = type(scheme).__name__ if scheme is not None else type(layer.quant_method).__name__
-        _fill(torch, layer, k, n)
-        layer.quant_method.process_weights_after_loading(layer)
-        # int and mixed-precision schemes keep their kernel as `kernel`, W8A8 FP8 as `fp8_linear`, W8A16 FP8 as `linear_kernel`
-        kernel = next((k for k in (getattr(scheme, name, None) for name in ("kernel", "fp8_linear", "linear_kernel")) if k is not None), None)
-        result["kernel"] = type(kernel).__name__ if kernel is not None else result["scheme"]
+        base = _base_layer(ReplicatedLinear, k, n, dtype)
+        layer = _quant_layer(ReplicatedLinear, CompressedTensorsConfig.from_config(case["config"]), k, n, dtype)
+        result["scheme"] = _names(layer)[0]
+        _load(torch, layer, k, n)
+        result["kernel"] = _names(layer)[1]
         for count in rows:
             inputs = torch.randn(count, k, dtype=dtype)
             result["quant_ms"][str(count)] = _time(torch, layer, inputs, budget_s)
@@ -158,6 +194,75 @@ def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: flo
     except Exception as error:  # the reason a kernel is missing is the finding
         result["error"] = _error(error)
         result["where"] = "".join(traceback.format_exception_only(type(error), error)).strip()[:300]
+    return result
+
+
+def _pass_ms(torch, layers: list, inputs) -> float:
+    """Milliseconds per forward call over one pass through `layers`, each call on the next copy."""
+    synchronize = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+    started = time.perf_counter()
+    for layer in layers:
+        layer(inputs)
+    synchronize()
+    return (time.perf_counter() - started) / len(layers) * 1000.0
+
+
+def _alternate(torch, sets: dict[str, list], inputs, budget_s: float, max_rounds: int) -> tuple[dict[str, float], int]:
+    """Median ms per call of each set, passes alternated (order swapped each round) until the budget is spent: at
+    least two rounds, at most `max_rounds`. A first pass of each set warms it (lazy set-up, page faults)."""
+    names = list(sets)
+    with torch.no_grad():
+        for name in names:
+            _pass_ms(torch, sets[name], inputs)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        started, rounds = time.perf_counter(), 0
+        while rounds < 2 or (rounds < max_rounds and time.perf_counter() - started < budget_s):
+            for name in names if rounds % 2 == 0 else reversed(names):
+                times[name].append(_pass_ms(torch, sets[name], inputs))
+            rounds += 1
+    return {name: statistics.median(values) for name, values in times.items()}, rounds
+
+
+def _fresh_rows_ms(torch, sets: dict[str, list], k: int, dtype, fresh: list[int]) -> dict[str, float]:
+    """Median ms of a first call at a row count the layer has never seen (vLLM's oneDNN handlers create and cache a
+    primitive per row count: a server meets a new one with every new batch of prompt tokens)."""
+    times: dict[str, list[float]] = {name: [] for name in sets}
+    with torch.no_grad():
+        for count in fresh:
+            inputs = torch.randn(count, k, dtype=dtype)
+            for name, layers in sets.items():
+                started = time.perf_counter()
+                layers[0](inputs)
+                times[name].append((time.perf_counter() - started) * 1000.0)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def probe_shape_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: float, fresh: list[int]) -> dict:
+    """One of the model's Linear shapes under one scheme, against 16-bit, at every row count (`budget_s` per row count),
+    then the first call at each of `fresh` row counts."""
+    ReplicatedLinear, CompressedTensorsConfig = modules
+    k, n, bias = int(case["in_features"]), int(case["out_features"]), bool(case.get("bias"))
+    copies = case["copies"]
+    result: dict = {"scheme": None, "kernel": None, "error": None, "quant_ms": {}, "base_ms": {}, "rounds": {},
+                    "fresh_ms": {}, "seconds": 0.0}
+    started = time.perf_counter()
+    try:
+        sets = {"base": [_base_layer(ReplicatedLinear, k, n, dtype, bias) for _ in range(int(copies["base"]))]}
+        if case.get("config") is not None:
+            config = CompressedTensorsConfig.from_config(case["config"])
+            sets["quant"] = [_load(torch, _quant_layer(ReplicatedLinear, config, k, n, dtype, bias), k, n) for _ in range(int(copies["quant"]))]
+            result["scheme"], result["kernel"] = _names(sets["quant"][0])
+        for count in rows:
+            inputs = torch.randn(count, k, dtype=dtype)
+            found, rounds = _alternate(torch, sets, inputs, budget_s, max_rounds=50)
+            result["base_ms"][str(count)] = found["base"]
+            result["quant_ms"][str(count)] = found.get("quant", found["base"])
+            result["rounds"][str(count)] = rounds
+        fresh_ms = _fresh_rows_ms(torch, sets, k, dtype, fresh)
+        result["fresh_ms"] = {"base": fresh_ms["base"], "quant": fresh_ms.get("quant", fresh_ms["base"])}
+    except Exception as error:  # the reason a kernel is missing is the finding
+        result["error"] = _error(error)
+    result["seconds"] = time.perf_counter() - started
     return result
 
 
@@ -186,6 +291,19 @@ def _model_config(dtype_name: str):
     return ModelConfig(model=folder, dtype=dtype_name, skip_tokenizer_init=True)
 
 
+def _shape_cases(torch, modules, request: dict, dtype, output: dict) -> None:
+    if request.get("threads"):
+        torch.set_num_threads(int(request["threads"]))  # the threads vLLM's worker computes with
+    output["threads"] = torch.get_num_threads()
+    output["shape_cases"] = {}
+    rows = [int(r) for r in request["shape_rows"]]
+    count = int(request.get("fresh_rows", 0))
+    for index, case in enumerate(request["shape_cases"]):
+        # odd row counts above every probed one, distinct per case: oneDNN's global cache has seen none of them
+        fresh = [max(rows) + 1 + 2 * (index * count + i) for i in range(count)]
+        output["shape_cases"][case["key"]] = probe_shape_case(torch, modules, case, dtype, rows, float(request["shape_budget_s"]), fresh)
+
+
 def main() -> int:
     request = json.load(sys.stdin)
     import torch  # heavy: imported when used
@@ -198,7 +316,7 @@ def main() -> int:
         kv_dtype = getattr(torch, request.get("dtype") or "bfloat16")
         for case in request["kv_cases"]:
             output["kv_cases"][case["key"]] = probe_kv_case(torch, case, kv_dtype)
-    if request.get("cases"):
+    if request.get("cases") or request.get("shape_cases"):
         from vllm.config import VllmConfig, set_current_vllm_config  # heavy: imported when used
         from vllm.distributed import init_distributed_environment, initialize_model_parallel  # heavy: imported when used
         from vllm.model_executor.layers.linear import ReplicatedLinear  # heavy: imported when used
@@ -215,11 +333,13 @@ def main() -> int:
             init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                          distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
             initialize_model_parallel(1, 1)
-            for case in request["cases"]:
+            modules = (ReplicatedLinear, CompressedTensorsConfig)
+            for case in request.get("cases", []):
                 output["cases"][case["key"]] = probe_case(
-                    torch, (ReplicatedLinear, CompressedTensorsConfig), case, dtype,
-                    [int(r) for r in request.get("rows", [4, 128])], float(request.get("budget_s", 1.0)),
+                    torch, modules, case, dtype, [int(r) for r in request.get("rows", [4, 128])], float(request.get("budget_s", 1.0)),
                 )
+            if request.get("shape_cases"):
+                _shape_cases(torch, modules, request, dtype, output)
     sys.stdout.write(MARKER + json.dumps(output) + "\n")
     sys.stdout.flush()
     return 0

@@ -45,25 +45,31 @@ def probed_speed(profile: HostProfile, cases: list[KernelCase]) -> ProbedSpeed:
                        decode_ratio=worst.decode_ratio, prefill_ratio=worst.prefill_ratio)
 
 
+def read_quantization_config(config_path: Path) -> dict:
+    """A checkpoint's `quantization_config` from its config.json ({} when it has none or the file cannot be read)."""
+    try:
+        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
+            return {}
+        quantization = json.loads(config_path.read_text()).get("quantization_config", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return quantization if isinstance(quantization, dict) else {}
+
+
 def artifact_cases(config_path: Path) -> list[KernelCase]:
     """The schemes of a compressed-tensors checkpoint, from its config.json; [] when it holds none we can name
     (a 16-bit model, another format)."""
-    try:
-        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
-            return []
-        config = json.loads(config_path.read_text())
-        groups = config.get("quantization_config", {}).get("config_groups", {})
-    except (OSError, ValueError, AttributeError):
-        return []
+    groups = read_quantization_config(config_path).get("config_groups", {})
     cases = []
     for group in groups.values() if isinstance(groups, dict) else []:
-        case = _case(group)
+        case = group_case(group)
         if case is not None and case not in cases:
             cases.append(case)
     return cases
 
 
-def _case(group: object) -> KernelCase | None:
+def group_case(group: object) -> KernelCase | None:
+    """One compressed-tensors config group's scheme as a kernel case (None: not one our vocabulary names)."""
     if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
         return None
     weights, activations = group["weights"], group.get("input_activations")

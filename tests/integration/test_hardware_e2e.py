@@ -118,3 +118,18 @@ def test_the_run_records_the_host_it_served_on(w8a8_run, doctor: dict) -> None:
     assert manifest["host"]["host_class"] == host["host_class"] and manifest["serve_target"] == host["host_class"]
     provenance = json.loads((Path(w8a8_run.json["run_dir"]) / "evidence" / "provenance.json").read_text())
     assert provenance["host"]["host_class"] == host["host_class"]
+
+
+def test_the_shape_probe_times_the_demo_models_own_linears(workspace: Workspace) -> None:
+    """`doctor --model`: the demo model's four vLLM Linears under w8a8, each through vLLM's int8 kernel, timed at every decode
+    batch up to max_num_seqs and a prefill chunk (about 40 s on 2 cores the first time, then from the cache)."""
+    run = workspace.quantize("doctor", "--model", str(DEMO_MODEL_DIR), "--recipe", "w8a8", "--max-num-seqs", "4", "--json")
+    assert run.code == 0, run.describe()
+    (prediction,) = run.json["model"]
+    assert prediction["error"] is None and prediction["decode_rows"] == [1, 2, 4] and prediction["llc"]["bytes"]
+    shapes = {shape["linear"]["name"]: shape for shape in prediction["shapes"]}
+    assert {name: (s["linear"]["in_features"], s["linear"]["out_features"], s["layers"]) for name, s in shapes.items()} == {
+        "qkv_proj": (256, 512, 4), "o_proj": (256, 256, 4), "gate_up_proj": (256, 1536, 4), "down_proj": (768, 256, 4)}
+    assert all(s["kernel"] == "CPUInt8ScaledMMLinearKernel" and set(s["quant_ms"]) == {"1", "2", "4", "256"} for s in shapes.values())
+    print(f"demo-llama w8a8 on {prediction['host_class']}: decode {prediction['decode_speeds']}, prefill {prediction['prefill_speed']:.2f}, "
+          f"probed in {prediction['probe_seconds']:.0f} s")
