@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from pipelines.benchmarks.roofline import calibrate, calibration_models, render_calibration
 from pipelines.bounds import MAX_CONCURRENCY, MAX_CONTEXT, MAX_GPU_BANDWIDTH_GBS, MAX_GPU_MEMORY_GIB
 from pipelines.commands.args import float_arg, int_arg
 from pipelines.console.output import emit, say, table
@@ -19,7 +20,9 @@ from pipelines.hardware.targets import TARGET_HELP, installed_target, parse_targ
 from pipelines.planner import (
     KV_CACHE_DTYPES,
     MAX_BATCHED_TOKENS,
+    MAX_GPU_PEAK_TFLOPS,
     MAX_OVERHEAD_GIB,
+    TERA,
     GiB,
     GpuSpec,
     Plan,
@@ -35,9 +38,11 @@ from pipelines.planner.view import (
     gib,
     plan_row_cells,
     plan_title,
+    roofline_lines,
     vllm_arguments,
 )
 from pipelines.recipe import Recipe, load_recipe
+from pipelines.settings import current as current_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-memory-gib", type=float_arg(0, MAX_GPU_MEMORY_GIB, low_open=True), metavar="GIB",
                         help="or the device memory, in GiB")
     parser.add_argument("--gpu-bandwidth-gbs", type=float_arg(0, MAX_GPU_BANDWIDTH_GBS, low_open=True), metavar="GBS",
-                        help="memory bandwidth in GB/s (decode ceiling)")
+                        help="memory bandwidth in GB/s (the predicted decode speed's memory side)")
+    parser.add_argument("--gpu-peak-tflops", type=float_arg(0, MAX_GPU_PEAK_TFLOPS, low_open=True), metavar="TFLOPS",
+                        help="peak dense 16-bit TFLOPS (the predicted decode speed's compute side; default: the GPU table's)")
     parser.add_argument("--max-model-len", type=int_arg(1, MAX_CONTEXT), metavar="N",
                         help="tokens per sequence (default: the model's maximum)")
     parser.add_argument("--concurrency", type=int_arg(1, MAX_CONCURRENCY), default=1, metavar="N", help="sequences at once (default 1)")
@@ -77,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"check recipes against this serve target's vLLM kernels: {TARGET_HELP} (default: the "
                              "GPU's compute capability from the table, else the installed serve environment's)")
     parser.add_argument("--list-gpus", action="store_true", help="print the known GPUs and exit")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate the roofline on this host: measure its memory bandwidth, predict the 16-bit model's decode "
+                             "tokens/s at 1 and --concurrency sequences, serve it on vLLM and print measured vs predicted (--model "
+                             "DIR; default the demo model and models/smollm2-135m)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=run)
 
@@ -85,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if args.list_gpus:
         emit(list(known_gpus().values()), as_json=args.json, render=_render_gpus)
         return 0
+    if args.calibrate:
+        return _calibrate(args)
     config, artifact_dir = _source(args)
     if args.gpu is None and args.gpu_memory_gib is None:
         raise InputError("give --gpu NAME or --gpu-memory-gib GIB (see --list-gpus)", field="gpu")
-    gpu = gpu_spec(args.gpu, args.gpu_memory_gib, args.gpu_bandwidth_gbs)
+    gpu = gpu_spec(args.gpu, args.gpu_memory_gib, args.gpu_bandwidth_gbs, args.gpu_peak_tflops)
     recipes = [None, *(load_recipe(name).recipe for name in args.recipe)]
     target = parse_target(args.target) if args.target else None
     result = plan(
@@ -98,6 +111,16 @@ def run(args: argparse.Namespace) -> int:
     if result.target is not None and (target or installed_target()).local:
         result.probed = {recipe.name: _probed(recipe) for recipe in recipes if recipe is not None}
     emit(result, as_json=args.json, render=render_plan)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if args.artifact or args.config:
+        raise InputError("--calibrate serves a 16-bit model folder: give --model DIR (or nothing for the demo model and SmolLM2)",
+                         field="calibrate")
+    models = [args.model] if args.model else calibration_models()
+    log_dir = current_settings().artifacts_dir / "calibration"
+    emit(calibrate(models, args.concurrency, log_dir), as_json=args.json, render=render_calibration)
     return 0
 
 
@@ -149,6 +172,8 @@ def render_plan(result: Plan) -> None:
     say(table(plan_title(result), PLAN_COLUMNS, [plan_row_cells(row) for row in result.rows]))
     for row in result.rows:
         say(f"{row.scheme}: {vllm_arguments(row)}")
+    for line in roofline_lines(result):
+        say(line)
     for name, speed in result.probed.items():
         if speed.slowdown is not None:
             say(f"{name}: probed on {speed.host_class} (its slowest scheme's Linear against 16-bit): {speed.decode_ratio:.2f}x at decode, "
@@ -160,7 +185,11 @@ def render_plan(result: Plan) -> None:
 
 def _render_gpus(gpus: list[GpuSpec]) -> None:
     rows = [
-        [g.name, gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-"]
+        [g.name, gib(g.memory_bytes), f"{g.bandwidth_bytes_per_s / 1e9:g}" if g.bandwidth_bytes_per_s else "-", _peaks(g)]
         for g in gpus
     ]
-    say(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s"], rows))
+    say(table("Known GPUs", ["name", "memory GiB", "bandwidth GB/s", "peak dense TFLOPS"], rows))
+
+
+def _peaks(gpu: GpuSpec) -> str:
+    return ", ".join(f"{dtype} {flops / TERA:g}" for dtype, flops in gpu.peak_flops_per_s.items()) or "-"

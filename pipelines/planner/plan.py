@@ -1,5 +1,6 @@
 """The plan: for each recipe (and 16-bit, and a measured artifact), weights + KV cache + activations +
-overhead against a GPU, the largest concurrency and context that fit, vLLM arguments and a decode ceiling.
+overhead against a GPU, the largest concurrency and context that fit, vLLM arguments and the predicted decode
+speed (the roofline, pipelines/planner/roofline.py).
 The formulas, their assumptions and their knobs are in docs/planner.md.
 """
 
@@ -31,6 +32,7 @@ from pipelines.planner.kv import (
     kv_element_bytes,
     vllm_kv_cache,
 )
+from pipelines.planner.roofline import Roofline, roofline, step_cost
 from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.planner.weights import WeightBreakdown, predict_weight_bytes, safetensors_bytes, shape_layout
 from pipelines.quantize.compiler import SIXTEEN_BIT, cannot_apply
@@ -102,7 +104,13 @@ class PlanRow(StrictModel):
     max_concurrency: int = Field(description="at max_model_len")
     max_context: int = Field(description="at the given concurrency, capped at the model's max_position_embeddings")
     recommended: RecommendedArgs | None
-    decode_tokens_per_s: float | None = Field(description="one stream, bandwidth-bound, at max_model_len")
+    decode_tokens_per_s: float | None = Field(
+        description="predicted (roofline, an upper bound): one stream at max_model_len; None without a bandwidth",
+    )
+    roofline: Roofline | None = Field(
+        default=None, description="predicted decode speed at 1 and at the plan's concurrency, with the kernel; None without a "
+        "bandwidth or where the recipe does not apply",
+    )
     vllm_kv_tokens: int | None = Field(
         default=None, description="the 'KV cache size: N tokens' vLLM will log with the recommended arguments "
         "(its hybrid allocator's groups and blocks, docs/planner.md); None when nothing is recommended",
@@ -137,6 +145,7 @@ class _Scheme(NamedTuple):
     kv_dtype: str
     kv_bytes: int
     does_not_apply: str | None = None
+    recipe: Recipe | None = None
 
 
 class _Memory(NamedTuple):
@@ -197,6 +206,7 @@ def _row(
     applies = scheme.does_not_apply is None
     recommended = _recommend(shape, scheme, gpu, settings, context, concurrency, max_concurrency, fits) if applies else None
     vllm_kv = _vllm_kv(shape, scheme, gpu, settings, recommended, target)
+    speed = _roofline(shape, scheme, gpu, context, concurrency, target)
     return PlanRow(
         scheme=scheme.label,
         does_not_apply=scheme.does_not_apply,
@@ -213,7 +223,8 @@ def _row(
         max_concurrency=max_concurrency,
         max_context=max_context,
         recommended=recommended,
-        decode_tokens_per_s=_decode_ceiling(shape, scheme, gpu, context),
+        decode_tokens_per_s=speed.points[0].tokens_per_s if speed else None,
+        roofline=speed if applies else None,
         vllm_kv_tokens=vllm_kv.tokens if vllm_kv else None,
         vllm_kv_layout=vllm_kv.describe() if vllm_kv else None,
     )
@@ -265,12 +276,15 @@ def _recommend(
     )
 
 
-def _decode_ceiling(shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, context: int) -> float | None:
-    """Memory bandwidth / bytes one decode step reads (weights + this stream's KV at `context`)."""
-    if gpu.bandwidth_bytes_per_s is None:
-        return None
-    read = scheme.weights.read_per_token(shape) + kv_cache_bytes_for_context(shape, scheme.kv_bytes, context)
-    return round(gpu.bandwidth_bytes_per_s / read, 1)
+def _roofline(
+    shape: ModelShape, scheme: _Scheme, gpu: GpuSpec, context: int, concurrency: int, target: ServeTarget | None,
+) -> Roofline | None:
+    """The predicted decode speed at one sequence and at `concurrency`, on the kernels the target's written rules select
+    (without a target: the GPU's compute capability, else unnamed 16-bit GEMMs)."""
+    device_target = target or (parse_target(f"cuda:{gpu.compute_capability}") if gpu.compute_capability else None)
+    known = scheme.source == "predicted" or scheme.label == SIXTEEN_BIT
+    cost = step_cost(shape, scheme.recipe, scheme.weights, scheme.kv_bytes, context, device_target, scheme_known=known)
+    return roofline(cost, gpu, context, (1, concurrency))
 
 
 def _schemes(
@@ -311,7 +325,7 @@ def _recipe_scheme(shape: ModelShape, recipe: Recipe | None, kv_cache_dtype: str
     if problem is None and not own and kv.dtype != "auto":
         found = kv_cache_problem(kv, target, shape.head_dim)
         problem = f"kv_cache.{found.field}: {found.why}" if found else None
-    return _Scheme(label, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes, problem)
+    return _Scheme(label, predict_weight_bytes(shape, recipe), "predicted", kv_dtype, kv_bytes, problem, recipe)
 
 
 def recipe_problem(shape: ModelShape, recipe: Recipe, target: ServeTarget | None = None) -> str | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from pipelines.bounds import MiB
 from pipelines.planner.gpus import GiB, known_gpus
 from pipelines.planner.plan import Plan, PlanRow
+from pipelines.planner.roofline import BASIS, Roofline, RooflinePoint
 
 PLAN_COLUMNS = [
     "scheme", "weights", "KV/token KiB", "KV total", "activations", "overhead", "total", "fits",
-    "max conc.", "max context", "recommended util / len / seqs", "vLLM KV tokens", "decode tok/s",
+    "max conc.", "max context", "recommended util / len / seqs", "vLLM KV tokens", "decode tok/s (predicted)",
 ]
 
 
@@ -61,3 +62,21 @@ def vllm_arguments(row: PlanRow) -> str:
     if row.does_not_apply is not None:
         return f"{DOES_NOT_APPLY}: {row.does_not_apply}"
     return f"vllm serve ... {row.recommended.vllm_args}" if row.recommended else "does not fit at any context"
+
+
+def roofline_point_text(point: RooflinePoint) -> str:
+    streams = "1 stream" if point.batch == 1 else f"{point.batch} streams"
+    return f"{streams} {point.tokens_per_s:,.0f} tok/s ({point.bound}-bound)"
+
+
+def roofline_text(scheme: str, speed: Roofline) -> str:
+    """One scheme's predicted decode speed, e.g. `w8a8: predicted 1 stream 190 tok/s (memory-bound), 16 streams ...;
+    kernel CutlassInt8ScaledMMLinearKernel`."""
+    points = ", ".join(roofline_point_text(point) for point in speed.points)
+    return f"{scheme}: {speed.source} {points} at {speed.context:,} tokens of context; kernel {speed.kernel}"
+
+
+def roofline_lines(result: Plan) -> list[str]:
+    """The roofline lines under a plan's table, with what they are (none when no row has a bandwidth)."""
+    lines = [roofline_text(row.scheme, row.roofline) for row in result.rows if row.roofline]
+    return [f"Decode speed, {BASIS}:", *lines] if lines else []
