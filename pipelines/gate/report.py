@@ -192,6 +192,8 @@ def header_rows(report: GateReport) -> Rows:
     if "recipe" not in report.inputs:
         rows.append(["Recipe", report.gate.recipe])
     rows.append(["Verdict", report.gate.verdict.upper()])
+    if report.performance is not None and report.performance.buys:
+        rows.append(["What it buys", report.performance.buys])
     if report.created_at:
         rows.append(["Created", report.created_at])
     return rows
@@ -293,9 +295,10 @@ def render_console(report: GateReport, console: Console | None = None) -> None:
     out = console or output.console
     gate = report.gate
     colour = "green" if gate.verdict == "promoted" else "red"
-    out.print(f"[bold {colour}]{gate.verdict.upper()}[/bold {colour}]")
+    buys = report.performance.buys if report.performance is not None else None
+    out.print(f"[bold {colour}]{gate.verdict.upper()}[/bold {colour}]" + (f": the candidate {escape(buys)}" if buys else ""))
     for key, value in header_rows(report):
-        if key != "Verdict":
+        if key not in ("Verdict", "What it buys"):
             out.print(f"{key}: {escape(value)}")
     keep = [i for i, column in enumerate(SET_COLUMNS) if column not in _CONSOLE_SKIP]
     rows = [[row[i] for i in keep] for row in set_rows(gate)]

@@ -91,13 +91,14 @@ class PairedComparison:
         size = requests_per_run(settings, level, list(rates.values()))
         pairs: list[ComparisonPair] = []
         stopped: Stop = "max_pairs"
-        with track("load test: paired runs", total=settings.max_pairs, unit="pair") as bar:
+        # The bar counts the budget's seconds (its time left is the budget's); each pair's line gives the count and the ratio.
+        with track("load test: paired comparison", total=round(settings.budget_s), unit="second") as bar:
             while len(pairs) < settings.max_pairs:
                 if self._over_budget(started, pairs, size, rates):
                     stopped = "budget"
                     break
                 pairs.append(self._one_pair(len(pairs), size))
-                bar.advance()
+                bar.update(completed=min(round(settings.budget_s), round(self._clock() - started)))
                 throughput, _ = conclusions(pairs, settings.margin)
                 self._say(pairs, throughput, started)
                 if len(pairs) >= settings.min_pairs and sequential.precise(throughput.interval, settings.margin):
