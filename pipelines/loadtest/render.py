@@ -96,18 +96,23 @@ def buys(speed: SpeedComparison | None, gain: MemoryGain | None, target: str) ->
     if speed is None or gain is None:
         return None
     ratio = gain.weight_ratio
-    what = "memory" if ratio is not None and ratio < 1 else "no memory"
+    smaller = ratio is not None and ratio < 1
     interval = speed.throughput.interval
     shown = "-" if interval is None else f"{interval.estimate:.2f}x" + (
         f" [{interval.low:.2f}, {interval.high:.2f}]" if interval.low is not None and interval.high is not None else "")
     margin = f"{speed.settings.margin:.0%}"
-    claim = {
-        "faster": f"buys {what} and speed on {target}: throughput {shown}",
-        "slower": f"buys {what}, not speed, on {target}: throughput {shown}",
-        "no difference": f"buys {what}, and speed is unchanged within {margin} on {target}: throughput {shown}",
-        "inconclusive": f"buys {what}; speed on {target} is inconclusive after {len(speed.pairs)} pairs in {speed.seconds:.0f} s: "
-                        f"throughput {shown} (raise performance.comparison.budget_s to decide)",
+    undecided = (f"speed on {target} is inconclusive after {len(speed.pairs)} pairs in {speed.seconds:.0f} s: throughput {shown} "
+                 "(raise performance.comparison.budget_s to decide)")
+    claims = {
+        "faster": (f"buys memory and speed on {target}", f"buys speed, not memory, on {target}"),
+        "slower": (f"buys memory, not speed, on {target}", f"buys neither memory nor speed on {target}"),
+        "no difference": (f"buys memory, and speed is unchanged within {margin} on {target}",
+                          f"buys neither memory nor speed (unchanged within {margin}) on {target}"),
+        "inconclusive": (f"buys memory; {undecided}", f"buys no memory; {undecided}"),
     }[speed.throughput.outcome]
+    claim = claims[0] if smaller else claims[1]
+    if speed.throughput.outcome != "inconclusive":
+        claim += f": throughput {shown}"
     return f"{claim} ({memory_words(gain)})"
 
 

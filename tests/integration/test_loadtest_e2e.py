@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 from helpers import HOST
+from scipy import stats
 
 from pipelines.loadtest.bench import DONE_PREFIX, read_result
-from pipelines.loadtest.config import LoadSettings
 from pipelines.paths import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.integration
@@ -69,24 +70,48 @@ def test_every_figure_is_present_and_sane(run):
 
 
 def test_ratios_come_from_the_same_runs_the_tool_wrote(run):
+    """The comparison's pairs and interval recomputed from the tool's own result files, independently of the product's code."""
     run_dir, report = run
     performance = report["performance"]
-    repeats = performance["policy"]["load"]["repeats"]
-    for ratio in performance["ratios"]:
-        level = ratio["concurrency"]
-        pairs = []
-        for repeat in range(repeats):
-            base = read_result(run_dir / "loadtest" / f"baseline-c{level}-r{repeat}.json")
-            cand = read_result(run_dir / "loadtest" / f"candidate-c{level}-r{repeat}.json")
-            assert base.max_concurrency == cand.max_concurrency == level
-            assert base.completed == cand.completed == LoadSettings().requests_at(level)
-            pairs.append((cand.output_throughput / base.output_throughput, cand.p95_ttft_ms / base.p95_ttft_ms))
-        for index, name in ((0, "throughput"), (1, "ttft_p95")):
-            expected = math.exp(sum(math.log(p[index]) for p in pairs) / len(pairs))
-            assert ratio[name]["estimate"] == pytest.approx(expected, rel=1e-9), (level, name)
-            assert ratio[name]["low"] <= ratio[name]["estimate"] <= ratio[name]["high"]
+    speed = performance["comparison"]
+    top, pairs = speed["concurrency"], len(speed["pairs"])
+    assert top == performance["deployment_concurrency"] == 16 and pairs >= 2
+    logs = []
+    for index, pair in enumerate(speed["pairs"]):
+        base = read_result(run_dir / "loadtest" / f"baseline-c{top}-r{index}.json")
+        cand = read_result(run_dir / "loadtest" / f"candidate-c{top}-r{index}.json")
+        assert base.completed == cand.completed == speed["requests_per_run"] and base.max_concurrency == cand.max_concurrency == top
+        assert pair["throughput_ratio"] == pytest.approx(cand.output_throughput / base.output_throughput, rel=1e-9)
+        logs.append(math.log(cand.output_throughput / base.output_throughput))
+    mean, half = statistics.fmean(logs), stats.t.ppf(0.99, pairs - 1) * statistics.stdev(logs) / math.sqrt(pairs)
+    interval = speed["throughput"]["interval"]
+    assert interval["estimate"] == pytest.approx(math.exp(mean), rel=1e-9) and interval["pairs"] == pairs
+    assert (interval["low"], interval["high"]) == (pytest.approx(math.exp(mean - half), rel=1e-9), pytest.approx(math.exp(mean + half), rel=1e-9))
+    assert performance["ratios"][-1]["throughput"] == interval
+    low, high = interval["low"], interval["high"]
+    expected = ("no difference" if low >= 1 / 1.1 and high <= 1.1 else "slower" if high < 1 else "faster" if low > 1 else "inconclusive")
+    assert speed["throughput"]["outcome"] == expected
+    assert speed["stopped"] in ("precise", "budget", "max_pairs") and speed["seconds"] <= speed["settings"]["budget_s"] + 5
+    assert {p["first"] for p in speed["pairs"]} <= {"baseline", "candidate"}
+    for level in performance["levels"][:-1]:  # the sweep below the top: one run per model, a ratio without an interval
+        ratio = next(r for r in performance["ratios"] if r["concurrency"] == level)
+        assert ratio["throughput"]["pairs"] == 1 and ratio["throughput"]["low"] is None
     log = (run_dir / "loadtest" / "vllm-bench.log").read_text()
-    assert sum(line.startswith(DONE_PREFIX) for line in log.splitlines()) == 2 + len(performance["levels"]) * repeats * 2
+    assert sum(line.startswith(DONE_PREFIX) for line in log.splitlines()) == 2 + 2 * pairs + 2 * (len(performance["levels"]) - 1)
+
+
+def test_the_verdict_says_what_the_candidate_buys_here(run, w8a8_run):
+    run_dir, report = run
+    performance = report["performance"]
+    buys = performance["buys"]
+    assert buys.startswith(("buys memory", "buys no memory")) and str(HOST) in buys and "weights" in buys
+    outcome = performance["comparison"]["throughput"]["outcome"]
+    assert {"slower": "not speed", "faster": "and speed", "no difference": "unchanged", "inconclusive": "inconclusive"}[outcome] in buys
+    assert performance["memory"]["candidate_weight_bytes"] < performance["memory"]["baseline_weight_bytes"]
+    assert f"**The candidate {buys}.**" in (run_dir / "report.md").read_text()
+    assert w8a8_run.json["performance"]["buys"] == buys and w8a8_run.json["performance"]["speed"] == outcome
+    if outcome == "inconclusive":
+        assert all(check["status"] != "passed" for check in performance["checks"] if check["name"] == "throughput_ratio")
 
 
 def test_vllm_measured_the_kv_capacity_the_planner_predicted(run):

@@ -35,6 +35,7 @@ KV_LINE = "CPU KV cache size: 524,288 tokens, Maximum concurrency for 512 tokens
 class FakeTool:
     def __init__(self) -> None:
         self.speed = {"baseline": 1.0, "candidate": 0.5}
+        self.swing = 0.0  # > 0: the candidate's speed swings up and down from run to run by this factor
         self.fail = False
         self.runs: list[str] = []
 
@@ -63,6 +64,8 @@ class FakeTool:
         ttft_slo = next((float(pair.split(":")[1]) for pair in goodput if pair.startswith("ttft:")), None)
         good = 1.0 if ttft_slo is None or ttft_slo >= data["p99_ttft_ms"] else 0.0
         speed = self.speed[run.role] * (1 + 0.01 * run.repeat)
+        if run.role == "candidate" and self.swing:
+            speed *= (1 + self.swing) ** (1 if run.repeat % 2 else -1)
         data.update(max_concurrency=run.concurrency, num_prompts=run.requests, completed=run.requests,
                     output_throughput=data["output_throughput"] * speed, request_throughput=data["request_throughput"] * speed,
                     request_goodput=data["request_throughput"] * speed * good if goodput else None)
@@ -142,7 +145,7 @@ def test_a_promoted_run_load_tests_both_models_on_the_servers_the_gate_started(t
     text = outcome.report_md.read_text()
     assert "## Performance (load test)" in text and "](loadtest-throughput.png)" in text
     assert (outcome.run_dir / "loadtest-throughput.png").is_file() and (outcome.run_dir / "loadtest-ttft-p95.png").is_file()
-    assert len(tool.runs) == 2 + 4 * 2 + 4 * 2, "a warm-up per model, 4 pairs at the top (no noise: precise at min_pairs), one run per model at 1, 2, 4, 8"
+    assert len(tool.runs) == 2 + 4 * 2 + 4 * 2, "warm-ups, 4 pairs at the top (no noise: precise at once), one run each at 1, 2, 4, 8"
     (version,) = Registry(workspace.registry).list()
     assert version.gate.performance.deployment_concurrency == 16, "the registry entry carries the figures"
 
@@ -180,6 +183,37 @@ def test_the_same_slo_on_the_cpu_target_only_warns(tool, servers, workspace, tmp
     assert outcome.verdict == "promoted"
     warnings = json.loads(outcome.gate_json.read_text())["gate"]["warnings"]
     assert any(w.startswith("performance (report-only on cpu:avx512bf16): 0.0% of requests met the SLO") for w in warnings)
+
+
+def test_enforced_a_conclusive_slowdown_rejects_with_exit_1(tool, servers, workspace, tmp_path):
+    policy = write_policy(tmp_path, "performance:\n  enforce: true\n  max_ttft_p95_ratio: null\n")
+    outcome = gate(workspace, policy=policy)
+    assert (outcome.verdict, outcome.exit_code) == ("rejected", 1)
+    assert outcome.reasons[0].startswith("performance: output throughput ratio 0.500 [95% CI 0.500, 0.500] at concurrency 16 < min_throughput_ratio")
+    assert outcome.performance.speed == "slower"
+    assert outcome.performance.buys.startswith("buys neither memory nor speed on cpu:avx512bf16: throughput 0.50x"), "the fakes weigh the same"
+
+
+def test_enforced_an_inconclusive_comparison_is_an_error_naming_the_budget_and_keeps_its_evidence(tool, servers, workspace, tmp_path):
+    tool.swing = 1.0  # the candidate at 0.25x and 1x of the baseline in turn: four pairs cannot decide against 0.9
+    policy = write_policy(tmp_path, "performance:\n  enforce: true\n  comparison: {min_pairs: 4, max_pairs: 4}\n")
+    with pytest.raises(LoadTestError, match=r"inconclusive: output throughput ratio .* raise performance.comparison.budget_s") as caught:
+        gate(workspace, policy=policy)
+    assert caught.value.exit_code == 2 and caught.value.field == "performance.comparison.budget_s"
+    (failed,) = workspace.runs.iterdir()
+    kept = json.loads((failed / "loadtest" / gate_hook.INCONCLUSIVE_JSON).read_text())
+    assert kept["comparison"]["throughput"]["outcome"] == "inconclusive" and len(kept["comparison"]["pairs"]) == 4
+    assert sorted(servers.stopped) == sorted(servers.started) and Registry(workspace.registry).list() == []
+
+
+def test_report_only_an_inconclusive_comparison_promotes_and_never_says_passed(tool, servers, workspace, tmp_path):
+    tool.swing = 1.0
+    policy = write_policy(tmp_path, "performance:\n  comparison: {min_pairs: 4, max_pairs: 4}\n")
+    outcome = gate(workspace, policy=policy)
+    assert (outcome.verdict, outcome.exit_code) == ("promoted", 0) and outcome.performance.speed == "inconclusive"
+    assert outcome.performance.passed is False and "speed on cpu:avx512bf16 is inconclusive after 4 pairs" in outcome.performance.buys
+    text = outcome.report_md.read_text()
+    assert "Performance inconclusive (not enforced)" in text and "Performance passed" not in text
 
 
 def test_a_candidate_the_quality_gate_rejects_is_not_load_tested(tool, servers, stack, workspace):
