@@ -1,5 +1,6 @@
-"""`quantize job FILE [--executor local|ray] [--ray-address ADDRESS]`: run every candidate of a job file through
-the runner, here or on a Ray cluster (docs/scale-out.md); one summary at the end."""
+"""`quantize job FILE [--executor local|ray] [--ray-address ADDRESS] [--objective size|speed]`: run every candidate of a
+job file through the runner, here or on a Ray cluster (docs/scale-out.md); one summary at the end, with the winner per
+model under the objective and report.md with both frontiers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipelines.console.output import console, emit, table
 from pipelines.errors import InputError
 from pipelines.files.yamlio import load_yaml_file
 from pipelines.jobs.ray.address import ADDRESS_FIELD, check_address
+from pipelines.repair.objective import OBJECTIVE_HELP, OBJECTIVES, Objective
 
 if TYPE_CHECKING:  # the job machinery imports torch and the runner: seconds, after the address is checked
     from pipelines.jobs.job import Executor, JobSummary
@@ -36,13 +38,19 @@ def _render(summary: JobSummary) -> None:
     console.print(table(f"job {summary.job}: {len(rows)} candidate(s) in {summary.wall_s:.0f} s", columns, rows))
     if any(r.reasons for r in summary.results):
         console.print("Every reason: gate.json and report.md in each candidate's run folder (--json lists them all).")
+    winners = [[c.model, c.choice.winner or "-", c.choice.decided_by or "-", c.registry_version, " ".join(c.choice.notes)]
+               for c in summary.choices]
+    if winners:
+        console.print(table(f"the winner per model by {summary.objective}", ["model", "winner", "decided by", "registry version", "why"], winners))
+        console.print(f"Both frontiers (bytes and throughput against the quality bound): {summary.report_md}")
 
 
-def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | None = None) -> JobSummary:
-    """The job by its executor: `executor` (--executor), else the job file's `executor:`."""
+def run_job(path: Path, *, executor: Executor | None = None, ray_address: str | None = None,
+            objective: Objective | None = None) -> JobSummary:
+    """The job by its executor: `executor` (--executor), else the job file's `executor:`; `objective` likewise."""
     from pipelines.jobs.job import plan_job, run_locally
 
-    planned = plan_job(path)
+    planned = plan_job(path, objective=objective)
     if (executor or planned.job.executor) == "ray":
         from pipelines.jobs.ray.driver import run_on_ray  # ray: only for a job that uses it
 
@@ -76,7 +84,7 @@ def handle(args: argparse.Namespace) -> int:
     from pipelines.commands.common import library_output_on_stderr
 
     with library_output_on_stderr(verbose=args.verbose):
-        summary = run_job(args.file, executor=args.executor, ray_address=args.ray_address)
+        summary = run_job(args.file, executor=args.executor, ray_address=args.ray_address, objective=args.objective)
     emit({**summary.model_dump(mode="json"), "exit_code": summary.exit_code}, as_json=args.json, render=lambda _: _render(summary))
     return summary.exit_code
 
@@ -90,6 +98,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
                         help="the Ray cluster: HOST:PORT, ray://HOST:PORT or auto (default: $RAY_ADDRESS, else a local Ray started "
                              "for the job)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default=None,
+                        help=f"{OBJECTIVE_HELP} (default: the job file's `objective:`, else size)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_verbose_option(parser)
     parser.set_defaults(handler=handle)

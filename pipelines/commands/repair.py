@@ -19,11 +19,12 @@ from pipelines.quantize.calibration import check_calibration_source
 from pipelines.recipe import Recipe
 from pipelines.registry.store import default_registry_path
 from pipelines.repair.ladder import calibration_available, load_ladder
+from pipelines.repair.objective import OBJECTIVE_HELP, OBJECTIVES
 from pipelines.repair.parent import load_parent
 from pipelines.repair.result import RepairResult
 from pipelines.repair.search import Budget
 from pipelines.repair.sensitivity import SensitivitySettings
-from pipelines.repair.session import RepairOptions, repair
+from pipelines.repair.session import RepairOptions, check_objective, repair
 from pipelines.runs.runner import GateSettings, RunOutcome
 from pipelines.settings import current
 
@@ -40,12 +41,14 @@ def add_repair_options(parser: argparse.ArgumentParser) -> None:
                         help="reference paths the sensitivity KL is measured on (default: %(default)s)")
     parser.add_argument("--kl-top", type=int_arg(1, 100_000), default=sensitivity.kl_top,
                         help="modules whose KL is measured, the proxy's top (default: %(default)s)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default=RepairOptions().objective,
+                        help=f"{OBJECTIVE_HELP}; speed needs the load test (default: %(default)s)")
 
 
 def repair_options(args: argparse.Namespace) -> RepairOptions:
     return RepairOptions(
         budget=Budget(max_gates=args.repair_budget, max_wall_s=args.repair_time), ladder=args.ladder,
-        sensitivity=SensitivitySettings(prompts=args.kl_prompts, kl_top=args.kl_top),
+        sensitivity=SensitivitySettings(prompts=args.kl_prompts, kl_top=args.kl_top), objective=args.objective,
     )
 
 
@@ -57,15 +60,23 @@ def check_ladder(args: argparse.Namespace, recipe: Recipe | None = None) -> None
     load_ladder(args.ladder, installed_target(), calibrated=calibrated)
 
 
+def check_repair_inputs(args: argparse.Namespace, recipe: Recipe, settings: GateSettings) -> None:
+    """`quantize --recipe ... --repair`: the ladder and the objective checked before quantizing (speed needs the load test)."""
+    check_ladder(args, recipe)
+    check_objective(args.objective, settings, recipe.identity)
+
+
 def render(result: RepairResult) -> None:
     rows = [
         [str(a.number), a.recipe_name, str(len(a.modules_moved)), f"{(a.measured_weight_bytes or a.weight_bytes) / 2**20:.2f}",
-         f"{a.predicted_kl:.3g}", "PASS" if a.verdict == "promoted" else "fail",
+         f"{a.predicted_kl:.3g}", "PASS" if a.verdict == "promoted" else "fail", a.contender().ratio_text(),
          "; ".join(a.failed_rules[:4]) + (" ..." if len(a.failed_rules) > 4 else "")]
         for a in result.attempts
     ]
     console.print(table(f"repair of {result.parent['recipe']} (run {result.parent['run_id']}): {result.status}",
-                        ["#", "proposal", "modules moved", "MiB", "simulated KL", "verdict", "failed rules"], rows))
+                        ["#", "proposal", "modules moved", "MiB", "simulated KL", "verdict", "throughput ratio", "failed rules"], rows))
+    for note in result.choice.notes if result.choice else []:
+        progress(f"objective {result.objective}: {note}")
     if result.found:
         progress(f"repaired: {result.found.recipe_file} ({result.found.modules_moved} module(s) moved, "
                  f"{result.found.weight_bytes / 2**20:.2f} MiB); report {result.report_md}")

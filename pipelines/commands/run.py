@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipelines.commands.common import add_gate_options, gate_settings, library_output_on_stderr, print_outcome
-from pipelines.commands.repair import add_repair_options, check_ladder, repair_after
+from pipelines.commands.repair import add_repair_options, check_repair_inputs, repair_after
 from pipelines.errors import InputError
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.quantize.calibration import check_calibration_source
@@ -25,9 +25,9 @@ def handle(args: argparse.Namespace) -> int:
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration
-    if args.repair:  # a bad ladder or budget fails before quantizing too
+    if args.repair:  # a bad ladder, budget or objective fails before quantizing too
 
-        check_ladder(args, load_recipe(args.recipe).recipe)
+        check_repair_inputs(args, load_recipe(args.recipe).recipe, settings)
     with library_output_on_stderr():
         outcome = quantize_and_gate(args.recipe, model, settings, force=args.force, **extra)
     if args.repair and outcome.verdict == "rejected":

@@ -23,6 +23,11 @@ read is an error naming it.
 
 `executor: ray` (or `quantize job FILE --executor ray`) runs the same plan on a Ray cluster, one worker
 process per candidate (pipelines.jobs.ray); the ledger, the skips and the verdicts are the same.
+
+`objective: size|speed` (or `--objective`) says which of a model's passing candidates wins: the fewest weight bytes,
+or the best measured throughput (pipelines.repair.objective); the summary names the winner per model and
+artifacts/jobs/<name>/report.md shows both frontiers (pipelines.jobs.report). A `repair: true` candidate's repair
+picks its attempt by the same objective.
 """
 
 from __future__ import annotations
@@ -47,14 +52,18 @@ from pipelines.files.jsonio import parse_json_strict
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.files.yamlio import load_yaml_model, read_user_bytes
 from pipelines.gate.policy import FitRequirement, check_attainable, load_gate_policy
+from pipelines.jobs.report import ModelChoice, choose_per_model, write_report
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.quantize.calibration import check_calibration_source
 from pipelines.quantize.compiler import compile_recipe
 from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.recipe import FROM_EVAL_SETS, LoadedRecipe, load_recipe
 from pipelines.registry.promotion import verify_recorded
-from pipelines.repair.session import repair_outcome
-from pipelines.runs.runner import GateSettings, quantize_and_gate
+from pipelines.repair.compare import measured_bytes
+from pipelines.repair.objective import Contender, Objective, QualityBound, quality_bound
+from pipelines.repair.pricing import recipe_bytes, shape_of
+from pipelines.repair.session import RepairOptions, repair_outcome
+from pipelines.runs.runner import GateSettings, RunOutcome, quantize_and_gate
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import ServeSettings
 from pipelines.settings import current as current_settings
@@ -91,6 +100,8 @@ class JobFile(StrictModel):
                                                                   "node lost) is run again; its own errors are never retried")
     registry: Path = Field(default_factory=lambda: current_settings().registry_path)  # $QUANTGATE_REGISTRY as run
     max_model_len: int = Field(default=ServeSettings().max_model_len, gt=0, le=MAX_CONTEXT)
+    objective: Objective = Field(default="size", description="which passing candidate wins per model: size (fewest weight bytes) or "
+                                                             "speed (best measured throughput ratio); --objective overrides it")
     defaults: CandidateOptions = CandidateOptions()
     candidates: list[CandidateSpec] = Field(min_length=1)
 
@@ -107,6 +118,7 @@ class Candidate(BaseModel):
     key: str
     calibration: str | None = None  # resolved: an absolute path, a set name, FROM_EVAL_SETS; None: the recipe's own
     repair: bool = False  # run the repair search when the gate rejects (pipelines.repair)
+    objective: Objective = "size"  # what a repair picks among its passing attempts
 
 
 class CandidateResult(BaseModel):
@@ -130,12 +142,23 @@ class CandidateResult(BaseModel):
     repair_dir: str | None = None
     # The load test's headline figures (RunOutcome.performance; gate.json has them all); None when it did not run.
     performance: PerformanceSummary | None = None
+    # What the objective ranks on (None in ledgers written before it): the artifact's weight bytes (its manifest's
+    # measure, else the planner's prediction for the recipe) and the worst set's worsening bound.
+    weight_bytes: int | None = None
+    quality: QualityBound | None = None
+
+    def contender(self, name: str) -> Contender:
+        return Contender(name=name, passed=self.status == "promoted", weight_bytes=self.weight_bytes, quality=self.quality,
+                         performance=self.performance)
 
 
 class JobSummary(BaseModel):
     job: str
     results: list[CandidateResult]
     wall_s: float
+    objective: Objective = "size"
+    choices: list[ModelChoice] = Field(default=[], description="per model: the winner under the objective, and why")
+    report_md: str | None = Field(default=None, description="report.md with both frontiers per model")
 
     @property
     def exit_code(self) -> int:
@@ -201,8 +224,8 @@ def plan_candidates(job: JobFile, job_path: Path) -> list[Candidate]:
         if len(problems) == found and settings is not None:  # settings is None only with a problem
             candidates += [
                 Candidate(model=model, recipe=recipe, loaded=loaded, settings=settings,
-                          key=_key(model, loaded.text, settings, calibration_hash, repair=_repair(job, spec)), calibration=calibration,
-                          repair=_repair(job, spec))
+                          key=_key(model, loaded.text, settings, calibration_hash, repair=_repair(job, spec),
+                                   objective=job.objective), calibration=calibration, repair=_repair(job, spec), objective=job.objective)
                 for recipe, loaded in recipes.items()
             ]
     if problems:
@@ -268,7 +291,8 @@ def _repair(job: JobFile, spec: CandidateSpec) -> bool:
     return spec.repair if "repair" in spec.model_fields_set else job.defaults.repair
 
 
-def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash: str | None = None, *, repair: bool = False) -> str:
+def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash: str | None = None, *, repair: bool = False,
+         objective: Objective = "size") -> str:
     inputs: dict[str, Any] = {
         "model": folder_hash(model),
         "recipe": recipe_text,
@@ -281,6 +305,8 @@ def _key(model: Path, recipe_text: str, settings: GateSettings, calibration_hash
         inputs["calibration"] = calibration_hash
     if repair:  # absent otherwise, likewise: a repaired verdict is not the plain one
         inputs["repair"] = True
+        if objective != "size":  # a repair by speed may find another attempt than by size
+            inputs["objective"] = objective
     return sha256_json(inputs)
 
 
@@ -343,17 +369,20 @@ class PlannedJob(NamedTuple):
     ledger: Ledger
 
 
-def plan_job(job_path: Path, *, jobs_dir: Path | None = None) -> PlannedJob:
+def plan_job(job_path: Path, *, jobs_dir: Path | None = None, objective: Objective | None = None) -> PlannedJob:
+    """`objective`: --objective, which overrides the job file's."""
     jobs_dir = default_jobs_dir() if jobs_dir is None else jobs_dir
     job = load_job(job_path)
+    if objective is not None:
+        job = job.model_copy(update={"objective": objective})
     candidates = plan_candidates(job, job_path)
     ledger = Ledger(ensure_inside(jobs_dir, jobs_dir / f"{safe_component(job.name, 'name', file=job_path)}.json", "name"))
     return PlannedJob(job, job_path, candidates, ledger)
 
 
-def run_job(job_path: Path, *, jobs_dir: Path | None = None) -> JobSummary:
+def run_job(job_path: Path, *, jobs_dir: Path | None = None, objective: Objective | None = None) -> JobSummary:
     """Every candidate of the job file, one after another on this machine (the local executor)."""
-    return run_locally(plan_job(job_path, jobs_dir=jobs_dir))
+    return run_locally(plan_job(job_path, jobs_dir=jobs_dir, objective=objective))
 
 
 def run_locally(planned: PlannedJob) -> JobSummary:
@@ -371,7 +400,33 @@ def run_locally(planned: PlannedJob) -> JobSummary:
         ledger.record(result)
         progress(f"{label}: {decision_line(result)}")
         results.append(result)
-    return JobSummary(job=planned.job.name, results=results, wall_s=round(time.monotonic() - started, 1))
+    return summarize(planned, results, round(time.monotonic() - started, 1))
+
+
+def summarize(planned: PlannedJob, results: list[CandidateResult], wall_s: float) -> JobSummary:
+    """The job's summary (either executor): its results, the winner per model under the objective, report.md."""
+    objective = planned.job.objective
+    named = _named(results)
+    by_model = {model: [result.contender(name) for name, result in decided.items()] for model, decided in named.items()}
+    choices = [entry.model_copy(update={"registry_version": named[entry.model][entry.choice.winner].registry_version})
+               if entry.choice.winner else entry for entry in choose_per_model(by_model, objective)]
+    path, choices = write_report(planned.job.name, objective, choices, planned.ledger.path.with_suffix(""))
+    for entry in choices:
+        progress(f"{entry.model}: {' '.join(entry.choice.notes)}")
+    return JobSummary(job=planned.job.name, results=results, wall_s=wall_s, objective=objective, choices=choices, report_md=str(path))
+
+
+def _named(results: list[CandidateResult]) -> dict[str, dict[str, CandidateResult]]:
+    """Per model, its decided results in size order (equal bytes in the job file's order, no bytes last) by name: its
+    recipe ("(repaired)" when a repair found it; a recipe named twice is numbered)."""
+    named: dict[str, dict[str, CandidateResult]] = {}
+    ordered = sorted((r for r in results if r.status != "error"), key=lambda r: (r.weight_bytes is None, r.weight_bytes or 0))
+    for result in ordered:
+        decided = named.setdefault(result.model, {})
+        name = result.recipe + (" (repaired)" if result.repair_dir else "")
+        number = sum(1 for known in decided if known == name or known.startswith(f"{name} #")) + 1
+        decided[name if number == 1 else f"{name} #{number}"] = result
+    return named
 
 
 def candidate_label(number: int, candidates: list[Candidate]) -> str:
@@ -434,7 +489,7 @@ def run_candidate(candidate: Candidate) -> CandidateResult:
         repair_dir = None
         if candidate.repair and outcome.verdict == "rejected":
 
-            outcome, repaired = repair_outcome(outcome, candidate.settings, candidate.calibration)
+            outcome, repaired = repair_outcome(outcome, candidate.settings, candidate.calibration, RepairOptions(objective=candidate.objective))
             repair_dir = repaired.repair_dir
         # What the ledger will vouch for on a later skip: the artifact as the run last verified it.
         check = verify_artifact(outcome.artifact_dir, manifest_sha256=outcome.manifest_sha256, fingerprint=outcome.artifact_fingerprint)
@@ -446,5 +501,22 @@ def run_candidate(candidate: Candidate) -> CandidateResult:
         **common, status=outcome.verdict, reasons=outcome.reasons, run_dir=str(outcome.run_dir),
         registry_version=outcome.registry_version, wall_s=round(time.monotonic() - started, 1),
         artifact_dir=str(outcome.artifact_dir), manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint,
-        repair_dir=repair_dir, performance=outcome.performance,
+        repair_dir=repair_dir, performance=outcome.performance, weight_bytes=_weight_bytes(candidate, outcome, repaired=repair_dir is not None),
+        quality=_quality(outcome),
     )
+
+
+def _weight_bytes(candidate: Candidate, outcome: RunOutcome, *, repaired: bool) -> int | None:
+    """The artifact's weight bytes as its manifest measured them, else the planner's prediction for the candidate's recipe
+    (not for a repaired one: its recipe is the repair's)."""
+    measured = measured_bytes(outcome.artifact_dir)
+    if measured is not None or repaired:
+        return measured
+    return recipe_bytes(shape_of(candidate.model), candidate.loaded.recipe)
+
+
+def _quality(outcome: RunOutcome) -> QualityBound | None:
+    """The worst set's worsening bound from the run's gate.json (None when the run left none to read)."""
+    if outcome.report is None and not outcome.gate_json.is_file():
+        return None
+    return quality_bound(outcome.gate_report())

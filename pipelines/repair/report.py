@@ -1,6 +1,7 @@
 """The repair's human report: report.md in the repair folder, with the sensitivity ranking as a plot (PNG).
 
-report.md: what was repaired and the outcome, the bytes of the found artifact against the parent, the
+report.md: what was repaired and the outcome, the objective's choice and the two frontiers (bytes and throughput
+against the quality bound, pipelines.repair.frontier), the bytes of the found artifact against the parent, the
 shipped recipes and the 16-bit model, the wall times, the path of the search (one row per proposal: moves,
 modules moved, weight bytes, simulated KL, verdict, the rules that failed), the modules the found proposal
 moves, and the sensitivity ranking (plot + table, with the proxy/KL rank agreement).
@@ -13,6 +14,7 @@ from pathlib import Path
 from pipelines.bounds import MiB
 from pipelines.files.atomic import write_text_atomic
 from pipelines.gate.report import md_list, md_table
+from pipelines.repair import frontier
 from pipelines.repair.result import RepairResult, SetMove
 from pipelines.repair.sensitivity import NEAR_TIE_NATS, Sensitivity
 
@@ -47,6 +49,7 @@ def header_rows(result: RepairResult) -> list[list[str]]:
         ["Model", result.model],
         ["Serve target / ladder", f"{result.target} / {result.ladder['path']}"],
         ["Full gates used", f"{gates} of {result.budget.max_gates}"],
+        ["Objective", result.objective + (f" (decided by {result.choice.decided_by})" if result.choice and result.choice.decided_by else "")],
         ["Stopped because", result.search.stop if result.search else "-"],
     ]
     if result.found:
@@ -138,6 +141,9 @@ def render(result: RepairResult) -> str:
         parts += ["## Against every shipped recipe on this model", md_table(
             ["recipe", "weight bytes (predicted)", "weight bytes (measured)", "verdict here"], shipped_rows(result)),
             shipped_verdict(result)]
+    if result.choice is not None:
+        parts += frontier.section([a.contender() for a in result.gated()], result.choice, result.frontier_plots,
+                                  f"## Objective: {result.objective}; the frontiers", md_table)
     parts += ["## Wall time (s)", md_table(["stage", "seconds"], time_rows(result))]
     if result.orders:
         parts += ["## Promotion order", md_table(

@@ -10,7 +10,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pipelines.errors import EXIT_ERROR
+from pipelines.loadtest.results import PerformanceSummary
 from pipelines.repair.compare import ShippedRecipe
+from pipelines.repair.objective import Choice, Contender, Objective, QualityBound
 from pipelines.repair.pricing import Price
 from pipelines.repair.search import Budget, SearchResult
 from pipelines.repair.sensitivity import Sensitivity
@@ -54,6 +56,21 @@ class Attempt(BaseModel):
     quantize_s: float | None = Field(default=None, description="the quantize wall time measured (0 when an artifact was reused)")
     wall_s: float = 0.0
     error: str | None = Field(default=None, description="why the gate could not decide (the search stopped; a pass was already found)")
+    quality: QualityBound | None = Field(default=None, description="the worst set's worsening bound (the frontiers' x axis)")
+    performance: PerformanceSummary | None = Field(default=None, description="the load test's headline (a passing attempt, load test on)")
+    loadtest_s: float | None = Field(default=None, description="seconds the load test added to this attempt's gate (its servers' starts included)")
+
+    @property
+    def bytes(self) -> int:
+        return self.measured_weight_bytes or self.weight_bytes
+
+    def size_order(self) -> tuple[int, float, int]:
+        """Bytes first, then the quantize's wall time (measured, else estimated), then the attempt's number."""
+        return self.bytes, self.quantize_s or self.estimated_quantize_s or 0.0, self.number
+
+    def contender(self) -> Contender:
+        return Contender(name=f"attempt {self.number}", passed=self.verdict == "promoted", weight_bytes=self.bytes,
+                         quality=self.quality, performance=self.performance)
 
 
 class OrderChoice(BaseModel):
@@ -90,6 +107,7 @@ class RepairResult(BaseModel):
     target: str
     ladder: dict[str, str]
     budget: Budget
+    objective: Objective = Field(default="size", description="what wins among the passing attempts (pipelines.repair.objective)")
     settings: dict[str, Any]
     units: int
     ladders_skipped: dict[str, list[str]] = Field(default={}, description="per unit, rungs its shapes or the recipe rule out")
@@ -103,6 +121,8 @@ class RepairResult(BaseModel):
     attempts: list[Attempt] = []
     search: SearchResult | None = None
     found: Found | None = None
+    choice: Choice | None = Field(default=None, description="how the found attempt won under the objective, in words")
+    frontier_plots: dict[str, str] = Field(default={}, description="bytes and throughput against the quality bound (PNG files)")
     closest: dict[str, Any] | None = Field(default=None, description="when nothing passed: the attempt that came closest, and why it failed")
     bytes: dict[str, int | None] = Field(default={}, description="weight bytes of the 16-bit model, the shipped recipes and the parent "
                                                                  "(predicted by the planner) and of the parent artifact (measured)")
@@ -111,6 +131,10 @@ class RepairResult(BaseModel):
     report_md: str | None = None
     plot: str | None = None
     error: str | None = None
+
+    def gated(self) -> list[Attempt]:
+        """The attempts the gate decided, in size order (what the objective ranks and the frontiers show)."""
+        return sorted((a for a in self.attempts if a.verdict is not None), key=Attempt.size_order)
 
 
 def load_result(folder: Path) -> RepairResult:

@@ -38,6 +38,7 @@ from pipelines.jobs.job import (
     cached_result,
     candidate_label,
     decision_line,
+    summarize,
 )
 from pipelines.jobs.ray.cluster import alive_nodes, connected, probe_shared_store
 from pipelines.jobs.ray.graph import BaselineGroup, baseline_groups, submit_graph
@@ -80,7 +81,7 @@ def run_on_ray(planned: PlannedJob, *, address: str | None) -> JobSummary:
         finally:
             for handle in handles.values():  # what is left after an error or SIGTERM: workers and their servers stopped
                 ray.cancel(handle, force=True)
-    return JobSummary(job=job.name, results=[results[p] for p in range(len(candidates))], wall_s=round(time.monotonic() - started, 1))
+    return summarize(planned, [results[p] for p in range(len(candidates))], round(time.monotonic() - started, 1))
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from pipelines.repair.ladder import LADDERS_DIR, load_ladder, unit_ladder
 from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import overrides_for, proposal_text
-from pipelines.repair.result import load_result
+from pipelines.repair.result import Attempt, load_result
 from pipelines.repair.search import (
     LEVEL_ORDER,
     Budget,
@@ -452,6 +452,43 @@ def test_a_repair_finds_the_fewest_moves_and_records_complete_lineage(parent: Pa
     assert {(s.candidate, s.right_to_wrong) for s in scores} == {(100.0, 0), (80.0, 40)}
     assert "## How each eval set moved" in report and "| tickets | 100.0 | - | " in report and "80.0 (40 / 0)" in report
     assert "tickets: scores spread over more than 10 points" in report
+
+
+@pytest.mark.slow
+def test_a_repair_by_speed_searches_as_by_size_then_picks_the_fastest_passing_attempt(parent: ParentRun, tmp_path: Path):
+    """The search is the size search (the same proposals gated); among the passing attempts the best measured throughput wins
+    (each proposal's ratio here is drawn from its recipe's hash, with a narrow interval); the load tests' cost is summed."""
+    from pipelines.loadtest.results import PerformanceSummary
+
+    def measured(fake: FakeGate):
+        def gate(loaded: LoadedRecipe, model_dir: Path, settings: GateSettings, **kwargs) -> RunOutcome:
+            outcome = fake(loaded, model_dir, settings, **kwargs)
+            if outcome.verdict != "promoted":
+                return outcome
+            ratio = 0.5 + int(loaded.sha256[:6], 16) / 2**24
+            return outcome.model_copy(update={"stages": {"loadtest_s": 40.0, "loadtest_baseline_serve_start_s": 20.0},
+                                              "performance": PerformanceSummary(
+                enforced=False, passed=True, target="cpu", deployment_concurrency=16, throughput_ratio=ratio,
+                throughput_interval=[ratio - 1e-6, ratio + 1e-6], speed="slower", pairs=6, ttft_p95_ratio=1.0, measured_max_num_seqs=16)})
+        return gate
+
+    with_loadtest = parent.model_copy(update={"settings": parent.settings.model_copy(update={"loadtest": True})})
+    by_size = repair(with_loadtest, RepairOptions(budget=Budget(max_gates=12), sensitivity=FAST),
+                     gate_fn=measured(FakeGate(tmp_path / "size", parent.settings.registry_path, parent.model_dir, passing_rule(3))), target=CPU)
+    by_speed = repair(with_loadtest, RepairOptions(budget=Budget(max_gates=12), sensitivity=FAST, objective="speed"),
+                      gate_fn=measured(FakeGate(tmp_path / "speed", parent.settings.registry_path, parent.model_dir, passing_rule(3))), target=CPU)
+    assert [a.moves for a in by_speed.attempts] == [a.moves for a in by_size.attempts]  # the same search
+    passing = [a for a in by_speed.attempts if a.verdict == "promoted"]
+    assert len(passing) >= 2 and by_size.found is not None and by_speed.found is not None
+    fastest = max(passing, key=lambda a: a.performance.throughput_ratio)
+    assert by_speed.found.attempt == fastest.number and by_size.found.attempt == min(passing, key=Attempt.size_order).number
+    assert by_size.choice.decided_by == "size" and by_speed.choice.decided_by == "speed" and by_speed.choice.tied == []
+    assert Path(by_speed.found.recipe_file).read_text() == Path(fastest.recipe_file).read_text()
+    assert by_speed.wall_s["load tests (in the gates)"] == 60.0 * len(passing)
+    report = Path(by_speed.report_md).read_text()
+    assert "## Objective: speed; the frontiers" in report and f"By speed: attempt {fastest.number}" in report
+    assert {Path(by_speed.repair_dir, name).is_file() for name in by_speed.frontier_plots.values()} == {True}
+    assert len(by_speed.frontier_plots) == 2
 
 
 @pytest.mark.slow
