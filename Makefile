@@ -110,3 +110,15 @@ repair-real: setup
 bench-real: setup
 	.venv/bin/quantize models add smollm2-135m
 	$(PY) -m pipelines.benchmarks.real_model --model $(REAL_MODEL)
+
+## What each shipped recipe buys in speed here: on the demo model and SmolLM2-135M, every shipped recipe this host serves
+## against 16-bit (the load test's paired comparison, with intervals; the shape probe's prediction; an independent
+## interleaved check), and llama.cpp (llama-cpp-python, its own environment) at Q8_0 and Q4_K_M beside them, in one run
+## (docs/loadtest.md, docs/measurements.md; not a test). MODELS=demo,smollm2 RECIPES=w8a8,w4a16 BUDGET_S=120 narrow it.
+.PHONY: bench-speed
+bench-speed: setup
+	scripts/setup_env.sh llamacpp
+	$(PY) -m pytest -q -p no:cacheprovider tests/peer/check_llamacpp_peer.py
+	.venv/bin/quantize models add smollm2-135m
+	$(PY) -m pipelines.benchmarks.speed $(if $(MODELS),--models $(MODELS)) $(if $(RECIPES),--recipes $(RECIPES)) \
+		$(if $(BUDGET_S),--budget-s $(BUDGET_S))

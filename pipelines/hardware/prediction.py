@@ -167,11 +167,13 @@ class ShapePrediction(BaseModel):
 
 
 def predict_for_artifact(linears: Sequence[CheckpointLinear], artifact_dir: Path, max_num_seqs: int, *,
-                         profile: HostProfile | None = None) -> ShapePrediction:
+                         profile: HostProfile | None = None, probe_missing: bool = True) -> ShapePrediction:
     """The prediction for a compressed-tensors artifact: `linears` are its checkpoint Linears (the planner's
-    `decoder_linears` for every layer of its shape), their schemes read from its config.json."""
+    `decoder_linears` for every layer of its shape), their schemes read from its config.json. `probe_missing=False`:
+    from the cache only (a shape never probed here leaves the prediction without a figure)."""
     cases = artifact_linear_cases(Path(artifact_dir) / CONFIG_NAME, [linear.name for linear in linears])
-    return predict(vllm_linears(linears, cases), max_num_seqs, model=Path(artifact_dir).name, source=str(artifact_dir), profile=profile)
+    return predict(vllm_linears(linears, cases), max_num_seqs, model=Path(artifact_dir).name, source=str(artifact_dir), profile=profile,
+                   probe_missing=probe_missing)
 
 
 def predict_for_recipe(linears: Sequence[CheckpointLinear], schemes: Mapping[str, GroupScheme | None], max_num_seqs: int, *,
@@ -180,7 +182,8 @@ def predict_for_recipe(linears: Sequence[CheckpointLinear], schemes: Mapping[str
     return predict(vllm_linears(linears, recipe_cases(linears, schemes)), max_num_seqs, model=model, source=recipe, profile=profile)
 
 
-def predict(uses: list[ShapeUse], max_num_seqs: int, *, model: str, source: str, profile: HostProfile | None = None) -> ShapePrediction:
+def predict(uses: list[ShapeUse], max_num_seqs: int, *, model: str, source: str, profile: HostProfile | None = None,
+            probe_missing: bool = True) -> ShapePrediction:
     """Probe (or read from the cache) every shape of `uses` at the decode batches up to `max_num_seqs` and one
     prefill chunk, and add them up."""
     profile = profile or host_profile()
@@ -189,7 +192,7 @@ def predict(uses: list[ShapeUse], max_num_seqs: int, *, model: str, source: str,
     totals = working_set(uses, dtype_bytes)
     rows = (*decode_rows(max_num_seqs), PREFILL_ROWS)
     cases = [_shape_case(use, totals, llc.bytes or UNKNOWN_LLC_BYTES, dtype_bytes, rows) for use in uses]
-    facts, seconds = shape_facts(profile, cases, dtype=dtype, threads=threads)
+    facts, seconds = shape_facts(profile, cases, dtype=dtype, threads=threads, probe_missing=probe_missing)
     return ShapePrediction(
         model=model, source=source, host_class=profile.host_class, cpu_model=profile.cpu_model, serve_dtype=dtype,
         vllm_version=profile.vllm_version, threads=threads, llc=llc, working_set={"base": totals[0], "quant": totals[1]},

@@ -87,13 +87,15 @@ def _cache_path(profile: HostProfile, dtype: str, threads: int) -> Path:
     return cache_dir() / f"shapes-{profile.fingerprint}-vllm{vllm}-{dtype}-t{threads}-{version}.json"
 
 
-def shape_facts(profile: HostProfile, cases: list[ShapeCase], *, dtype: str, threads: int) -> tuple[dict[str, ShapeFact], float]:
+def shape_facts(profile: HostProfile, cases: list[ShapeCase], *, dtype: str, threads: int,
+                probe_missing: bool = True) -> tuple[dict[str, ShapeFact], float]:
     """The facts of `cases` on this host, and the seconds this call spent probing (0: all from the cache). Cases never
-    probed here are probed in one run of the serve environment."""
+    probed here are probed in one run of the serve environment (`probe_missing=False`: left out, for a caller that may
+    only read the cache)."""
     path = _cache_path(profile, dtype, threads)
     known = read_facts(path, ShapeFact)
     missing = list({case.key: case for case in cases if case.key not in known}.values())
-    if not missing:
+    if not missing or not probe_missing:
         return known, 0.0
     rows = sorted({row for case in missing for row in case.rows})
     budget = min(max(TIMING_TARGET_S / (len(missing) * len(rows)), ROW_BUDGET_S[0]), ROW_BUDGET_S[1])

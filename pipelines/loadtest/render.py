@@ -154,6 +154,18 @@ def comparison_lines(speed: SpeedComparison) -> list[str]:
     ]
 
 
+def predicted_line(report: PerformanceReport) -> str:
+    """The shape probe's prediction beside the measurement (docs/hardware.md), or how to get one."""
+    predicted = report.predicted
+    if predicted is None:
+        return ("Shape probe: no prediction cached for this artifact's shapes on this host (`quantize doctor --model DIR` probes "
+                "them; the load test never waits for it).")
+    measured = report.comparison.throughput.outcome if report.comparison is not None else "not measured"
+    agree = "agrees" if predicted.direction.startswith(measured) else "disagrees"
+    return (f"Shape probe predicted {predicted.direction} ({predicted.throughput_ratio:.2f}x: the model's Linears alone, at decode batch "
+            f"{predicted.decode_batch}, {predicted.prefill_share:.0%} of their 16-bit time on prompts); measured {measured}: it {agree}.")
+
+
 def markdown_sections(report: PerformanceReport, table) -> list[str]:
     """report.md's load-test section; `table(columns, rows)` is report.md's own table renderer."""
     workload = report.workload
@@ -170,7 +182,7 @@ def markdown_sections(report: PerformanceReport, table) -> list[str]:
         "of requests meeting every SLO target, all runs pooled.",
     ]
     if report.comparison is not None:
-        parts += ["### Candidate / baseline", *comparison_lines(report.comparison), table(RATIO_COLUMNS, ratio_rows(report)),
+        parts += ["### Candidate / baseline", *comparison_lines(report.comparison), predicted_line(report), table(RATIO_COLUMNS, ratio_rows(report)),
                   "Levels below the deployment's were run once per model: their ratios have no interval."]
         if report.probed is not None and report.probed.slowdown is not None:
             parts.append(probed_line(report))
@@ -188,7 +200,7 @@ def console_tables(report: PerformanceReport, table, say) -> None:
     """The terminal's view: the headline, the ratios (or the levels for one model), tuning; `table(title, columns, rows)`."""
     say(headline(report))
     if report.comparison is not None:
-        for line in comparison_lines(report.comparison)[:1]:
+        for line in (*comparison_lines(report.comparison)[:1], predicted_line(report)):
             say(line)
     if report.ratios:
         say(table("Load test: candidate / baseline", RATIO_COLUMNS, ratio_rows(report)))

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, computed_field, model_validator
 
+from pipelines.hardware.prediction import WorkloadPrediction
 from pipelines.hardware.speed import ProbedSpeed
 from pipelines.loadtest.config import ComparisonSettings, PerformancePolicy
 from pipelines.schema import StrictModel
@@ -207,6 +208,8 @@ class PerformanceReport(StrictModel):
                                                                  "this host class (docs/hardware.md), beside the measured ratios")
     comparison: SpeedComparison | None = Field(default=None, description="the paired comparison at the deployment's concurrency")
     memory: MemoryGain | None = None
+    predicted: WorkloadPrediction | None = Field(default=None, description="the shape probe's prediction for the comparison's "
+                                                 "workload, from its cache (quantize doctor --model fills it; docs/hardware.md)")
     buys: str | None = Field(default=None, description="what the candidate buys on the serving host: memory always, speed where concluded")
 
     @property

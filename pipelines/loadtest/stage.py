@@ -17,17 +17,19 @@ from pathlib import Path
 
 from pipelines.console.output import progress
 from pipelines.console.progress import duration, track
-from pipelines.errors import InputError, LoadTestError
+from pipelines.errors import InputError, LoadTestError, QuantGateError
 from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.evaluate import Prompt
 from pipelines.hardware.host import host_profile
+from pipelines.hardware.prediction import WorkloadPrediction, predict_for_artifact
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, probed_speed
 from pipelines.hardware.targets import installed_target
 from pipelines.loadtest import bench, comparison, figures, memory, plots, render, sequential, tuning, verdict
 from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_levels
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
-from pipelines.loadtest.workload import build_workload, write_dataset
-from pipelines.planner import gpu_spec, plan
+from pipelines.loadtest.workload import Workload, build_workload, write_dataset
+from pipelines.planner import gpu_spec, load_config, model_shape, plan
+from pipelines.planner.weights import decoder_linears
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import RunningServer, ServeSettings, serve_versions
 
@@ -119,8 +121,9 @@ class _Tool:
     """The tool's process bound to the servers and the workload: planned runs in, their results out."""
 
     def __init__(self, inputs: StageInputs, driver: bench.BenchDriver, servers: dict[Role, RunningServer], workload, work: Path,
-                 deadline: float):
+                 deadline: float, extra: dict[Role, list[str]] | None = None):
         self.inputs, self.driver, self.servers, self.workload, self.work, self.deadline = inputs, driver, servers, workload, work, deadline
+        self.extra = extra or {}  # per model, more of the tool's arguments (a peer server's request fields: --extra-body)
         self.datasets: dict[int, Path] = {}
 
     def dataset(self, requests: int) -> Path:
@@ -131,13 +134,26 @@ class _Tool:
     def __call__(self, runs: list[bench.PlannedRun], bar=None) -> dict[bench.PlannedRun, bench.BenchResult]:
         goodput = self.inputs.policy.slo.goodput_arguments
         planned = [(run, bench.bench_argv(run, self.servers[run.role], self.inputs.model_dir(run.role), self.dataset(run.requests),
-                                          self.work, goodput)) for run in runs]
+                                          self.work, goodput) + self.extra.get(run.role, [])) for run in runs]
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise LoadTestError(f"the load test ran out of its {self.inputs.policy.load.timeout_s:.0f} s (performance.load.timeout_s)",
                                 file=self.driver.log_path)
         self.driver.run(planned, self.servers, timeout_s=left, bar=bar)
         return {run: bench.read_result(self.work / run.result_file) for run in runs}
+
+
+def paired_comparison(inputs: StageInputs, servers: dict[Role, RunningServer], driver: bench.BenchDriver,
+                      extra: dict[Role, list[str]] | None = None) -> comparison.SpeedComparison:
+    """The paired comparison alone, against servers the caller runs (no sweep, no report): `make bench-speed`'s peers,
+    whose candidate is another server than vLLM (`extra`: the tool's arguments for its requests)."""
+    top, _ = sweep_top(inputs)
+    work = inputs.run_dir / LOADTEST_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    workload = build_workload(inputs.eval_sets, inputs.prompts, comparison.pilot_requests(inputs.policy.comparison, top),
+                              inputs.policy.load.output_tokens, inputs.baseline_dir, inputs.serve.max_model_len, servers["baseline"])
+    tool = _Tool(inputs, driver, servers, workload, work, time.monotonic() + inputs.policy.load.timeout_s, extra)
+    return comparison.PairedComparison(tool, inputs.policy.comparison, concurrency=top).run()
 
 
 def _measure(inputs: StageInputs, levels: list[int], top: int, limited_by: str, work: Path, servers: ServerSource,
@@ -170,7 +186,23 @@ def _measure(inputs: StageInputs, levels: list[int], top: int, limited_by: str, 
         _model_figures(role, inputs, server[role], running[role][1], figures.model_levels(results, role, with_slo), sampler.peak.get(groups[role]))
         for role in inputs.roles
     ]
-    return _report(inputs, workload.summary(), levels, top, limited_by, models, figures.level_ratios(results), speed, started)
+    report = _report(inputs, workload.summary(), levels, top, limited_by, models, figures.level_ratios(results), speed, started)
+    return report.model_copy(update={"predicted": _predicted(inputs, workload, speed)})
+
+
+def _predicted(inputs: StageInputs, workload: Workload, speed: comparison.SpeedComparison | None) -> WorkloadPrediction | None:
+    """The shape probe's prediction for the comparison's own workload, where its cache holds every shape of the artifact
+    (the load test never waits for a probe: `quantize doctor --model` and `make bench-speed` fill the cache)."""
+    if inputs.artifact_dir is None or speed is None or not installed_target().local:
+        return None
+    try:
+        shape = model_shape(*load_config(inputs.artifact_dir))
+        linears = [linear for index in range(shape.layers) for linear in decoder_linears(shape, index)]
+        prediction = predict_for_artifact(linears, inputs.artifact_dir, inputs.serve.max_num_seqs, probe_missing=False)
+    except QuantGateError:
+        return None
+    items = workload.first(speed.requests_per_run)
+    return prediction.workload(sum(item.prompt_tokens for item in items), sum(item.output_tokens for item in items), speed.concurrency)
 
 
 def _model_figures(role: Role, inputs: StageInputs, server: RunningServer, served_by: str, levels, peak) -> ModelFigures:
