@@ -34,6 +34,7 @@ import httpx
 from pipelines import paths
 from pipelines.benchmarks.speed_peer import PeerRow, peer_rows
 from pipelines.benchmarks.speed_peer import markdown as peer_markdown
+from pipelines.console.capture import library_log
 from pipelines.console.output import progress, say
 from pipelines.errors import QuantGateError
 from pipelines.files.atomic import write_json_atomic, write_text_atomic
@@ -239,9 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows: list[SpeedRow] = []
     peers: list[PeerRow] = []
-    for case in cases:
-        found, peered = bench_model(case, recipes, args.budget_s, out, peer=not args.no_peer)
-        rows, peers = rows + found, peers + peered
+    out.mkdir(parents=True, exist_ok=True)
+    progress(f"bench-speed: library output (llm-compressor, transformers) goes to {out / 'library.log'}")
+    with library_log(out / "library.log"):
+        for case in cases:
+            found, peered = bench_model(case, recipes, args.budget_s, out, peer=not args.no_peer)
+            rows, peers = rows + found, peers + peered
     text = markdown(rows, peers, stamp, time.monotonic() - started)
     write_text_atomic(out / "speed.md", text)
     write_json_atomic(out / "speed.json", {"recipes": [row.model_dump(mode="json") for row in rows],

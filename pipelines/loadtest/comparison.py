@@ -86,19 +86,20 @@ class PairedComparison:
         started = self._clock()
         settings, level = self.settings, self.concurrency
         pilot = pilot_requests(settings, level)
-        warmups = self._batch([PlannedRun(role=role, concurrency=level, repeat=0, requests=pilot, warmup=True) for role in ROLES])
-        rates = {run.role: result.completed / result.duration for run, result in warmups.items()}
-        size = requests_per_run(settings, level, list(rates.values()))
         pairs: list[ComparisonPair] = []
         stopped: Stop = "max_pairs"
-        # The bar counts the budget's seconds (its time left is the budget's); each pair's line gives the count and the ratio.
+        # The bar counts the budget's seconds, warm-ups included (its time left is the budget's); each pair's line gives the
+        # count and the ratio so far.
         with track("load test: paired comparison", total=round(settings.budget_s), unit="second") as bar:
+            warmups = self._batch([PlannedRun(role=role, concurrency=level, repeat=0, requests=pilot, warmup=True) for role in ROLES])
+            rates = {run.role: result.completed / result.duration for run, result in warmups.items()}
+            size = requests_per_run(settings, level, list(rates.values()))
             while len(pairs) < settings.max_pairs:
+                bar.update(completed=min(round(settings.budget_s), round(self._clock() - started)))
                 if self._over_budget(started, pairs, size, rates):
                     stopped = "budget"
                     break
                 pairs.append(self._one_pair(len(pairs), size))
-                bar.update(completed=min(round(settings.budget_s), round(self._clock() - started)))
                 throughput, _ = conclusions(pairs, settings.margin)
                 self._say(pairs, throughput, started)
                 if len(pairs) >= settings.min_pairs and sequential.precise(throughput.interval, settings.margin):
