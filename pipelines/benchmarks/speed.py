@@ -53,6 +53,7 @@ from pipelines.settings import current as current_settings
 
 REAL_MODEL = "smollm2-135m"
 REAL_SETS = ("retail_sentiment", "retail_faulty_item", "retail_order_id")
+REASON_CHARS = 200  # a refusal's reason in the table (speed.json has it whole)
 CHECK_ROUNDS = 4
 CHECK_REQUESTS = 64
 CHECK_CONCURRENCY = 8
@@ -94,7 +95,8 @@ class SpeedRow(StrictModel):
 
     def cells(self) -> list[str]:
         if self.report is None or self.report.comparison is None:
-            return [self.model, self.recipe, f"refused here: {self.refused}" if self.refused else "not measured", *["-"] * 7]
+            why = self.refused if self.refused is None or len(self.refused) <= REASON_CHARS else self.refused[:REASON_CHARS] + "..."
+            return [self.model, self.recipe, f"refused here: {why}" if why else "not measured", *["-"] * 7]
         speed, memory = self.report.comparison, self.report.memory
         weights = f"{memory.weight_ratio:.2f}x" if memory is not None and memory.weight_ratio else "-"
         predicted = f"{self.predicted} ({self.predicted_ratio:.2f}x)" if self.predicted and self.predicted_ratio else (self.predicted or "-")

@@ -14,6 +14,8 @@ What the server does, measured with llama-cpp-python 0.3.36 (docs/llamacpp.md):
   many tokens came: a load test asks for `min_tokens` = `max_tokens` (fixed_length_body) to get fixed-length outputs;
 - it samples with repeat_penalty 1.1 unless asked otherwise (vllm bench sends vLLM's `repetition_penalty`, which it
   ignores), hence `repeat_penalty: 1.0` there too;
+- starlette-context in front of its routes answers 400 to an X-Request-ID that is not a UUID, and vllm bench sends one
+  with every request: it is started through llamacpp_launch.py, which turns that check off;
 - a stream (`stream: true`) sends one chunk per token, then one with empty text and the finish reason, and no usage
   chunk (`stream_options` is ignored): vllm bench counts output tokens by tokenizing the text with its --tokenizer (the
   server's `model_dir`);
@@ -45,7 +47,7 @@ from pipelines.serve.serving import (
     stop_process_group,
 )
 
-SERVER_MODULE = "llama_cpp.server"
+LAUNCHER = Path(__file__).with_name("llamacpp_launch.py")
 SERVES_AT_ONCE = 1  # llama-cpp-python's server: requests beyond this wait for the lock
 MAX_THREADS = 1024
 MAX_PARALLEL = 4096
@@ -88,7 +90,7 @@ def server_command(python: Path, gguf: Path, *, port: int, served_name: str, thr
     """`python -m llama_cpp.server` for `gguf` on loopback: `threads` for decode and prompt, a context of `ctx` tokens
     (the one llama_context every request shares, one at a time), no memory lock, streams never interrupted."""
     return [
-        str(python), "-m", SERVER_MODULE,
+        str(python), str(LAUNCHER),  # llama_cpp.server, accepting vllm bench's request ids (llamacpp_launch.py)
         "--model", str(gguf),
         "--model_alias", served_name,
         "--host", LOOPBACK,

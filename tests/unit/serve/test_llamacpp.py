@@ -85,10 +85,15 @@ def _serve(gguf: Path, tmp_path: Path, **overrides: object) -> AbstractContextMa
     return llamacpp.llamacpp_server(gguf, **{**arguments, **overrides})
 
 
+def test_the_launcher_runs_llama_cpps_server_and_imports_nothing_of_ours() -> None:
+    text = llamacpp.LAUNCHER.read_text()
+    assert 'runpy.run_module("llama_cpp.server"' in text and "validate" in text and "pipelines" not in text.split('"""', 2)[2]
+
+
 def test_the_command_serves_on_loopback_with_streams_never_interrupted() -> None:
     command = llamacpp.server_command(Path("py"), Path("m.gguf"), port=8123, served_name="q8", threads=3, ctx=1024)
-    assert command[:3] == ["py", "-m", "llama_cpp.server"]
-    pairs = dict(zip(command[3::2], command[4::2], strict=True))
+    assert command[:2] == ["py", str(llamacpp.LAUNCHER)] and llamacpp.LAUNCHER.is_file()
+    pairs = dict(zip(command[2::2], command[3::2], strict=True))
     assert pairs == {"--model": "m.gguf", "--model_alias": "q8", "--host": "127.0.0.1", "--port": "8123", "--n_threads": "3",
                      "--n_threads_batch": "3", "--n_ctx": "1024", "--use_mlock": "false", "--interrupt_requests": "false"}
     assert not any("key" in part for part in command)
