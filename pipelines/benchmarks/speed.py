@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from pipelines import paths
-from pipelines.benchmarks.speed_peer import PeerRow, peer_rows
+from pipelines.benchmarks.speed_peer import PEER_BUDGET_S, PeerRow, peer_rows
 from pipelines.benchmarks.speed_peer import markdown as peer_markdown
 from pipelines.console.capture import library_log
 from pipelines.console.output import progress, say
@@ -167,7 +167,9 @@ def _served(model_dir: Path, folder: Path, chosen: Options, role: Role) -> Itera
         yield server
 
 
-def bench_model(case: ModelCase, recipes: list[str], budget_s: float | None, out: Path, peer: bool) -> tuple[list[SpeedRow], list[PeerRow]]:
+def bench_model(case: ModelCase, recipes: list[str], budget_s: float | None, out: Path, peer_budget_s: float | None,
+                ) -> tuple[list[SpeedRow], list[PeerRow]]:
+    """`peer_budget_s`: llama.cpp's comparisons' budget (None: no peer)."""
     chosen = options(case.model_dir, None, policy_path=None, concurrency=None, repeats=None, eval_sets=list(case.eval_sets),
                      max_model_len=512, budget_s=budget_s)
     folder = out / case.name
@@ -184,7 +186,8 @@ def bench_model(case: ModelCase, recipes: list[str], budget_s: float | None, out
             with _served(artifact, folder / recipe, chosen, "candidate") as candidate:
                 rows.append(_measure(case, recipe, artifact, chosen, folder / recipe, driver, {"baseline": baseline, "candidate": candidate},
                                      seconds))
-        peers = peer_rows(case.name, chosen, baseline, driver, folder, weight_bytes(case.model_dir)) if peer else []
+        peers = [] if peer_budget_s is None else peer_rows(case.name, chosen, baseline, driver, folder, weight_bytes(case.model_dir),
+                                                           peer_budget_s)
     return rows, peers
 
 
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", help="comma-separated shipped recipes (default: every shipped recipe)")
     parser.add_argument("--budget-s", type=float, help="the paired comparison's budget per recipe (default: the policy's)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--peer-budget-s", type=float, default=PEER_BUDGET_S,
+                        help=f"llama.cpp's comparisons' budget (default {PEER_BUDGET_S:g} s: it computes one request at a time)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.models.split(",") if name not in known]
     if unknown:
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"bench-speed: library output (llm-compressor, transformers) goes to {out / 'library.log'}")
     with library_log(out / "library.log"):
         for case in cases:
-            found, peered = bench_model(case, recipes, args.budget_s, out, peer=not args.no_peer)
+            found, peered = bench_model(case, recipes, args.budget_s, out, None if args.no_peer else args.peer_budget_s)
             rows, peers = rows + found, peers + peered
     text = markdown(rows, peers, stamp, time.monotonic() - started)
     write_text_atomic(out / "speed.md", text)

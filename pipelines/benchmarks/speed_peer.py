@@ -54,15 +54,19 @@ class PeerRow(StrictModel):
                 ratio_text(speed.ttft_p95.interval), f"{len(speed.pairs)} ({speed.stopped})", f"{speed.seconds:.0f}", self.check or "-"]
 
 
-def peer_options(chosen: Options) -> Options:
-    """The load test's options with fixed-length outputs (the same for both servers)."""
+PEER_BUDGET_S = 180.0  # a server that computes one request at a time needs longer runs at the policy's concurrency
+
+
+def peer_options(chosen: Options, budget_s: float) -> Options:
+    """The load test's options with fixed-length outputs (the same for both servers) and the peer's own budget."""
     performance = chosen.performance
     load = performance.load.model_copy(update={"output_tokens": PEER_OUTPUT_TOKENS})
-    return chosen.model_copy(update={"performance": performance.model_copy(update={"load": load})})
+    budget = performance.comparison.model_copy(update={"budget_s": budget_s})
+    return chosen.model_copy(update={"performance": performance.model_copy(update={"load": load, "comparison": budget})})
 
 
 def peer_rows(model_name: str, chosen: Options, baseline: RunningServer, driver: bench.BenchDriver, folder: Path,
-              baseline_bytes: int | None) -> list[PeerRow]:
+              baseline_bytes: int | None, budget_s: float = PEER_BUDGET_S) -> list[PeerRow]:
     """Each GGUF kind of the model against the running 16-bit vLLM server (a row that says why when it cannot run)."""
     from pipelines.models.gguf_build import build_ggufs  # needs .venv-llamacpp
 
@@ -75,7 +79,8 @@ def peer_rows(model_name: str, chosen: Options, baseline: RunningServer, driver:
     for kind in PEER_KINDS:
         check = checks.get(kind)
         words = f"top-1 {check.top1_agreement:.1%}, KL {check.mean_kl_nats:.2g} nats" if check is not None else None
-        rows.append(_one(model_name, kind, ggufs.files[kind], chosen, baseline, driver, folder / f"llamacpp-{kind}", baseline_bytes, words))
+        rows.append(_one(model_name, kind, ggufs.files[kind], peer_options(chosen, budget_s), baseline, driver, folder / f"llamacpp-{kind}",
+                         baseline_bytes, words))
     return rows
 
 
@@ -83,13 +88,13 @@ def _one(model_name: str, kind: str, gguf: Path, chosen: Options, baseline: Runn
          baseline_bytes: int | None, check: str | None) -> PeerRow:
     from pipelines.serve.llamacpp import fixed_length_body, llamacpp_server
 
-    options = peer_options(chosen)
+    options = chosen
     top = options.performance.load.max_concurrency or (options.fit.concurrency if options.fit else None) or options.serve.max_num_seqs
-    inputs = stage_inputs(options.model_copy(update={"artifact": chosen.model}), folder)  # llama.cpp counts tokens with the HF tokenizer
+    inputs = stage_inputs(options.model_copy(update={"artifact": options.model}), folder)  # llama.cpp counts tokens with the HF tokenizer
     extra: dict[Role, list[str]] = {"candidate": ["--extra-body", json.dumps(fixed_length_body(PEER_OUTPUT_TOKENS))]}
     try:
         with llamacpp_server(gguf, log_path=folder / "llamacpp-server.log", threads=max(1, (os.cpu_count() or 2) - 1),
-                             ctx=options.serve.max_model_len * 2, parallel=top, model_dir=chosen.model, served_name="candidate") as peer:
+                             ctx=options.serve.max_model_len * 2, parallel=top, model_dir=options.model, served_name="candidate") as peer:
             speed = paired_comparison(inputs, {"baseline": baseline, "candidate": peer}, driver, extra)
             serves = getattr(peer, "serves_at_once", None)
     except QuantGateError as error:
