@@ -96,17 +96,19 @@ class SpeedRow(StrictModel):
     def cells(self) -> list[str]:
         if self.report is None or self.report.comparison is None:
             why = self.refused if self.refused is None or len(self.refused) <= REASON_CHARS else self.refused[:REASON_CHARS] + "..."
-            return [self.model, self.recipe, f"refused here: {why}" if why else "not measured", *["-"] * 7]
+            return [self.model, self.recipe, f"refused here: {why}" if why else "not measured", *["-"] * (len(COLUMNS) - 3)]
         speed, memory = self.report.comparison, self.report.memory
         weights = f"{memory.weight_ratio:.2f}x" if memory is not None and memory.weight_ratio else "-"
         predicted = f"{self.predicted} ({self.predicted_ratio:.2f}x)" if self.predicted and self.predicted_ratio else (self.predicted or "-")
         check = f"{self.check.estimate:.2f}x ({', '.join(f'{r:.2f}' for r in self.check.ratios)})" if self.check else "-"
+        tpot = f"{speed.tpot_p50.outcome}: {ratio_text(speed.tpot_p50.interval)}" if speed.tpot_p50 else "-"
         return [self.model, self.recipe, f"{speed.throughput.outcome}", ratio_text(speed.throughput.interval),
-                ratio_text(speed.ttft_p95.interval), f"{len(speed.pairs)} ({speed.stopped})", f"{speed.seconds:.0f}", weights, predicted, check]
+                ratio_text(speed.ttft_p95.interval), tpot, f"{len(speed.pairs)} ({speed.stopped})", f"{speed.seconds:.0f}", weights, predicted,
+                check]
 
 
-COLUMNS = ["Model", "Recipe", "Throughput", "Throughput ratio", "TTFT p95 ratio", "Pairs (stopped)", "Seconds", "Weights",
-           "Probe predicts", "Independent check"]
+COLUMNS = ["Model", "Recipe", "Throughput", "Throughput ratio", "TTFT p95 ratio", "Median TPOT ratio", "Pairs (stopped)", "Seconds",
+           "Weights", "Probe predicts", "Independent check"]
 
 
 # --------------------------------------------------------------------------------- the independent check

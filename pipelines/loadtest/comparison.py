@@ -48,21 +48,26 @@ def pilot_requests(settings: ComparisonSettings, concurrency: int) -> int:
     return requests_per_run(settings, concurrency, [])
 
 
-def conclusions(pairs: list[ComparisonPair], margin: float) -> tuple[SpeedConclusion, SpeedConclusion]:
-    throughput = sequential.ratio_interval([p.candidate.output_throughput for p in pairs], [p.baseline.output_throughput for p in pairs])
-    with_ttft = [p for p in pairs if p.ttft_p95_ratio is not None]
-    ttft = sequential.ratio_interval([p.candidate.p95_ttft_ms for p in with_ttft], [p.baseline.p95_ttft_ms for p in with_ttft]) \
-        if len(with_ttft) == len(pairs) else None
+def _conclusion(metric: str, candidate: list[float], baseline: list[float], margin: float, higher_is_faster: bool) -> SpeedConclusion:
+    interval = sequential.ratio_interval(candidate, baseline)  # None where a run has no such figure (zero)
+    return SpeedConclusion(metric=metric, interval=interval, outcome=sequential.outcome(interval, margin, higher_is_faster=higher_is_faster))
+
+
+def conclusions(pairs: list[ComparisonPair], margin: float) -> tuple[SpeedConclusion, SpeedConclusion, SpeedConclusion]:
+    """Throughput (what the comparison stops on), p95 TTFT and median TPOT, each candidate / baseline over the pairs."""
     return (
-        SpeedConclusion(metric="output tokens/s, candidate / baseline", interval=throughput,
-                        outcome=sequential.outcome(throughput, margin, higher_is_faster=True)),
-        SpeedConclusion(metric="p95 time to first token, candidate / baseline", interval=ttft,
-                        outcome=sequential.outcome(ttft, margin, higher_is_faster=False)),
+        _conclusion("output tokens/s, candidate / baseline", [p.candidate.output_throughput for p in pairs],
+                    [p.baseline.output_throughput for p in pairs], margin, True),
+        _conclusion("p95 time to first token, candidate / baseline", [p.candidate.p95_ttft_ms for p in pairs],
+                    [p.baseline.p95_ttft_ms for p in pairs], margin, False),
+        _conclusion("median time per output token, candidate / baseline", [p.candidate.p50_tpot_ms for p in pairs],
+                    [p.baseline.p50_tpot_ms for p in pairs], margin, False),
     )
 
 
 def _figures(result: BenchResult) -> RunFigures:
-    return RunFigures(output_throughput=result.output_throughput, p95_ttft_ms=result.p95_ttft_ms, duration_s=result.duration)
+    return RunFigures(output_throughput=result.output_throughput, p95_ttft_ms=result.p95_ttft_ms, p50_tpot_ms=result.p50_tpot_ms,
+                      duration_s=result.duration)
 
 
 def _pair(index: int, first: Role, base: BenchResult, cand: BenchResult) -> ComparisonPair:
@@ -100,15 +105,15 @@ class PairedComparison:
                     stopped = "budget"
                     break
                 pairs.append(self._one_pair(len(pairs), size))
-                throughput, _ = conclusions(pairs, settings.margin)
+                throughput = conclusions(pairs, settings.margin)[0]
                 self._say(pairs, throughput, started)
                 if len(pairs) >= settings.min_pairs and sequential.precise(throughput.interval, settings.margin):
                     stopped = "precise"
                     break
-        throughput, ttft = conclusions(pairs, settings.margin)
+        throughput, ttft, tpot = conclusions(pairs, settings.margin)
         return SpeedComparison(
             concurrency=level, requests_per_run=size, warmup_rates={role: round(rate, 4) for role, rate in rates.items()},
-            pairs=pairs, throughput=throughput, ttft_p95=ttft, stopped=stopped, seconds=round(self._clock() - started, 2),
+            pairs=pairs, throughput=throughput, ttft_p95=ttft, tpot_p50=tpot, stopped=stopped, seconds=round(self._clock() - started, 2),
             settings=settings, order_seed=self.seed, method=sequential.METHOD,
         )
 

@@ -149,7 +149,8 @@ def comparison_lines(speed: SpeedComparison) -> list[str]:
         f"Paired comparison at concurrency {speed.concurrency}: {len(speed.pairs)} pairs of runs of {speed.requests_per_run} requests "
         f"(order drawn per pair, seed {speed.order_seed}) after a warm-up run per model, in {speed.seconds:.1f} s of a "
         f"{settings.budget_s:g} s budget; stopped: {speed.stopped}. Throughput: {speed.throughput.outcome} "
-        f"({ratio_text(speed.throughput.interval)}); TTFT p95: {speed.ttft_p95.outcome} ({ratio_text(speed.ttft_p95.interval)}).",
+        f"({ratio_text(speed.throughput.interval)}); TTFT p95: {speed.ttft_p95.outcome} ({ratio_text(speed.ttft_p95.interval)})"
+        + (f"; median TPOT: {speed.tpot_p50.outcome} ({ratio_text(speed.tpot_p50.interval)})." if speed.tpot_p50 else "."),
         f"Method: {speed.method}; `no difference` means within {settings.margin:.0%} either way.",
     ]
 

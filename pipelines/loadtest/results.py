@@ -73,6 +73,7 @@ class RatioInterval(StrictModel):
 class RunFigures(StrictModel):
     output_throughput: float = Field(description="output tokens/s")
     p95_ttft_ms: float
+    p50_tpot_ms: float = Field(default=0.0, description="median time per output token after the first: decode speed")
     duration_s: float
 
 
@@ -100,6 +101,8 @@ class SpeedComparison(StrictModel):
     pairs: list[ComparisonPair]
     throughput: SpeedConclusion
     ttft_p95: SpeedConclusion
+    tpot_p50: SpeedConclusion | None = Field(default=None, description="median time per output token: the decode steps' speed "
+                                             "alone, steadier than throughput where the server's scheduling stalls vary")
     stopped: Stop = Field(description="precise: the interval reached the margin; budget: the next pair would overrun budget_s; max_pairs")
     seconds: float = Field(description="the comparison's wall time, warm-ups included")
     settings: ComparisonSettings
