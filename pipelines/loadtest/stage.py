@@ -187,7 +187,9 @@ def _measure(inputs: StageInputs, levels: list[int], top: int, limited_by: str, 
         for role in inputs.roles
     ]
     report = _report(inputs, workload.summary(), levels, top, limited_by, models, figures.level_ratios(results), speed, started)
-    return report.model_copy(update={"predicted": _predicted(inputs, workload, speed)})
+    priority = getattr(driver, "priority", None)  # the tool's scheduling priority (bench.BenchDriver)
+    described = {**report.tool, "priority": priority} if priority else report.tool
+    return report.model_copy(update={"predicted": _predicted(inputs, workload, speed), "tool": described})
 
 
 def _predicted(inputs: StageInputs, workload: Workload, speed: comparison.SpeedComparison | None) -> WorkloadPrediction | None:
