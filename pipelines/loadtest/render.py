@@ -162,7 +162,10 @@ def predicted_line(report: PerformanceReport) -> str:
         return ("Shape probe: no prediction cached for this artifact's shapes on this host (`quantize doctor --model DIR` probes "
                 "them; the load test never waits for it).")
     measured = report.comparison.throughput.outcome if report.comparison is not None else "not measured"
-    agree = "agrees" if predicted.direction.startswith(measured) else "disagrees"
+    if measured in ("inconclusive", "not measured"):
+        agree = "cannot be checked against it"
+    else:
+        agree = "agrees" if predicted.direction.startswith(measured) else "disagrees"
     return (f"Shape probe predicted {predicted.direction} ({predicted.throughput_ratio:.2f}x: the model's Linears alone, at decode batch "
             f"{predicted.decode_batch}, {predicted.prefill_share:.0%} of their 16-bit time on prompts); measured {measured}: it {agree}.")
 
