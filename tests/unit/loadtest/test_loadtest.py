@@ -469,3 +469,19 @@ def test_the_cost_benchmark_splits_stage_times_and_summarises_a_run(tmp_path):
     lines = summary(GateReport(gate=gate, stages=stages, performance=report(tmp_path)))
     assert lines[1] == "quality gate 160.0 s, load test 56.0 s (0.35 x the quality gate)"
     assert "| 2 | 0.830 [95% CI 0.780, 0.880] | - |" in lines
+
+
+@pytest.mark.parametrize("interval, words", [
+    (RatioInterval(estimate=1.3, low=1.2, high=1.4, pairs=5), "measured faster: it agrees"),
+    (RatioInterval(estimate=0.8, low=0.7, high=0.85, pairs=5), "measured slower: it disagrees"),
+    (RatioInterval(estimate=1.0, low=0.5, high=2.0, pairs=5), "measured inconclusive: it cannot be checked against it"),
+])
+def test_the_shape_probes_prediction_is_set_beside_the_measurement(tmp_path, interval, words):
+    from pipelines.hardware.prediction import WorkloadPrediction
+
+    predicted = WorkloadPrediction(prompt_tokens=3200, output_tokens=512, concurrency=16, decode_batch=16, linear_time_ratio=0.7,
+                                   throughput_ratio=1.43, direction="faster", prefill_share=0.6)
+    performance = report(tmp_path, speed(interval)).model_copy(update={"predicted": predicted})
+    line = render.predicted_line(performance)
+    assert line.startswith("Shape probe predicted faster (1.43x") and line.endswith(words + ".")
+    assert "quantize doctor --model" in render.predicted_line(performance.model_copy(update={"predicted": None}))
