@@ -7,7 +7,7 @@
       max_ttft_p95_ratio: 1.25
       slo: {ttft_ms: 2000, tpot_ms: 200, min_good_fraction: 0.9}
       load: {repeats: 1, min_requests: 8, requests_per_slot: 2, max_concurrency: null, output_tokens: baseline}
-      comparison: {budget_s: 40, min_run_s: 2, min_run_requests: 32, min_pairs: 4, max_pairs: 30, margin: 0.1}
+      comparison: {budget_s: 30, min_run_s: 2, min_run_requests: 32, min_pairs: 4, max_pairs: 30, margin: 0.1}
       production: {max_error_rate: 0.01, max_kv_cache_usage: 0.95, max_preemptions: 0, envelope_tolerance: 1.5}
 
 `production` is what a deployed version is held to afterwards (`quantize watch`, the alert rules of `quantize deploy`):
@@ -131,7 +131,7 @@ class ComparisonSettings(FrozenModel):
     max_pairs: int = Field(default=30, ge=2, le=1000, description="pairs at most")
     margin: float = Field(default=0.10, gt=0, lt=1, allow_inf_nan=False,
                           description="stop when the interval is within this of its estimate; `no difference` inside 1 +- this")
-    budget_s: float = Field(default=40.0, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False,
+    budget_s: float = Field(default=30.0, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False,
                             description="seconds the comparison may take, warm-ups included; what it has not concluded by then is inconclusive")
 
     @property
