@@ -43,6 +43,7 @@ def slow_server(delay_s: float) -> tuple[ThreadingHTTPServer, SimpleNamespace]:
     return server, address
 
 
+@pytest.mark.slow  # about 8 s of deliberate server delays: make test runs it, make test-fast leaves it out
 def test_the_independent_check_measures_the_ratio_of_two_servers_of_known_speed():
     fast, fast_address = slow_server(0.05)
     slow, slow_address = slow_server(0.1)
