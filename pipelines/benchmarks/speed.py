@@ -42,7 +42,7 @@ from pipelines.hardware.host import host_profile
 from pipelines.loadtest import bench
 from pipelines.loadtest.memory import weight_bytes
 from pipelines.loadtest.results import PerformanceReport, Role
-from pipelines.loadtest.stage import StageInputs, run_loadtest
+from pipelines.loadtest.stage import StageInputs, artifact_prediction, run_loadtest
 from pipelines.loadtest.verdict import ratio_text
 from pipelines.paths import DEMO_EVAL_SETS
 from pipelines.recipe import FROM_EVAL_SETS, shipped_recipes
@@ -88,8 +88,6 @@ class SpeedRow(StrictModel):
     recipe: str
     refused: str | None = None
     report: PerformanceReport | None = None
-    predicted: str | None = None
-    predicted_ratio: float | None = None
     check: IndependentCheck | None = None
     quantize_s: float | None = None
 
@@ -99,7 +97,8 @@ class SpeedRow(StrictModel):
             return [self.model, self.recipe, f"refused here: {why}" if why else "not measured", *["-"] * (len(COLUMNS) - 3)]
         speed, memory = self.report.comparison, self.report.memory
         weights = f"{memory.weight_ratio:.2f}x" if memory is not None and memory.weight_ratio else "-"
-        predicted = f"{self.predicted} ({self.predicted_ratio:.2f}x)" if self.predicted and self.predicted_ratio else (self.predicted or "-")
+        shape = self.report.predicted
+        predicted = f"{shape.direction} ({shape.throughput_ratio:.2f}x)" if shape is not None else "-"
         check = f"{self.check.estimate:.2f}x ({', '.join(f'{r:.2f}' for r in self.check.ratios)})" if self.check else "-"
         tpot = f"{speed.tpot_p50.outcome}: {ratio_text(speed.tpot_p50.interval)}" if speed.tpot_p50 else "-"
         return [self.model, self.recipe, f"{speed.throughput.outcome}", ratio_text(speed.throughput.interval),
@@ -153,16 +152,6 @@ def quantized(case: ModelCase, recipe: str, chosen: Options) -> tuple[Path | Non
     return result.artifact_dir, None, 0.0 if result.reused else result.manifest.wall_time_s
 
 
-def _prediction_probed(artifact: Path, chosen: Options) -> None:
-    """The shape probe run for the artifact's shapes on this host (once; cached), so the load test's report has its prediction."""
-    from pipelines.hardware.prediction import predict_for_artifact
-    from pipelines.planner import load_config, model_shape
-    from pipelines.planner.weights import decoder_linears
-
-    shape = model_shape(*load_config(artifact))
-    predict_for_artifact([linear for index in range(shape.layers) for linear in decoder_linears(shape, index)], artifact, chosen.serve.max_num_seqs)
-
-
 @contextmanager
 def _served(model_dir: Path, folder: Path, chosen: Options, role: Role) -> Iterator[RunningServer]:
     with vllm_server(model_dir, log_path=folder / f"{role}-server.log", settings=chosen.serve, served_name=role) as server:
@@ -196,14 +185,12 @@ def bench_model(case: ModelCase, recipes: list[str], budget_s: float | None, out
 def _measure(case: ModelCase, recipe: str, artifact: Path, chosen: Options, folder: Path, driver: bench.BenchDriver,
              servers: dict[Role, RunningServer], seconds: float | None) -> SpeedRow:
     inputs: StageInputs = stage_inputs(chosen.model_copy(update={"artifact": artifact}), folder)
-    _prediction_probed(artifact, chosen)  # fills the shape probe's cache: the load test reads it
+    artifact_prediction(artifact, chosen.serve.max_num_seqs, probe_missing=True)  # fills the probe's cache: the load test reads it
     report = run_loadtest(inputs, lambda role: (servers[role], "load test"), driver)
     write_json_atomic(folder / "loadtest.json", report.model_dump(mode="json"))
     prompts = [prompt.text for name in case.eval_sets for prompt in inputs.prompts.get(name, [])]
     check = independent_check(servers["baseline"], servers["candidate"], prompts)
-    predicted = report.predicted
-    row = SpeedRow(model=case.name, recipe=recipe, report=report, predicted=predicted.direction if predicted else None,
-                   predicted_ratio=predicted.throughput_ratio if predicted else None, check=check, quantize_s=seconds)
+    row = SpeedRow(model=case.name, recipe=recipe, report=report, check=check, quantize_s=seconds)
     say(" | ".join(row.cells()))
     return row
 

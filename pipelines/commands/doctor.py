@@ -41,7 +41,7 @@ from pipelines.hardware.prediction import NO_DIFFERENCE, ShapePrediction, ShapeT
 from pipelines.hardware.shape_probe import MAX_DECODE_ROWS
 from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, kv_cache_problem, parse_target, serve_problem
 from pipelines.planner.shape import load_config, model_shape
-from pipelines.planner.weights import decoder_linears, linear_schemes
+from pipelines.planner.weights import linear_schemes, model_linears
 from pipelines.recipe import GroupScheme, KvCache, LoadedRecipe, Recipe, load_recipe, shipped_recipes
 from pipelines.repair.ladder import Families, Ladder, default_ladder_path
 from pipelines.serve.serving import ServeSettings
@@ -129,7 +129,7 @@ def predict_model(model_dir: Path, name: str, recipe: Recipe, max_num_seqs: int)
     shape = model_shape(*load_config(model_dir))
     if shape.not_quantizable:
         raise InputError(shape.not_quantizable, file=model_dir, field="--model")
-    linears = [linear for layer in range(shape.layers) for linear in decoder_linears(shape, layer)]
+    linears = model_linears(shape)
     return predict_for_recipe(linears, linear_schemes(shape, recipe), max_num_seqs, model=model_dir.name, recipe=name)
 
 

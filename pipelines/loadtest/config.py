@@ -134,11 +134,6 @@ class ComparisonSettings(FrozenModel):
     budget_s: float = Field(default=30.0, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False,
                             description="seconds the comparison may take, warm-ups included; what it has not concluded by then is inconclusive")
 
-    @property
-    def minimum_budget_s(self) -> float:
-        """A warm-up run per model and min_pairs pairs of runs, each at least min_run_s: less cannot conclude anything."""
-        return minimum_budget(self.min_run_s, self.min_pairs)
-
     @field_validator("max_pairs")
     @classmethod
     def _at_least_min_pairs(cls, value: int, info: ValidationInfo) -> int:
@@ -158,6 +153,7 @@ class ComparisonSettings(FrozenModel):
 
 
 def minimum_budget(min_run_s: float, min_pairs: int) -> float:
+    """A warm-up run per model and min_pairs pairs of runs, each at least min_run_s: less cannot conclude anything."""
     return 2 * min_run_s * (1 + min_pairs)
 
 

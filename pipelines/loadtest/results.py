@@ -109,10 +109,6 @@ class SpeedComparison(StrictModel):
     order_seed: int
     method: str
 
-    @property
-    def concluded(self) -> bool:
-        return self.throughput.outcome != "inconclusive"
-
 
 class MemoryGain(StrictModel):
     """What the candidate saves in memory, always reported: weights on disk and the KV cache vLLM measured."""

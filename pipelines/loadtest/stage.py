@@ -21,7 +21,7 @@ from pipelines.errors import InputError, LoadTestError, QuantGateError
 from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.evaluate import Prompt
 from pipelines.hardware.host import host_profile
-from pipelines.hardware.prediction import WorkloadPrediction, predict_for_artifact
+from pipelines.hardware.prediction import ShapePrediction, WorkloadPrediction, predict_for_artifact
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, probed_speed
 from pipelines.hardware.targets import installed_target
 from pipelines.loadtest import bench, comparison, figures, memory, plots, render, sequential, tuning, verdict
@@ -29,7 +29,7 @@ from pipelines.loadtest.config import LoadSettings, PerformancePolicy, sweep_lev
 from pipelines.loadtest.results import ModelFigures, PerformanceReport, Role
 from pipelines.loadtest.workload import Workload, build_workload, write_dataset
 from pipelines.planner import gpu_spec, load_config, model_shape, plan
-from pipelines.planner.weights import decoder_linears
+from pipelines.planner.weights import model_linears
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import RunningServer, ServeSettings, serve_versions
 
@@ -192,15 +192,20 @@ def _measure(inputs: StageInputs, levels: list[int], top: int, limited_by: str, 
     return report.model_copy(update={"predicted": _predicted(inputs, workload, speed), "tool": described})
 
 
+def artifact_prediction(artifact_dir: Path, max_num_seqs: int, *, probe_missing: bool) -> ShapePrediction:
+    """The shape probe's prediction for an artifact's own Linears and schemes on this host (`probe_missing`: probe the
+    shapes its cache lacks, else leave them out)."""
+    shape = model_shape(*load_config(artifact_dir))
+    return predict_for_artifact(model_linears(shape), artifact_dir, max_num_seqs, probe_missing=probe_missing)
+
+
 def _predicted(inputs: StageInputs, workload: Workload, speed: comparison.SpeedComparison | None) -> WorkloadPrediction | None:
     """The shape probe's prediction for the comparison's own workload, where its cache holds every shape of the artifact
     (the load test never waits for a probe: `quantize doctor --model` and `make bench-speed` fill the cache)."""
     if inputs.artifact_dir is None or speed is None or not installed_target().local:
         return None
     try:
-        shape = model_shape(*load_config(inputs.artifact_dir))
-        linears = [linear for index in range(shape.layers) for linear in decoder_linears(shape, index)]
-        prediction = predict_for_artifact(linears, inputs.artifact_dir, inputs.serve.max_num_seqs, probe_missing=False)
+        prediction = artifact_prediction(inputs.artifact_dir, inputs.serve.max_num_seqs, probe_missing=False)
     except QuantGateError:
         return None
     items = workload.first(speed.requests_per_run)

@@ -49,6 +49,11 @@ class WeightBreakdown(StrictModel):
         return int(self.total_bytes - embedding - skipped_experts)
 
 
+def model_linears(shape: ModelShape) -> list[Linear]:
+    """Every decoder layer's Linears, layer by layer (what the shape probe sizes and times)."""
+    return [linear for layer in range(shape.layers) for linear in decoder_linears(shape, layer)]
+
+
 def decoder_linears(shape: ModelShape, layer: int) -> list[Linear]:
     """Decoder layer `layer`'s attention and MLP Linears (MoE: the experts once, with their count)."""
     prefix = f"model.layers.{layer}"
