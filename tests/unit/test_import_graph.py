@@ -156,6 +156,7 @@ FLOORS: list[set[str]] = [
     {"hardware", "models"},
     {"serve"},
     {"evaluation"},
+    {"canary"},  # the golden set's distance is the divergence stage's coarse KL; runs, watch and fleet probe with it
     {"demo", "quantize"},
     {"planner"},
     {"loadtest"},
