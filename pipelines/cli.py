@@ -61,6 +61,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command("pipelines.commands.serve", "serve versions behind nginx: fallback chain, circuit breaker; status, stop, drill, export"),
     "doctor": Command("pipelines.commands.doctor", "this host's class, its vLLM build, and what each recipe and ladder rung gets here"),
     "deploy": Command("pipelines.commands.deploy", "deployment files of a promoted version: serve command, scrape config, alert rules, dashboard"),
+    "regate": Command("pipelines.commands.regate", "re-check a promoted version on the serving runtime at hand (vLLM, torch, host class, kernels)"),
     "watch": Command("pipelines.commands.watch", "hold a deployed vLLM server's live metrics to the envelope its version was promoted on"),
 }
 DEFAULT_COMMAND = "run"

@@ -6,7 +6,9 @@ Exit 0: every window within the envelope (or no --version: the figures alone); 1
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
@@ -53,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _watch(args: argparse.Namespace) -> int:
     _check_options(args)
     registry = open_registry(args.registry) if args.version else None
-    spec = served_spec(args.version, registry=registry, served_name=args.served_name) if args.version else None
+    # The runtime is compared where it can be read: a server on this machine (a remote one runs on its own host's).
+    spec = served_spec(args.version, registry=registry, served_name=args.served_name,
+                       check_runtime=_on_this_machine(args.url)) if args.version else None
     if spec is not None:
         spec.require_envelope()
         progress(f"{spec.model} v{spec.version} verified; holding {args.url} to the envelope it was promoted on")
@@ -69,6 +73,14 @@ def _watch(args: argparse.Namespace) -> int:
     finish(report, raw, spec, out)
     emit(report.document(), as_json=args.json, render=lambda _: _render(report))
     return EXIT_REJECTED if report.verdict == "breach" else EXIT_OK
+
+
+def _on_this_machine(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_options(args: argparse.Namespace) -> None:

@@ -54,7 +54,7 @@ SCHEMA_VERSION = 2
 
 Status = Literal["candidate", "promoted", "rejected", "error"]
 # lineage: a repair (pipelines.repair) derived this version from a rejected one; the evidence names both.
-EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback", "lineage"]
+EventKind = Literal["registered", "promoted", "rejected", "error", "alias_set", "alias_rollback", "lineage", "regated"]
 
 
 def default_registry_path() -> Path:
@@ -633,6 +633,15 @@ class Registry:
         with self._transaction() as db:
             self._version_row(db, model, version)
             self._event(db, model, version, "lineage", reason=reason, evidence=evidence)
+
+    def record_regate(self, model: str, version: int, reason: str, evidence: dict[str, Any]) -> None:
+        """A re-gate of a promoted version on another runtime (a `regated` event holding its signature record:
+        pipelines.registry.regates). Appended like every event; the version's status is not changed."""
+        with self._transaction() as db:
+            if self._version_row(db, model, version)["status"] != "promoted":
+                raise InputError(f"version {version} of {model!r} is no longer promoted; its re-gate is not recorded", file=self.path,
+                                 field="status")
+            self._event(db, model, version, "regated", reason=reason, evidence=evidence)
 
     def verify_signature(self, version: Version, *, required: bool = False) -> PromotionCheck | None:
         """The version's signed promotion bundle: signature, every file, evidence (pipelines.registry.evidence.verify_promotion).

@@ -1,0 +1,178 @@
+"""Re-gates: a promoted version's verdict re-checked on another serving runtime, kept as signed evidence beside its
+bundle, and the check that the runtime at hand is one the version was gated or re-gated on.
+
+A promotion bundle is signed once and never changes (any file added after signing is refused), so each re-gate is
+a signed folder of its own, recorded by the registry like the promotion itself:
+
+    <registry folder>/promoted/<model>/v<N>/                  the promotion bundle (gate.json records inputs.runtime)
+    <registry folder>/promoted/<model>/v<N>.regates/<stamp>/  regate.json + model.sig (one per re-gate)
+
+and a `regated` event on the version holds the signature record (public key included) and the verdict. A re-gate
+counts only when its event's signature verifies against its folder, so an edited or planted regate.json accepts
+no runtime.
+
+`require_gated_runtime` is what `serve`, `deploy` and `watch --version` call: the runtime here must equal (no
+`Runtime.changes`) the one gate.json recorded or one a passing re-gate recorded; otherwise the version is refused
+(one line naming what changed and the command that re-gates it), or, when the version's own policy says
+`runtime_change: warn`, served with that line as a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from pipelines.console.output import progress
+from pipelines.errors import InputError
+from pipelines.files.atomic import hidden_sibling, storage_error, write_json_atomic
+from pipelines.files.jsonio import read_json_object
+from pipelines.files.yamlio import MAX_JSON_BYTES
+from pipelines.hardware.runtime import Runtime, recorded_runtime, runtime_here, serve_packages_here
+from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, POLICY_APPLIED, PROVENANCE
+from pipelines.registry.signing import load_signer, parse_record, sign_folder, signature_record, verify_bundle
+from pipelines.registry.store import Registry, Version
+from pipelines.schema import StrictModel
+
+REGATE_JSON = "regate.json"
+RuntimeChange = Literal["refuse", "warn"]
+
+
+class SetOutcome(StrictModel):
+    name: str
+    verdict: Literal["passed", "failed", "not scored"]
+    reasons: list[str] = Field(default_factory=list)
+
+
+class RegateRecord(StrictModel):
+    """One re-gate of a promoted version (regate.json, signed)."""
+
+    model: str
+    version: int
+    at: str
+    verdict: Literal["passed", "failed"]
+    reasons: list[str]
+    runtime: Runtime = Field(description="the runtime this re-gate measured on")
+    gated_runtime: Runtime = Field(description="the runtime the promotion's gate measured on")
+    changes: list[str] = Field(description="what differs between the two")
+    sets: list[SetOutcome]
+    stopped_early: bool = Field(description="true when a failed set ended it before every set was scored")
+    divergence: dict[str, Any] | None = Field(default=None, description="the golden set's probe on this runtime (semantic canary)")
+    error_rates: str
+    run_dir: str | None = None
+    cost_s: float
+
+
+class AcceptedRuntime(StrictModel):
+    source: str  # "gate" or "regate <stamp>"
+    runtime: Runtime
+
+
+def regates_folder(bundle: Path) -> Path:
+    return bundle.parent / f"{bundle.name}.regates"
+
+
+def gated_runtime(bundle: Path) -> Runtime:
+    """The runtime the bundle's gate.json says its verdict was measured on."""
+    evidence = bundle / EVIDENCE_DIR
+    gate, _ = read_json_object(evidence / GATE_JSON, what="gate.json", max_bytes=MAX_JSON_BYTES)
+    provenance_path = evidence / PROVENANCE
+    provenance = read_json_object(provenance_path, what="provenance.json", max_bytes=MAX_JSON_BYTES)[0] if provenance_path.is_file() else None
+    return recorded_runtime(gate, provenance, file=evidence / GATE_JSON)
+
+
+def record_regate(registry: Registry, version: Version, record: RegateRecord, bundle: Path) -> Path:
+    """regate.json signed into its own folder beside the bundle, then the `regated` event holding the signature
+    record; the folder is removed if the event cannot be written (no unrecorded evidence is left)."""
+    signer = load_signer(registry.path)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    final = regates_folder(bundle) / f"{stamp}-{record.runtime.host_class.replace(':', '-')}"
+    staging = hidden_sibling(final)
+    try:
+        folder = staging / final.name
+        folder.mkdir(parents=True)
+        write_json_atomic(folder / REGATE_JSON, record.model_dump(mode="json"))
+        started = time.monotonic()
+        sign_folder(folder, signer)
+        sign_s = time.monotonic() - started
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder, final)
+    except OSError as error:
+        raise storage_error(error, final) from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    signature = signature_record(final, signer, sign_s)
+    try:
+        registry.record_regate(version.model, version.version, f"re-gated on {record.runtime.host_class}: {record.verdict}", {
+            "signature": signature.model_dump(mode="json"), "verdict": record.verdict, "runtime": record.runtime.summary(),
+            "changes": record.changes, "cost_s": record.cost_s,
+        })
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    return final
+
+
+def accepted_runtimes(registry: Registry, version: Version, bundle: Path) -> list[AcceptedRuntime]:
+    """The gate's runtime, then every runtime a passing re-gate recorded whose signature verifies."""
+    accepted = [AcceptedRuntime(source="gate", runtime=gated_runtime(bundle))]
+    for event in registry.history(version.model, version=version.version):
+        if event.kind != "regated" or event.version != version.version or (event.evidence or {}).get("verdict") != "passed":
+            continue
+        record = parse_record(event.evidence)
+        if record is None:
+            continue
+        check = verify_bundle(record)  # an edited regate.json is refused like any tampered bundle file
+        regate = _read_record(check.bundle / REGATE_JSON)
+        if regate.verdict == "passed" and (regate.model, regate.version) == (version.model, version.version):
+            accepted.append(AcceptedRuntime(source=f"regate {check.bundle.name}", runtime=regate.runtime))
+    return accepted
+
+
+def _read_record(path: Path) -> RegateRecord:
+    data, _ = read_json_object(path, what="regate.json", max_bytes=MAX_JSON_BYTES)
+    try:
+        return RegateRecord.model_validate(data)
+    except ValidationError as error:
+        problem = " ".join(str(error).split())[:200]
+        raise InputError(f"not a re-gate record this quantgate reads ({problem})", file=path) from None
+
+
+def runtime_change_action(bundle: Path) -> RuntimeChange:
+    """The version's own policy (as applied at its gate) on a changed runtime: refuse unless it says warn."""
+    path = bundle / EVIDENCE_DIR / POLICY_APPLIED
+    if not path.is_file():
+        return "refuse"
+    policy, _ = read_json_object(path, what="policy.json", max_bytes=MAX_JSON_BYTES)
+    return "warn" if policy.get("runtime_change") == "warn" else "refuse"
+
+
+def runtime_mismatch(accepted: list[AcceptedRuntime], here: Runtime) -> list[str] | None:
+    """None when `here` is an accepted runtime; else what changed against the gate's runtime."""
+    if any(not entry.runtime.changes(here) for entry in accepted):
+        return None
+    return accepted[0].runtime.changes(here)
+
+
+def require_gated_runtime(registry: Registry, version: Version, bundle: Path, *, field: str = "runtime") -> list[str]:
+    """Refuse (InputError) serving `version` on a runtime it was neither gated nor re-gated on, unless its policy says
+    `runtime_change: warn` (then the warning is printed and returned). [] when the runtime is an accepted one; a note
+    when this machine has no serve environment to compare (files written for another machine)."""
+    packages = serve_packages_here()
+    if packages is None:
+        return ["the serving runtime was not compared with the gated one: no serve environment here (`make setup` builds it)"]
+    here = runtime_here(bundle, {}, packages)
+    changes = runtime_mismatch(accepted_runtimes(registry, version, bundle), here)
+    if changes is None:
+        return []
+    line = (f"{version.model} v{version.version} was gated on another runtime ({'; '.join(changes[:4])}"
+            f"{'; ...' if len(changes) > 4 else ''}): re-gate it here first with `quantize regate {version.model}@{version.version}`")
+    if runtime_change_action(bundle) == "warn":
+        progress(f"warning: {line} (its policy says runtime_change: warn)")
+        return [line]
+    raise InputError(line, file=registry.path, field=field)
