@@ -185,7 +185,8 @@ class FakeStack:
         """The runner's stack with these fakes; the load test after a promoted gate is off (it has tests of its own:
         tests/unit/loadtest/test_loadtest_runner.py). `real`: parts to keep or replace (e.g. load_test=after_quality_gate)."""
         fakes = {"serve": self.server, "score": self.score, "references": self.references, "topk": self.topk, "prompts": self.prompts,
-                 "check_lengths": lambda *args: None, "load_test": lambda gate, pool, inputs, stages: (gate, None)}
+                 "check_lengths": lambda *args: None, "load_test": lambda gate, pool, inputs, stages: (gate, None),
+                 "golden": lambda serve, sources, path: None}
         return GateStack(**{**fakes, **real})  # type: ignore[arg-type]
 
 

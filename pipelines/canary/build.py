@@ -18,16 +18,21 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 
 from pipelines.canary.client import ProbeFailure, api_root, ask_all, headers
 from pipelines.canary.compare import Answer, Distance, distance
 from pipelines.canary.golden import GenerationSettings, GoldenPrompt, GoldenSet, SelfCheck, Tolerance
+from pipelines.console.output import progress
 from pipelines.errors import ServeError
+from pipelines.files.atomic import write_text_atomic
 from pipelines.schema import FrozenModel
+from pipelines.serve.serving import LOOPBACK, RunningServer
 
 DEFAULT_PROMPTS = 24
 DEFAULT_SETTINGS = GenerationSettings(max_tokens=16, top_k=8, seed=0, concurrency=4)
@@ -146,3 +151,24 @@ def sources_of(prompts: Mapping[str, Sequence[object]], chat: Mapping[str, bool]
     """PromptSources from the run's prompts (objects with doc_id and text) and each set's chat flag."""
     return [PromptSource(name=name, items=[(p.doc_id, p.text) for p in items], add_special_tokens=not chat.get(name, False))  # type: ignore[attr-defined]
             for name, items in prompts.items()]
+
+
+def golden_from_server(server: RunningServer, sources: Sequence[PromptSource], *, count: int = DEFAULT_PROMPTS, seed: int = 0) -> GoldenSet:
+    """The golden set of a server the product started (pipelines.serve.serving): its URL, served name, key and time-out."""
+    progress(f"canary: fixing {count} golden prompts on {server.served_name} (greedy answers, then two self-checks)")
+    return build_golden(f"http://{LOOPBACK}:{server.port}", model=server.served_name, api_key=server.api_key,
+                        drawn=draw(sources, count, seed), seed=seed, timeout_s=server.request_timeout_s)
+
+
+def write_golden(golden: GoldenSet, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, golden.model_dump_json(indent=1) + "\n")
+
+
+def fix_golden(serve: Callable[[], AbstractContextManager[RunningServer]], sources: Sequence[PromptSource], path: Path) -> GoldenSet:
+    """At promotion (pipelines.runs.runner): the golden set of the server `serve` gives, written to `path` (the run's
+    evidence/canary.json, which the promotion bundle copies and signs)."""
+    with serve() as server:
+        golden = golden_from_server(server, sources)
+    write_golden(golden, path)
+    return golden

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -35,6 +35,8 @@ from pipelines.artifact import (
     verify_artifact,
     verify_before_serving,
 )
+from pipelines.canary.build import sources_of
+from pipelines.canary.golden import GOLDEN_FILE
 from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
@@ -58,7 +60,7 @@ from pipelines.loadtest.render import summary as performance_summary
 from pipelines.loadtest.results import PerformanceSummary
 from pipelines.planner.shape import load_config, model_shape
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
-from pipelines.registry.evidence import write_run_evidence
+from pipelines.registry.evidence import EVIDENCE_DIR, write_run_evidence
 from pipelines.registry.promotion import promote_signed
 from pipelines.registry.signing import load_signer
 from pipelines.registry.store import EvalSetRef, NewVersion, Registry
@@ -224,6 +226,11 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
             fit, plan = _fit_and_plan(job, identity)
             gate = decide(comparisons, job.settings.policy, identity, fit)
         gate, performance = stack.load_test(gate, pool, lambda: stage_inputs(job, prompts, identity, plan, staging), stages)
+        if check is not None and gate.verdict == "promoted":  # the canary's golden set, from the weights being promoted
+            with timed(stages, "canary_s"):
+                stack.golden(lambda: _candidate_server(staging, job, stack, pool),
+                             sources_of(prompts, {s.name: s.chat_template for s in job.settings.eval_sets}),
+                             staging / EVIDENCE_DIR / GOLDEN_FILE)
     with timed(stages, "gate_s"):
         if check is not None:  # nothing changed while it was served: the verdict is about these bytes
             verify_artifact(job.artifact_dir, manifest_sha256=check.manifest_sha256, fingerprint=check.fingerprint)
@@ -243,6 +250,13 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
         comparisons=comparisons, report=report,
     )
     return report
+
+
+def _candidate_server(staging: Path, job: GateJob, stack: GateStack, pool: ServerPool | None) -> AbstractContextManager[RunningServer]:
+    """The candidate's server: the pool's (up since its scoring or the load test), else a short serve of its own."""
+    if pool is not None:
+        return nullcontext(pool("candidate")[0])
+    return stack.serve(job.artifact_dir, log_path=staging / "canary-server.log", settings=job.settings.serve, served_name="candidate")
 
 
 def _baseline_entries(
