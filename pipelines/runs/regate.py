@@ -35,6 +35,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.artifact import require_model_dir
+from pipelines.canary.golden import load_golden
+from pipelines.canary.probe import probe_canary
 from pipelines.console.output import progress
 from pipelines.deploy.spec import _gate_serve_settings
 from pipelines.errors import InputError
@@ -54,8 +56,8 @@ from pipelines.registry.evidence import EVIDENCE_DIR, POLICY_FILE, RECIPE_FILE
 from pipelines.registry.reference import split_reference
 from pipelines.registry.regates import REGATE_JSON, RegateRecord, SetOutcome, gated_runtime, record_regate
 from pipelines.registry.store import Registry, Version, verify_version
-from pipelines.runs.runfolder import run_folder
 from pipelines.runs import runner
+from pipelines.runs.runfolder import run_folder
 from pipelines.runs.runner import (
     GateJob,
     GateSettings,
@@ -65,7 +67,7 @@ from pipelines.runs.runner import (
     default_runs_dir,
 )
 from pipelines.runs.stack import GateStack
-from pipelines.serve.serving import RunningServer
+from pipelines.serve.serving import LOOPBACK, RunningServer, ServeSettings
 
 ERROR_RATES = ("each set judged by the promotion's own rules at its full size: a true worsening of the tolerance passes a set at most "
                "1 - confidence of the time (docs/guarantees.md); stopping at the first failed set is deterministic curtailment "
@@ -97,9 +99,6 @@ class KeptServers:
             self._servers[served_name] = self._stack.enter_context(
                 self._start(model_dir, log_path=log_path, settings=settings, served_name=served_name))
         yield self._servers[served_name]
-
-    def running(self, served_name: str) -> RunningServer | None:
-        return self._servers.get(served_name)
 
 
 def regate(reference: str, registry: Registry, *, baseline_dir: Path | None = None, runs_dir: Path | None = None,
@@ -205,7 +204,7 @@ def _judged(staging: Path, job: GateJob, bundle: Path, stack: GateStack) -> tupl
                 reasons += verdict.reasons
                 outcomes += [SetOutcome(name=name, verdict="not scored") for name in names[index + 1:]]
                 break
-        divergence = _canary(bundle, kept.running("candidate"))
+        divergence = _canary(bundle, kept.serve, job.settings.serve, staging)
     if divergence is not None and not divergence.get("healthy", True):
         reasons.append(f"semantic canary: {divergence.get('summary', 'the golden set disagrees')}")
     return outcomes, reasons, divergence
@@ -223,8 +222,14 @@ def _judge_one(staging: Path, job: GateJob, eval_set: EvalSet, identity: RecipeI
     return decide([comparison], job.settings.policy, identity, None)
 
 
-def _canary(bundle: Path, server: RunningServer | None) -> dict[str, Any] | None:
-    """The golden set's probe against the bundle served here; None when the bundle has none or nothing is served."""
-    del bundle, server
-    return None
-
+def _canary(bundle: Path, serve: Any, settings: ServeSettings, staging: Path) -> dict[str, Any] | None:
+    """The golden set (prompts held out of the gate's scoring, answered at promotion) against the bundle served here:
+    the output divergence this runtime makes. None when the bundle predates golden sets."""
+    golden = load_golden(bundle)
+    if golden is None:
+        return None
+    with serve(bundle, log_path=staging / "candidate-server.log", settings=settings, served_name="candidate") as server:
+        progress(f"re-gate: semantic canary, {len(golden.prompts)} golden prompts")
+        result = probe_canary(f"http://{LOOPBACK}:{server.port}", model=server.served_name, golden=golden, api_key=server.api_key,
+                              timeout_s=settings.request_timeout_s)
+    return {**result.model_dump(mode="json", exclude={"checks"}), "summary": result.summary()}
