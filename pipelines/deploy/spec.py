@@ -23,17 +23,17 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from pipelines.errors import InputError, from_validation_error
-from pipelines.gate.schema import GateReport
+from pipelines.errors import InputError
 from pipelines.hardware.targets import installed_target
 from pipelines.loadtest.config import PerformancePolicy, ProductionSlo, SloTargets
 from pipelines.loadtest.results import LevelFigures, ModelFigures, Percentiles, PerformanceReport
 from pipelines.registry.reference import split_reference
+from pipelines.registry.regates import require_gated_runtime
 from pipelines.registry.store import Registry, Version, verify_version
 from pipelines.schema import FrozenModel
-from pipelines.serve.serving import ServeSettings
+from pipelines.serve.serving import MONITORING_ENVIRONMENT, ServeSettings
 
 BURST_FACTOR = 10.0  # an ITL p95 this many times below the median TPOT is a client that read the stream in bursts
 
@@ -69,7 +69,9 @@ class ServeArgs(FrozenModel):
         return [(key, str(getattr(self, key)), source) for key, source in self.sources.items()]
 
     def environment(self) -> dict[str, str]:
-        return {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)} if self.cpu_kv_cache_gib is not None else {}
+        """vLLM's environment variables: the KV space on a CPU, the NaN check the alert rules read (MONITORING_ENVIRONMENT)."""
+        kv = {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)} if self.cpu_kv_cache_gib is not None else {}
+        return {**kv, **MONITORING_ENVIRONMENT}
 
 
 class Envelope(FrozenModel):
@@ -159,9 +161,11 @@ class ServedSpec(FrozenModel):
 
 
 def served_spec(reference: str, *, registry: Registry | None = None, served_name: str | None = None,
-                require_signature: bool = True) -> ServedSpec:
+                require_signature: bool = True, check_runtime: bool = True) -> ServedSpec:
     """The served spec of `reference` (NAME, NAME@VERSION or NAME@ALIAS; NAME alone: its newest promoted version),
-    after verifying it. `require_signature=False` accepts a version promoted before signing (its artifact verified)."""
+    after verifying it. `require_signature=False` accepts a version promoted before signing (its artifact verified).
+    `check_runtime`: refuse a runtime here the version was not gated or re-gated on (pipelines.registry.regates); False
+    when the server is not on this machine."""
     model, wanted = split_reference(reference, field="NAME@ALIAS")
     registry = registry or Registry()
     version = registry.show(model, wanted) if wanted is not None else newest_promoted(registry, model)
@@ -171,8 +175,11 @@ def served_spec(reference: str, *, registry: Registry | None = None, served_name
     verify_version(version)
     check = registry.verify_signature(version, required=require_signature)
     folder = check.bundle if check is not None else Path(version.artifact_path)
-    return spec_of(version, reference=reference, alias=wanted if isinstance(wanted, str) else None, folder=folder,
+    # The runtime here against the ones the version was gated on (a bundle is needed: it holds the gated runtime).
+    runtime_notes = require_gated_runtime(registry, version, check.bundle) if check is not None and check_runtime else []
+    spec = spec_of(version, reference=reference, alias=wanted if isinstance(wanted, str) else None, folder=folder,
                    signed=check is not None, served_name=served_name)
+    return spec.model_copy(update={"notes": spec.notes + runtime_notes})
 
 
 def newest_promoted(registry: Registry, model: str) -> Version:
@@ -189,7 +196,7 @@ def spec_of(version: Version, *, reference: str, alias: str | None, folder: Path
         raise InputError(f"{version.model} v{version.version} has no gate evidence this quantgate reads", file=version.gate_path,
                          field="gate")
     target = str(installed_target())
-    serve = _gate_serve_settings(gate, version)
+    serve = ServeSettings.as_recorded(gate.inputs.get("serve"), version.gate_path or "gate.json")
     performance = gate.performance
     args, notes = _measured_args(serve, performance, target)
     return ServedSpec(
@@ -198,17 +205,6 @@ def spec_of(version: Version, *, reference: str, alias: str | None, folder: Path
         envelope=envelope_of(performance, args.max_num_seqs, version.gate_path) if performance is not None else None,
         notes=notes + _host_notes(performance, target),
     )
-
-
-def _gate_serve_settings(gate: GateReport, version: Version) -> ServeSettings:
-    """The settings the gate's (and the load test's) servers ran with, as gate.json records them."""
-    recorded = gate.inputs.get("serve")
-    if not isinstance(recorded, dict):
-        return ServeSettings()
-    try:
-        return ServeSettings.model_validate(recorded)
-    except ValidationError as error:
-        raise from_validation_error(error, version.gate_path or "gate.json") from None
 
 
 def _measured_args(serve: ServeSettings, performance: PerformanceReport | None, target: str) -> tuple[ServeArgs, list[str]]:

@@ -31,6 +31,7 @@ from pipelines.files.hashing import folder_hash
 from pipelines.fleet.deployment import Deployment, Route, route_field
 from pipelines.gate.schema import GateReport
 from pipelines.loadtest.results import PerformanceReport
+from pipelines.registry.regates import require_gated_runtime
 from pipelines.registry.store import Registry, Version
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import ServeSettings
@@ -121,6 +122,11 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
     except InputError as error:
         raise InputError(f"{route.describe()} (version {version.version}) does not verify: {error.one_line()}", file=source, field=field) from None
     verified = f"signature {check.method} {check.key_id[:12]}, {check.files} files, evidence {check.evidence}"
+    if route.model is not None:  # a quantized route: its verdict holds only on a runtime it was gated on
+        try:
+            verified += "".join(f"; {note}" for note in require_gated_runtime(registry, version, check.bundle))
+        except InputError as error:
+            raise InputError(f"{route.describe()}: {error.message}", file=source, field=field) from None
     if route.model is not None:
         kind: Literal["version", "base"] = "version"
         model_dir = spec.folder
@@ -133,7 +139,8 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
     timeout_s, basis = route_timeout(route, latency, deployment, source=source, field=field, last=index == len(deployment.routes) - 1)
     return ResolvedRoute(
         index=index, field=field, label=label(index), kind=kind, ref=str(route.ref), model=version.model, version=version.version,
-        model_dir=model_dir, identity=_identity(route, version), verified=verified, serve=served_settings(spec, route),
+        model_dir=model_dir, identity=_identity(route, version), verified=verified,
+        serve=served_settings(spec, route, max_queue=deployment.rules.overload.max_queue),
         timeout_s=timeout_s, timeout_basis=basis, latency=latency,
     )
 
@@ -153,11 +160,14 @@ def _verified_base(version: Version, source: Path | str, field: str) -> Path:
     return folder
 
 
-def served_settings(spec: ServedSpec, route: Route) -> ServeSettings:
-    """The arguments the version was measured with (pipelines/deploy/spec.py), with the route's own overrides."""
+def served_settings(spec: ServedSpec, route: Route, *, max_queue: int) -> ServeSettings:
+    """The arguments the version was measured with (pipelines/deploy/spec.py), with the route's own overrides, and the route's
+    queue: vLLM answers 503 at once beyond max_num_seqs running + `max_queue` waiting (the overload rule: a busy route's
+    answer, which the proxy hands down the chain without counting it against the route's breaker)."""
     update = {name: value for name, value in (("max_num_seqs", route.max_num_seqs), ("max_model_len", route.max_model_len),
                                               ("cpu_kv_cache_gib", route.kv_cache_gib)) if value is not None}
-    return spec.args.serve_settings().model_copy(update=update)
+    settings = spec.args.serve_settings().model_copy(update=update)
+    return settings.model_copy(update={"max_num_queued_reqs": settings.max_num_seqs + max_queue})
 
 
 def latency_of(gate: GateReport | None, spec: ServedSpec, role: Literal["candidate", "baseline"]) -> Latency | None:

