@@ -88,13 +88,14 @@ def _kernel_words(fact: KernelFact) -> str:
     return f"{fact.scheme or '?'} / {fact.kernel or '?'}"
 
 
-def runtime_here(model_dir: Path, serve_args: dict[str, Any], serve_packages: dict[str, str]) -> Runtime:
+def runtime_here(model_dir: Path, serve_args: dict[str, Any], serve_packages: dict[str, str], *, kernels: bool = True) -> Runtime:
     """The runtime `model_dir` is served on here: `serve_packages` is the serve environment's versions
-    (pipelines.serve.serving.serve_versions, which the caller has already read for its cache keys)."""
+    (pipelines.serve.serving.serve_versions, which the caller has already read for its cache keys). `kernels=False`
+    leaves the kernels out (they take the probe, once per host class): enough to see any other change."""
     host = host_record()
     return Runtime(
         host_class=str(host["host_class"]), library=str(host.get("library", "")), serve_dtype=str(host.get("serve_dtype", "")),
-        packages=_runtime_packages(serve_packages), kernels=group_kernels(model_dir), serve_args=serve_args,
+        packages=_runtime_packages(serve_packages), kernels=group_kernels(model_dir) if kernels else {}, serve_args=serve_args,
     )
 
 

@@ -176,8 +176,11 @@ def require_gated_runtime(registry: Registry, version: Version, bundle: Path, *,
     packages = serve_packages_here()
     if packages is None:
         return ["the serving runtime was not compared with the gated one: no serve environment here (`make setup` builds it)"]
-    here = runtime_here(bundle, {}, packages)
-    changes = runtime_mismatch(accepted_runtimes(registry, version, bundle), here)
+    accepted = accepted_runtimes(registry, version, bundle)
+    # Without the kernels first: a changed host class or library is a refusal without probing this host's kernels.
+    changes = runtime_mismatch(accepted, runtime_here(bundle, {}, packages, kernels=False))
+    if changes is None:
+        changes = runtime_mismatch(accepted, runtime_here(bundle, {}, packages))
     if changes is None:
         return []
     line = (f"{version.model} v{version.version} was gated on another runtime ({'; '.join(changes[:4])}"
