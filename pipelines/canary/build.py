@@ -8,6 +8,7 @@ Tolerance (measured, not guessed): the prompts are asked twice more, alone (one 
 recorded) and under load (every prompt at once among LOAD_FILLER copies of the set, so batches hold other sequences: vLLM's
 numerics depend on batch composition). Each pass is compared with the recorded answers (pipelines.canary.compare):
   kl_bound     = max(KL_FLOOR, KL_FACTOR x the largest per-prompt KL either pass showed)
+  shift_bound  = max(SHIFT_FLOOR, SHIFT_FACTOR x the largest log-probability shift either pass showed)
   margin_bound = max(MARGIN_FLOOR, MARGIN_FACTOR x the largest recorded margin at which either pass diverged)
   max_disagreeing = 0: by construction neither pass disagrees under these bounds; the factors cover a tail two passes
   did not reach (docs/watch.md states the false-alarm and detection rates measured on the demo model).
@@ -37,12 +38,14 @@ from pipelines.serve.serving import LOOPBACK, RunningServer
 DEFAULT_PROMPTS = 24
 DEFAULT_SETTINGS = GenerationSettings(max_tokens=16, top_k=8, seed=0, concurrency=4)
 LOAD_FILLER = 3
-KL_FACTOR, KL_FLOOR = 4.0, 0.02
+KL_FACTOR, KL_FLOOR = 4.0, 1e-3
+SHIFT_FACTOR, SHIFT_FLOOR = 4.0, 0.1
 MARGIN_FACTOR, MARGIN_FLOOR = 2.0, 1.0
 RULE = (f"a prompt disagrees when its mean coarse top-k KL(recorded || now) over the positions up to the first divergence exceeds "
-        f"kl_bound, or when its greedy answer first differs at a position whose recorded top-1 margin is at least margin_bound; "
-        f"kl_bound = max({KL_FLOOR:g}, {KL_FACTOR:g} x the largest self-check KL), margin_bound = max({MARGIN_FLOOR:g}, "
-        f"{MARGIN_FACTOR:g} x the largest margin a self-check diverged at)")
+        f"kl_bound or a recorded top-k token's log-probability moved more than shift_bound, or when its greedy answer first "
+        f"differs at a position whose recorded top-1 margin is at least margin_bound; kl_bound = max({KL_FLOOR:g}, {KL_FACTOR:g} x "
+        f"the largest self-check KL), shift_bound = max({SHIFT_FLOOR:g}, {SHIFT_FACTOR:g} x the largest self-check shift), "
+        f"margin_bound = max({MARGIN_FLOOR:g}, {MARGIN_FACTOR:g} x the largest margin a self-check diverged at)")
 
 
 class DrawnPrompt(FrozenModel):
@@ -136,14 +139,17 @@ def _self_check(name: str, concurrency: int, prompts: Sequence[GoldenPrompt], ba
 
 def summarize(name: str, concurrency: int, found: Sequence[Distance], wall_s: float) -> SelfCheck:
     diverged = [d for d in found if d.diverged_at is not None]
-    return SelfCheck(name=name, concurrency=concurrency, max_kl=max((d.kl or 0.0 for d in found), default=0.0), diverged=len(diverged),
+    return SelfCheck(name=name, concurrency=concurrency, max_kl=max((d.kl or 0.0 for d in found), default=0.0),
+                     max_shift=max((d.shift or 0.0 for d in found), default=0.0), diverged=len(diverged),
                      max_divergence_margin=max((d.margin or 0.0 for d in diverged), default=0.0), wall_s=round(wall_s, 3))
 
 
 def tolerance_from(checks: Sequence[SelfCheck]) -> Tolerance:
     kl = max(check.max_kl for check in checks)
+    shift = max(check.max_shift for check in checks)
     margin = max(check.max_divergence_margin for check in checks)
-    return Tolerance(kl_bound=max(KL_FLOOR, KL_FACTOR * kl), margin_bound=max(MARGIN_FLOOR, MARGIN_FACTOR * margin), max_disagreeing=0,
+    return Tolerance(kl_bound=max(KL_FLOOR, KL_FACTOR * kl), shift_bound=max(SHIFT_FLOOR, SHIFT_FACTOR * shift),
+                     margin_bound=max(MARGIN_FLOOR, MARGIN_FACTOR * margin), max_disagreeing=0,
                      rule=RULE, self_checks=list(checks))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -12,6 +13,7 @@ from pipelines.canary.compare import Answer
 from pipelines.canary.golden import GenerationSettings
 
 _DETAIL_CHARS = 200
+API_KEY_ENV = "VLLM_API_KEY"  # where `watch` reads the watched server's key (the server itself reads it there)
 
 
 class ProbeFailure(Exception):
@@ -21,6 +23,12 @@ class ProbeFailure(Exception):
 def api_root(base_url: str) -> str:
     """The server's root from its base URL, with or without a trailing /v1."""
     return base_url.rstrip("/").removesuffix("/v1").rstrip("/")
+
+
+def server_root(url: str) -> str:
+    """http(s)://HOST:PORT of any URL on a server (its /metrics page, its base URL): where its API is."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else url
 
 
 def headers(api_key: str | None) -> dict[str, str]:

@@ -52,17 +52,20 @@ class SelfCheck(FrozenModel):
     name: str = Field(description="alone: one request at a time; load: every prompt at once among filler requests")
     concurrency: int = Field(ge=1)
     max_kl: float = Field(ge=0, description="largest per-prompt mean KL(recorded || this pass), nats/token")
+    max_shift: float = Field(ge=0, description="largest log-probability shift of a recorded top-k token, nats")
     diverged: int = Field(ge=0, description="prompts whose greedy answer took another token somewhere")
     max_divergence_margin: float = Field(ge=0, description="largest recorded top-1 margin (nats) where a pass diverged; 0 if none")
     wall_s: float = Field(ge=0)
 
 
 class Tolerance(FrozenModel):
-    """When one golden prompt disagrees, and how many may. A prompt disagrees when its mean KL over the compared positions
-    exceeds kl_bound, or when its greedy answer first diverges at a position whose recorded top-1 margin is at least
-    margin_bound (a near tie may flip under batch noise; a confident token may not)."""
+    """When one golden prompt disagrees, and how many may. A prompt disagrees when, over the compared positions, its mean KL
+    exceeds kl_bound or a recorded top-k token's log-probability moved more than shift_bound, or when its greedy answer
+    first diverges at a position whose recorded top-1 margin is at least margin_bound (a near tie may flip under batch
+    noise; a confident token may not)."""
 
     kl_bound: float = Field(gt=0)
+    shift_bound: float = Field(gt=0)
     margin_bound: float = Field(gt=0)
     max_disagreeing: int = Field(ge=0)
     rule: str

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pipelines.canary.client import API_KEY_ENV
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
 from pipelines.deploy.spec import served_spec
@@ -62,7 +64,8 @@ def _watch(args: argparse.Namespace) -> int:
         spec.require_envelope()
         progress(f"{spec.model} v{spec.version} verified; holding {args.url} to the envelope it was promoted on")
     settings = WatchSettings(url=args.url, window_s=args.window, windows=args.windows, timeout_s=args.timeout, prometheus=args.prometheus,
-                             sample_every_s=args.sample_every or min(15.0, max(1.0, args.window / 30)), rollback_after=args.rollback_after)
+                             sample_every_s=args.sample_every or min(15.0, max(1.0, args.window / 30)), rollback_after=args.rollback_after,
+                             api_key=os.environ.get(API_KEY_ENV) or None)
     out = args.out or default_folder(current_settings().artifacts_dir, spec)
     report, raw = watch(settings, spec, registry=registry, on_window=_window_line)
     if args.shadow is not None and spec is not None and registry is not None:
@@ -102,6 +105,8 @@ def _window_line(window: WindowReport, total: int) -> None:
     state = f"BREACH ({', '.join(window.breached)})" if window.breached else ("within" if window.verdicts else "figures")
     progress(f"window {window.index}/{total}: {f.requests:g} requests, TTFT p95 {_s(f.ttft_p95_s)}, ITL p95 {_s(f.itl_p95_s)}, "
              f"KV peak {_pct(f.kv_cache_usage)}, {f.preemptions:g} preemptions, waiting p95 {_n(f.waiting_p95)}: {state}")
+    if window.canary is not None:
+        progress(f"window {window.index}/{total}: canary: {window.canary.summary()} ({window.canary.wall_s:.1f} s)")
 
 
 ROWS = [
@@ -146,6 +151,12 @@ def _render(report: WatchReport) -> None:
         say(f"rollback: {moved.model}@{moved.alias} v{moved.from_version} {where}: {moved.reason}")
         for skipped in moved.skipped:
             say(f"  skipped v{skipped.version}: {skipped.why}")
+    for window in report.windows:
+        if window.canary is not None and not window.canary.healthy:
+            say(f"canary window {window.index}: {window.canary.summary()}")
+            for prompt in window.canary.checks:
+                if prompt.disagrees:
+                    say(f"  {prompt.id}: {prompt.reason}")
     if report.shadow is not None:
         for line in report.shadow.get("lines", []):
             say(f"shadow: {line}")

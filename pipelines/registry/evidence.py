@@ -10,6 +10,7 @@ versions). At promotion, `staged_bundle` assembles
         manifest.json                                       its sha256 in the manifest as it is copied
         evidence/  gate.json  report.md (+ its load-test plots)  registry.json  provenance.json  policy.yaml
                    policy.json  recipe.yaml  items/<eval set>.jsonl  samples/{baseline,candidate}/...
+                   canary.json (the golden set the runner fixed on the promoted candidate's server: pipelines.canary)
         model.sig                                           (pipelines.registry.signing)
 
 One bundle per promoted version, never shared: candidate artifacts are content-addressed and reused by later

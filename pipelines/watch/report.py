@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from pipelines.canary.probe import CanaryResult
 from pipelines.deploy.spec import Envelope
 from pipelines.schema import StrictModel
 from pipelines.watch.figures import Figures
@@ -21,6 +22,7 @@ class WindowReport(StrictModel):
     figures: Figures
     verdicts: list[FigureVerdict] = Field(default_factory=list)
     breached: list[str] = Field(default_factory=list)
+    canary: CanaryResult | None = None  # the golden set's probe after this window (pipelines.canary)
 
 
 class WatchReport(StrictModel):
@@ -39,6 +41,7 @@ class WatchReport(StrictModel):
     recommendation_notes: list[str] = Field(default_factory=list)
     rollback: RollbackResult | None = None
     shadow: dict[str, Any] | None = None
+    canary: dict[str, Any] | None = None  # the version's golden set: its file, size and tolerance (None: no canary)
     folder: str | None = None
     plot: str | None = None
 

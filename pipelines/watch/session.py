@@ -3,6 +3,11 @@ recommendations, an optional rollback after a sustained breach, a plot and the r
 
 Live (default): the server's /metrics is read at the start, every `sample_every_s` (gauges), and at each window's end
 (counters and histograms as increases). With a Prometheus URL: the last `windows` windows that ended now, from its HTTP API.
+
+The canary: a version whose bundle holds a golden set (evidence/canary.json, pipelines.canary) has it probed against the
+server after each live window (with Prometheus: after the last window, the one that ended now); a probe that disagrees
+beyond the recorded tolerance, or gets no answer, breaches its window like any figure. Its requests are served by the
+watched server, so the next window's figures count them (24 short greedy requests by default).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from typing import Any
 import httpx
 from pydantic import Field
 
+from pipelines.canary.client import server_root
+from pipelines.canary.golden import GoldenSet, golden_path, load_golden
+from pipelines.canary.probe import probe_canary
+from pipelines.console.output import progress
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import storage_error, write_text_atomic
@@ -34,6 +43,7 @@ from pipelines.watch.series import WindowData, merged
 from pipelines.watch.verdict import FigureLimit, breached, judge, limits
 
 REPORT_FILE, PLOT_FILE = "watch.json", "watch.png"
+CANARY = "canary"  # the name a canary breach goes by among a window's breached figures
 
 
 class WatchSettings(FrozenModel):
@@ -44,6 +54,8 @@ class WatchSettings(FrozenModel):
     timeout_s: float = Field(gt=0)
     prometheus: str | None = None
     rollback_after: int | None = Field(default=None, ge=1)
+    canary_timeout_s: float = Field(default=60.0, gt=0)
+    api_key: str | None = Field(default=None, repr=False, exclude=True)  # the server's key for /v1 (VLLM_API_KEY)
 
 
 def live_windows(client: httpx.Client, settings: WatchSettings, served_name: str | None) -> Iterator[WindowData]:
@@ -78,12 +90,15 @@ def watch(settings: WatchSettings, spec: ServedSpec | None, *, registry: Registr
                          window_s=settings.window_s, envelope=envelope, limits=held, version=_version(spec))
     raw: list[WindowData] = []
     run = 0
+    golden = _golden(spec, report)
     with httpx.Client(follow_redirects=False) as client:
         served = spec.served_name if spec is not None else None
         source = prometheus_windows(client, settings) if settings.prometheus else live_windows(client, settings, served)
         for data in source:
             raw.append(data)
             window = _judged(data, held)
+            if golden is not None and spec is not None and (not settings.prometheus or data.index == settings.windows):
+                window = _with_canary(window, golden, settings, spec.served_name)
             report.windows.append(window)
             on_window(window, settings.windows)
             run = run + 1 if window.breached else 0
@@ -100,10 +115,31 @@ def _judged(data: WindowData, held: list[FigureLimit]) -> WindowReport:
     return WindowReport(index=data.index, start=data.start, end=data.end, figures=figures, verdicts=verdicts, breached=breached(verdicts))
 
 
+def _golden(spec: ServedSpec | None, report: WatchReport) -> GoldenSet | None:
+    """The version's golden set (read from its verified bundle), recorded in the report; None without one."""
+    if spec is None:
+        return None
+    golden = load_golden(spec.folder)
+    if golden is None:
+        progress(f"{spec.model} v{spec.version}: its bundle holds no golden set (promoted before canaries): no canary probe")
+        return None
+    report.canary = {"file": str(golden_path(spec.folder)), "prompts": len(golden.prompts),
+                     "tolerance": golden.tolerance.model_dump(exclude={"self_checks"})}
+    return golden
+
+
+def _with_canary(window: WindowReport, golden: GoldenSet, settings: WatchSettings, served_name: str) -> WindowReport:
+    result = probe_canary(server_root(settings.url), model=served_name, golden=golden, api_key=settings.api_key,
+                          timeout_s=settings.canary_timeout_s)
+    breached = window.breached + ([CANARY] if not result.healthy else [])
+    return window.model_copy(update={"canary": result, "breached": breached})
+
+
 def _window_evidence(window: WindowReport) -> dict[str, Any]:
     return {"index": window.index, "start": _stamp(window.start), "end": _stamp(window.end), "breached": window.breached,
             "values": {v.figure: v.value for v in window.verdicts if v.verdict == "breach"},
-            "limits": {v.figure: v.limit for v in window.verdicts if v.verdict == "breach"}}
+            "limits": {v.figure: v.limit for v in window.verdicts if v.verdict == "breach"},
+            **({"canary": window.canary.summary()} if window.canary is not None and not window.canary.healthy else {})}
 
 
 def finish(report: WatchReport, raw: list[WindowData], spec: ServedSpec | None, out: Path) -> WatchReport:

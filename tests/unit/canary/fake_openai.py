@@ -9,6 +9,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -49,8 +50,10 @@ class FakeOpenAI(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # the load pass opens dozens of connections at once (the default 5 drops SYNs: 1 s retries)
 
-    def __init__(self, model: ToyModel, *, api_key: str | None = None, served: str = "demo", status: int = 200, delay_s: float = 0.0):
+    def __init__(self, model: ToyModel, *, api_key: str | None = None, served: str = "demo", status: int = 200, delay_s: float = 0.0,
+                 get: Callable[[BaseHTTPRequestHandler], None] | None = None):
         self.model, self.api_key, self.served, self.status, self.delay_s = model, api_key, served, status, delay_s
+        self.get = get  # answers GET requests (a /metrics page: tests/unit/watch/metrics_pages.py), when given
         super().__init__(("127.0.0.1", 0), _Handler)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
@@ -80,6 +83,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.server.get is None:
+            return self._send(404, {"error": "not found"})
+        self.server.get(self)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))

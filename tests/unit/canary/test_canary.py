@@ -106,7 +106,7 @@ def prompt(rows: list[dict[str, float]], ids: list[int]) -> GoldenPrompt:
 
 
 def test_a_flip_at_a_near_tie_is_noise_and_a_flip_at_a_confident_token_disagrees() -> None:
-    tolerance = tolerance_from([SelfCheck(name="alone", concurrency=1, max_kl=0.0, diverged=0, max_divergence_margin=0.0, wall_s=0.1)])
+    tolerance = tolerance_from([SelfCheck(name="alone", concurrency=1, max_kl=0.0, max_shift=0.0, diverged=0, max_divergence_margin=0.0, wall_s=0.1)])
     near_tie = prompt([{"token_id:5": -0.69, "token_id:6": -0.70}, {"token_id:7": -0.1, "token_id:8": -3.0}], [5, 7])
     flipped = Answer(ids=[6, 9], top_logprobs=[{"token_id:6": -0.69, "token_id:5": -0.70}, {"token_id:9": -0.1, "token_id:8": -3.0}])
     found = distance(near_tie, flipped, top_k=2)
@@ -144,3 +144,15 @@ def test_a_malformed_golden_set_names_its_file_and_field(tmp_path: Path, edit, f
     with pytest.raises(InputError) as raised:
         load_golden(tmp_path)
     assert raised.value.file == str(path) and raised.value.field == field
+
+
+def test_a_sure_model_s_runners_up_move_where_its_kl_hardly_does() -> None:
+    """The demo model's case: top-1 at ~0 nats, runners-up at -12: other weights move them by nats, the KL by 1e-6."""
+    recorded = {"token_id:5": -1e-6, "token_id:6": -13.0, "token_id:7": -14.0}
+    now = {"token_id:5": -4e-6, "token_id:6": -12.0, "token_id:8": -13.5}
+    found = distance(prompt([recorded], [5]), Answer(ids=[5], top_logprobs=[now]), top_k=3)
+    assert found.kl is not None and found.kl < 1e-4
+    assert found.shift == pytest.approx(1.0)  # token 6; token 7 fell below the listed -13.5: at least 0.5, not more claimed
+    tolerance = tolerance_from([SelfCheck(name="alone", concurrency=1, max_kl=0.0, max_shift=0.02, diverged=0, max_divergence_margin=0.0,
+                                          wall_s=0.1)])
+    assert tolerance.shift_bound == pytest.approx(0.1) and judge(found, tolerance).disagrees

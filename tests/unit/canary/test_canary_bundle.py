@@ -17,6 +17,7 @@ from pipelines.registry.evidence import EVIDENCE_DIR
 from pipelines.runs import runner
 
 MODEL = "demo-llama"
+pytestmark = pytest.mark.slow  # whole gate runs and watch windows (several seconds each)
 
 
 @pytest.fixture
