@@ -33,7 +33,7 @@ from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import route_memory
-from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, check_config, find_nginx, render_chain, render_config, write_config
+from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, check_config, find_nginx, max_conns, render_chain, render_config, write_config
 from pipelines.fleet.routes import ResolvedRoute
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import LOOPBACK, MAX_LOGPROBS
@@ -144,7 +144,7 @@ def proxy_chain(deployment: Deployment, routes: list[ResolvedRoute], *, addresse
     upstreams = [
         Upstream(label=route.label, address=addresses[index] if addresses else f"{_object_name(deployment, route)}:{VLLM_PORT}",
                  api_key="${" + _key_variable(route) + "}", timeout_s=route.timeout_s,
-                 max_conns=route.serve.max_num_seqs + deployment.rules.overload.max_queue)
+                 max_conns=max_conns(route.serve))
         for index, route in enumerate(routes)
     ]
     return Chain(listen=str(PROXY_PORT), sentinel_port=SENTINEL_PORT, client_key="${QUANTGATE_CLIENT_KEY}", access_log="/dev/stdout",

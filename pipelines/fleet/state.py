@@ -65,6 +65,8 @@ class RouteState(StrictModel):
     max_conns: int
     vllm_args: str
     latency: Latency | None = None
+    breaker_close_bound_s: float | None = Field(default=None, description="the longest its breaker stays open once the route answers "
+                                                                          "again (supervisor.breaker_close_bound_s)")
 
 
 class ProxyState(StrictModel):

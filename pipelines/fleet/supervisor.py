@@ -7,9 +7,15 @@ other (each waits for /health and confirms it is ours), then nginx, on a config 
 keys and checked again.
 
 While serving, once a second: a route whose server died is restarted (rules.server_death) on a new port, with a new
-key, and nginx reloaded (SIGHUP) on the rewritten, re-checked config; a server silent on /health for
-`hung_after_s` is restarted too; nginx itself is restarted if it dies; the proxy's logs are folded into the
-deployment's traffic (traffic.py) and state.json is rewritten.
+key, and nginx reloaded (SIGHUP) on the rewritten, re-checked config (a reload starts every breaker closed: the restarted
+route takes the next request); a server silent on /health for `hung_after_s` is restarted too; a route whose breaker is
+open is probed through nginx (nginx.py PROBE_PREFIX), so the half-open try after fail_timeout is the supervisor's, and
+the breaker closes within `breaker_close_bound_s` of the route's recovery without a client request; nginx itself is
+restarted if it dies; the proxy's logs are folded into the deployment's traffic (traffic.py) and state.json is rewritten.
+
+A fallback that cannot start (its server dies at start-up) does not stop the deployment: it serves degraded, the route
+`dead` with why, restarted under rules.server_death like any dead route, and `serve status` says the chain has no
+working fallback. A primary that cannot start is an error (exit 2): there is nothing to serve it with.
 
 Every process started here dies with this one, however it ends: each vLLM server through the product's own
 `vllm_server` (its process group, parent-death signal and watchdog: pipelines/serve/serving.py and reclaim.py), nginx
@@ -38,7 +44,18 @@ from pipelines.fleet.cores import CorePlan, allowed_cores, plan_cores
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
 from pipelines.fleet.metrics import RouteSeries, write_metrics
-from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, command, find_nginx, render_config, write_config
+from pipelines.fleet.nginx import (
+    PROBE_PREFIX,
+    PROBE_TIMEOUT_S,
+    ProxyLayout,
+    Upstream,
+    check_config,
+    command,
+    find_nginx,
+    max_conns,
+    render_config,
+    write_config,
+)
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.state import (
     CLIENT_KEY_FILE,
@@ -123,7 +140,7 @@ def _dry_check(deployment: Deployment, routes: list[ResolvedRoute], binary: Path
         layout = ProxyLayout(prefix=Path(scratch), listen_host=deployment.listen.host, listen_port=deployment.listen.port,
                              sentinel_port=free_port(), client_key=PLACEHOLDER_KEY)
         upstreams = [Upstream(label=route.label, address=f"{LOOPBACK}:{free_port()}", api_key=PLACEHOLDER_KEY, timeout_s=route.timeout_s,
-                              max_conns=max_conns(deployment, route)) for route in routes]
+                              max_conns=max_conns(route.serve)) for route in routes]
         write_config(layout, render_config(deployment, layout, upstreams))
         return check_config(binary, layout)
 
@@ -148,8 +165,12 @@ def listening(host: str, port: int) -> bool:
         return False
 
 
-def max_conns(deployment: Deployment, route: ResolvedRoute) -> int:
-    return route.serve.max_num_seqs + deployment.rules.overload.max_queue
+def breaker_close_bound_s(deployment: Deployment, timeout_s: float) -> float:
+    """How long after a route recovers (answers again) its breaker may stay open: its last failure comes at most one
+    route timeout after the fault ended, nginx keeps the server down fail_timeout after that (whole seconds: + 1 s), and the
+    supervisor's probe tries it within a tick, waiting at most the probe's timeout. A restarted route needs none of it: the
+    reload that brings it in starts every breaker closed."""
+    return timeout_s + deployment.circuit_breaker.retry_after_s + 1.0 + TICK_S + PROBE_TIMEOUT_S
 
 
 def vllm_args(route: ResolvedRoute) -> str:
@@ -238,8 +259,8 @@ class Supervisor:
         routes = [
             RouteState(label=route.label, ref=route.ref, kind=route.kind, model=route.model, version=route.version, model_dir=str(route.model_dir),
                        verified=route.verified, log=str(server.log), timeout_s=route.timeout_s, timeout_basis=route.timeout_basis,
-                       max_num_seqs=route.serve.max_num_seqs, max_conns=max_conns(self.deployment, route), vllm_args=vllm_args(route),
-                       latency=route.latency)
+                       max_num_seqs=route.serve.max_num_seqs, max_conns=max_conns(route.serve), vllm_args=vllm_args(route),
+                       latency=route.latency, breaker_close_bound_s=breaker_close_bound_s(self.deployment, route.timeout_s))
             for route, server in zip(self.prepared.routes, self.servers, strict=True)
         ]
         return ServeState(
@@ -281,7 +302,7 @@ class Supervisor:
         self.save()
         try:
             for index, server in enumerate(self.servers):
-                self._start_route(index, server)
+                self._first_start(index, server)
             self._start_proxy()
             self.state.phase = "serving"
             self.note(f"serving {self.deployment.model_name!r} at {self.state.endpoint} (key: {self.state.client_key_file}); "
@@ -294,6 +315,20 @@ class Supervisor:
         finally:
             self._stop_all()
         return self.state
+
+    def _first_start(self, index: int, server: RouteServer) -> None:
+        """The primary must start (else nothing serves it: the error ends `serve`); a fallback that cannot start leaves the
+        deployment serving degraded, the route dead and restarted like any dead route (module docstring)."""
+        try:
+            self._start_route(index, server)
+        except ServeError as error:
+            if index == 0 or isinstance(error, ProxyError):
+                raise
+            state = self.state.routes[index]
+            server.stop()
+            state.status, state.why = "dead", f"did not start: {error.one_line()}"
+            self.note(f"serving degraded: {state.label} ({state.ref}) {state.why}")
+            self.save()
 
     def _start_route(self, index: int, server: RouteServer) -> None:
         state = self.state.routes[index]
@@ -368,7 +403,19 @@ class Supervisor:
             for index, server in enumerate(self.servers):
                 self._check_route(index, server)
             self._keep_proxy()
+            self._probe_open_breakers()
             self.save()
+
+    def _probe_open_breakers(self) -> None:
+        """Each route whose breaker is open (as the proxy's logs say) and whose server runs: its /health through nginx, which
+        is the half-open try once fail_timeout has passed; its answer closes the breaker (traffic.py reads it in the log)."""
+        for index, (traffic, state) in enumerate(zip(self.counter.traffic.routes, self.state.routes, strict=True)):
+            if traffic.breaker_open_since is None or state.status != "up" or self.proxy is None:
+                continue
+            try:
+                httpx.get(f"http://{self.layout.listen_host}:{self.layout.listen_port}{PROBE_PREFIX}route{index}", timeout=PROBE_TIMEOUT_S + 1.0)
+            except httpx.HTTPError:
+                pass  # the proxy's own log has the outcome; a dead proxy is restarted by _check_proxy
 
     def _fold_logs(self) -> None:
         ports = {era.port: index for index, state in enumerate(self.state.routes) for era in state.ports}
@@ -433,9 +480,11 @@ class Supervisor:
             self.note(f"nginx not reloaded, the new config was refused: {error.one_line()}")
             return
         if self.proxy is not None:
+            self._fold_logs()  # the openings before the reload, before the reload closes them
             process = self.proxy[0]
             os.kill(process.pid, signal.SIGHUP)
             self.state.proxy.reloads += 1
+            self.counter.reset_breakers(time.time(), f"nginx reloaded ({why}): a reload starts every breaker closed")
             self.note(f"nginx reloaded: {why}")
 
     def _keep_proxy(self) -> None:

@@ -7,7 +7,11 @@ groups separated by " : " are the routes in chain order (each location hands ove
 the route's server and then the sentinel. A group whose first address is the sentinel, or that is the upstream's
 name ("route0": no live upstreams), is a route that did not take the request: its breaker was open or it was at
 max_conns. nginx's error log says which: "upstream server temporarily disabled" is the moment max_fails was reached
-(the breaker opens), with the server's address; the breaker closes with the first request that route answers again.
+(the breaker opens), with the server's address; the breaker closes with the first request that route answers again
+(a client's, or the supervisor's probe: nginx.py PROBE_PREFIX), or when nginx reloads (every breaker starts closed).
+
+Overload is not failure: a route whose server answered 503 or 429 was busy (its queue full), not failed; a request no
+route answered ends 529 when a route was busy, 503 when every route was down (nginx.py's verdict).
 
 Reads are bounded: a line longer than MAX_LINE is skipped, each read takes at most MAX_READ bytes.
 """
@@ -29,13 +33,16 @@ from pipelines.schema import StrictModel
 MAX_LINE = 16 * 1024
 UNKNOWN_FAILURE = "failures"
 NOT_TRAFFIC = ("/health", "/metrics")  # the proxy's own probes and series: not requests of the deployment's clients
+PROBE_PREFIX = "/quantgate-probe/"  # the supervisor's half-open tries (nginx.py): not traffic, but an answer closes a breaker
+BUSY = (503, 429)  # a route's own "busy" answers (vLLM's full queue answers 503)
+BUSY_STATUS = 529  # what the client gets when no route answered and one was busy (NVIDIA Dynamo's convention; 503: all down)
 MAX_READ = 8 * 1024 * 1024
 _DISABLED = re.compile(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) \[warn\] .*upstream server temporarily disabled.*upstream: \"http://[^:/\"]+:(\d+)/")
 _WHY = {
     502: "connection refused or reset (server down)",
     504: "timed out",
-    503: "answered 503 (overloaded)",
-    429: "answered 429 (overloaded)",
+    503: "answered 503 (busy: its queue is full)",
+    429: "answered 429 (busy)",
     500: "answered 500 (engine failed)",
     499: "client closed the connection",
 }
@@ -49,7 +56,7 @@ class Hop(StrictModel):
     """What one route did with one request."""
 
     route: int
-    outcome: Literal["answered", "failed", "skipped"]
+    outcome: Literal["answered", "busy", "failed", "skipped"]
     status: int | None = Field(description="the route's server's answer; None when it was not tried")
 
 
@@ -103,7 +110,9 @@ def _hop(route: int, addresses: list[str], statuses: list[int | None], sentinel_
     if not first.startswith("127.") or first.endswith(f":{sentinel_port}"):  # the sentinel, or "routeN": no live upstream
         return Hop(route=route, outcome="skipped", status=None)
     status = statuses[0] if statuses else None
-    answered = status is not None and status < 500 and status != 429
+    if status in BUSY:
+        return Hop(route=route, outcome="busy", status=status)
+    answered = status is not None and status < 500
     return Hop(route=route, outcome="answered" if answered else "failed", status=status)
 
 
@@ -147,6 +156,7 @@ class BreakerEvent(StrictModel):
 class RouteTraffic(StrictModel):
     label: str
     answered: int = 0
+    busy: int = Field(default=0, description="requests its server turned away busy (503/429: its queue full), handed down the chain")
     failed: dict[str, int] = Field(default_factory=dict, description="why -> count: the route's server was tried and did not answer")
     skipped_breaker_open: int = 0
     skipped_at_max_conns: int = 0
@@ -161,6 +171,9 @@ class Traffic(StrictModel):
     answered: int = 0
     failed: dict[str, int] = Field(default_factory=dict, description="requests the client got no answer for: why -> count")
     refused: dict[str, int] = Field(default_factory=dict, description="requests the proxy itself turned away (401: no or a wrong key)")
+    busy: int = Field(default=0, description="requests no route answered while one was busy: the client got 529")
+    down: int = Field(default=0, description="requests no route answered, every route down or failing: the client got 503 (or the "
+                                             "last route's own failure)")
     routes: list[RouteTraffic]
     breaker: list[BreakerEvent] = Field(default_factory=list)
     first_at: float | None = None
@@ -186,8 +199,31 @@ class TrafficCounter:
         for _, event in sorted(events, key=lambda pair: pair[0]):
             if isinstance(event, Opening):
                 self._open(ports[event.port], event.at)
+            elif event.uri.startswith(PROBE_PREFIX):
+                self._probed(event)
             else:
                 self.add(event)
+
+    def _probed(self, request: Request) -> None:
+        """The supervisor's probe of one route through its upstream: an answer from the route's server closes its breaker."""
+        if request.route not in self.labels or not request.hops or request.hops[0].outcome != "answered":
+            return
+        self._close(self.traffic.routes[self.labels.index(request.route)], request, "the supervisor's probe through nginx was answered")
+
+    def _close(self, state: RouteTraffic, request: Request, why: str) -> None:
+        # Only a request sent to the route after its breaker opened (nginx's retry after fail_timeout) closes it; one
+        # already in flight before the opening second ended proves nothing.
+        opened = state.breaker_open_since
+        if opened is not None and request.started >= opened + 1:
+            state.breaker_open_since = None
+            self.traffic.breaker.append(BreakerEvent(route=state.label, kind="closed", at=request.at, why=why))
+
+    def reset_breakers(self, at: float, why: str) -> None:
+        """nginx reloaded: every route's breaker is closed again (a reload gives each upstream a fresh zone)."""
+        for state in self.traffic.routes:
+            if state.breaker_open_since is not None:
+                state.breaker_open_since = None
+                self.traffic.breaker.append(BreakerEvent(route=state.label, kind="closed", at=at, why=why))
 
     def _open(self, route: int, at: float) -> None:
         state = self.traffic.routes[route]
@@ -212,17 +248,18 @@ class TrafficCounter:
         else:
             reason = self._failure(request)
             traffic.failed[reason] = traffic.failed.get(reason, 0) + 1
+            if request.status == BUSY_STATUS:
+                traffic.busy += 1
+            elif request.status != 499:
+                traffic.down += 1
 
     def _hop(self, state: RouteTraffic, hop: Hop, request: Request) -> None:
         opened = state.breaker_open_since
         if hop.outcome == "answered":
             state.answered += 1
-            # Only a request sent to the route after its breaker opened (nginx's retry after fail_timeout) closes it; one
-            # already in flight before the opening second ended proves nothing.
-            if opened is not None and request.started >= opened + 1:
-                state.breaker_open_since = None
-                self.traffic.breaker.append(BreakerEvent(route=state.label, kind="closed", at=request.at, why="a request sent after the "
-                                                         "retry time was answered"))
+            self._close(state, request, "a request sent after the retry time was answered")
+        elif hop.outcome == "busy":
+            state.busy += 1
         elif hop.outcome == "failed":
             reason = why(hop.status) if hop.status is not None else "no answer"
             state.failed[reason] = state.failed.get(reason, 0) + 1
@@ -245,7 +282,8 @@ class TrafficCounter:
             return why(499)
         parts = [f"{self.labels[hop.route] if hop.route < len(self.labels) else hop.route} "
                  f"{'skipped' if hop.outcome == 'skipped' else why(hop.status) if hop.status else 'no answer'}" for hop in request.hops]
-        return f"HTTP {request.status}: " + ("; ".join(parts) if parts else "no route tried")
+        verdict = " (every route busy)" if request.status == BUSY_STATUS else " (every route down)" if request.status == 503 else ""
+        return f"HTTP {request.status}{verdict}: " + ("; ".join(parts) if parts else "no route tried")
 
 
 def recent(requests: list[Request], window_s: float, now: float | None = None) -> list[Request]:

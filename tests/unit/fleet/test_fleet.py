@@ -243,8 +243,12 @@ def test_the_generated_config_passes_nginx_t(tmp_path: Path, routes: int) -> Non
     write_config(layout, text)
     assert "syntax is ok" in check_config(Path(NGINX or "nginx"), layout)
     assert (layout.conf.stat().st_mode & 0o777) == 0o600
-    assert text.count("backup;") == routes and text.count("max_fails=3 fail_timeout=10s max_conns=24") == routes
+    assert text.count("backup max_fails=0;") == routes and text.count("max_fails=3 fail_timeout=10s max_conns=24") == routes
     assert "non_idempotent" in text and "proxy_read_timeout 1500ms" in text
+    # overload is not failure: nginx counts every status of proxy_next_upstream toward max_fails; 503/429 go by error_page only
+    next_upstream = next(line for line in text.splitlines() if "proxy_next_upstream " in line and "error" in line)
+    assert "http_503" not in next_upstream and "http_429" not in next_upstream and "error_page 500 502 504 503 429 = @route_verdict;" in text
+    assert "keepalive_timeout 0;" in text and text.count("location = /quantgate-probe/route") == routes
 
 
 @needs_nginx
