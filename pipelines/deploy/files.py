@@ -2,13 +2,16 @@
 
 - serve.sh: the vLLM command with the measured arguments (pipelines/deploy/spec.py says where each came from);
 - prometheus.yml: a scrape config for the server (its job named after the model) that loads the alert rules;
-- alert-rules.yml: one rule per watched figure, its threshold the same limit `quantize watch` holds the version to
-  (pipelines/watch/verdict.py: the tighter of the policy's production SLO and the load test's own figure x tolerance),
-  over the same window, plus the target being down;
+- alert-rules.yml: multiwindow burn-rate alerts (page, ticket) on the SLOs, errors and latency over the same limits
+  `quantize watch` holds the version to (pipelines/deploy/slo.py), a page on any corrupted request (NaN logits), a ticket on
+  overload (admission rejections), a ticket per capacity figure outside the envelope over one window (pipelines/watch/verdict.py:
+  the tighter of the policy's production SLO and the load test's own figure x tolerance), a page when the target is down;
+- alert-rules.test.yml: `promtool test rules` input that must fire each alert and must not (pipelines/deploy/rule_tests.py);
 - grafana-dashboard.json: a dashboard of the same figures, each panel with its limit as a threshold line;
 - spec.json: the served spec, the limits and where each came from.
 
-Both Prometheus files are checked by Prometheus' own `promtool check config` in the tests (Debian's prometheus package).
+The Prometheus files are checked by Prometheus' own `promtool check config|rules` and `promtool test rules` in the tests
+(Debian's prometheus package).
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from typing import Any
 
 import yaml
 
+from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, duration, error_rates, job_name, selector
+from pipelines.deploy.rule_tests import rule_tests
+from pipelines.deploy.slo import SLO_FIGURES, health_rules, slo_rules, slos
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir, folder_mode
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import VLLM_SERVER_MODULE
-from pipelines.watch.series import API_HANDLER_PREFIX
 from pipelines.watch.verdict import FigureLimit, limits
 
-SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, DASHBOARD, SPEC_FILE = (
-    "serve.sh", "prometheus.yml", "alert-rules.yml", "grafana-dashboard.json", "spec.json")
-DEPLOY_FILES = (SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, DASHBOARD, SPEC_FILE)
+SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, ALERT_TESTS, DASHBOARD, SPEC_FILE = (
+    "serve.sh", "prometheus.yml", "alert-rules.yml", "alert-rules.test.yml", "grafana-dashboard.json", "spec.json")
+DEPLOY_FILES = (SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, ALERT_TESTS, DASHBOARD, SPEC_FILE)
 WRITTEN_BY = "quantize deploy"
 
 
@@ -45,34 +50,9 @@ class DeploySettings(FrozenModel):
     alert_for_s: int = 60
 
 
-def job_name(spec: ServedSpec) -> str:
-    return f"quantgate-{spec.model}"
-
-
-def _duration(seconds: float) -> str:
-    return f"{int(seconds)}s"
-
-
-def _selector(spec: ServedSpec, extra: str = "") -> str:
-    return "{" + f'job="{job_name(spec)}"' + (f",{extra}" if extra else "") + "}"
-
-
-def error_rates(spec: ServedSpec, window_s: int) -> tuple[str, str]:
-    """PromQL of the engine's and the HTTP layer's error rates over one window; the error rate is the larger
-    (pipelines/watch/figures.py)."""
-    w, sel = _duration(window_s), _selector(spec)
-    api = f'handler=~"{API_HANDLER_PREFIX}.*"'
-    failed, server_error, not_client_error = 'finished_reason=~"error|abort"', f'{api},status="5xx"', f'{api},status!="4xx"'
-    engine = (f"sum(increase(vllm:request_success_total{_selector(spec, failed)}[{w}]))"
-              f" / sum(increase(vllm:request_success_total{sel}[{w}]))")
-    http = (f"sum(increase(http_requests_total{_selector(spec, server_error)}[{w}]))"
-            f" / sum(increase(http_requests_total{_selector(spec, not_client_error)}[{w}]))")
-    return engine, http
-
-
 def figure_queries(spec: ServedSpec, window_s: int) -> dict[str, str]:
     """PromQL for each watched figure but the error rate (error_rates) over one window, as `quantize watch` computes it."""
-    w, sel = _duration(window_s), _selector(spec)
+    w, sel = duration(window_s), selector(spec)
 
     def quantile(q: float, base: str) -> str:
         return f"histogram_quantile({q}, sum by (le) (rate({base}_bucket{sel}[{w}])))"
@@ -87,30 +67,28 @@ def figure_queries(spec: ServedSpec, window_s: int) -> dict[str, str]:
     }
 
 
-_ALERT_NAMES = {
-    "ttft_p95_s": ("TtftP95", "p95 time to first token"), "itl_p95_s": ("ItlP95", "p95 inter-token latency"),
-    "error_rate": ("ErrorRate", "error rate"), "kv_cache_usage": ("KvCacheUsage", "peak KV cache usage"),
-    "preemptions": ("Preemptions", "preemptions"), "waiting_p95": ("QueueLength", "p95 of waiting requests"),
-    "memory_bytes": ("Memory", "API server memory"),
+_ALERT_NAMES = {  # the envelope's capacity figures; the SLO figures have burn-rate rules (pipelines/deploy/slo.py)
+    "kv_cache_usage": ("KvCacheUsage", "peak KV cache usage"), "preemptions": ("Preemptions", "preemptions"),
+    "waiting_p95": ("QueueLength", "p95 of waiting requests"), "memory_bytes": ("Memory", "API server memory"),
 }
 
 
 def alert_rules(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
+    """One group: the SLOs' recording rules and burn-rate alerts, corrupted output and overload, a ticket per capacity figure
+    outside the envelope over one window, a page when the target is down."""
     envelope = spec.require_envelope()
-    queries = figure_queries(spec, settings.window_s)
     labels = {"model": spec.model, "version": str(spec.version), "served_name": spec.served_name}
-    rules: list[dict[str, Any]] = []
+    rules = slo_rules(spec, labels) + health_rules(spec, settings.window_s, settings.alert_for_s, labels)
+    queries = figure_queries(spec, settings.window_s)
     for limit in limits(envelope):
+        if limit.figure in SLO_FIGURES:
+            continue
         name, words = _ALERT_NAMES[limit.figure]
-        if limit.figure == "error_rate":  # the larger of two rates: either over the limit
-            expr = " or ".join(f"({rate}) > {limit.limit:g}" for rate in error_rates(spec, settings.window_s))
-        else:
-            expr = f"{queries[limit.figure]} > {limit.limit:g}"
         rules.append({
-            "alert": f"Vllm{name}OutsideEnvelope", "expr": expr, "for": _duration(settings.alert_for_s),
-            "labels": {**labels, "severity": "page", "figure": limit.figure},
+            "alert": f"Vllm{name}OutsideEnvelope", "expr": f"{queries[limit.figure]} > {limit.limit:g}", "for": duration(settings.alert_for_s),
+            "labels": {**labels, "severity": "ticket", "figure": limit.figure},
             "annotations": {
-                "summary": f"{spec.model} v{spec.version}: {words} over {limit.limit:g} in the last {_duration(settings.window_s)}",
+                "summary": f"{spec.model} v{spec.version}: {words} over {limit.limit:g} in the last {duration(settings.window_s)}",
                 "description": f"limit: {limit.source}",
             },
         })
@@ -119,12 +97,12 @@ def alert_rules(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
         "labels": {**labels, "severity": "page", "figure": "up"},
         "annotations": {"summary": f"{spec.model} v{spec.version}: Prometheus cannot scrape the vLLM server", "description": "up == 0"},
     })
-    return {"groups": [{"name": f"quantgate-{spec.model}-v{spec.version}", "interval": _duration(settings.scrape_interval_s),
+    return {"groups": [{"name": f"quantgate-{spec.model}-v{spec.version}", "interval": duration(settings.scrape_interval_s),
                         "rules": rules}]}
 
 
 def prometheus_config(spec: ServedSpec, settings: DeploySettings, rules_file: str = ALERT_RULES) -> dict[str, Any]:
-    interval = _duration(settings.scrape_interval_s)
+    interval = duration(settings.scrape_interval_s)
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [rules_file],
@@ -160,7 +138,7 @@ def dashboard(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
     """A Grafana dashboard (schema 39) of the watched figures, each limit a red threshold."""
     found = {limit.figure: limit for limit in limits(spec.require_envelope())}
     queries = figure_queries(spec, settings.window_s)
-    sel, w = _selector(spec), _duration(settings.window_s)
+    sel, w = selector(spec), duration(settings.window_s)
     panels = [
         _panel("TTFT p50 / p95 / p99 (s)", "s", [f"histogram_quantile({q}, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{sel}[{w}])))"
                                                  for q in (0.5, 0.95, 0.99)], found.get("ttft_p95_s")),
@@ -171,6 +149,8 @@ def dashboard(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
         _panel("Requests / s by finish reason", "reqps", [f"sum by (finished_reason) (rate(vllm:request_success_total{sel}[{w}]))"], None),
         _panel("Error rate: engine (error, abort) and HTTP (5xx)", "percentunit", list(error_rates(spec, settings.window_s)),
                found.get("error_rate")),
+        _panel("Corrupted requests (NaN logits) and admission rejections (overload) per window", "short",
+               [f"sum(increase({CORRUPTED_REQUESTS}{sel}[{w}]))", f"sum(increase({ADMISSION_REJECTIONS}{sel}[{w}]))"], None),
         _panel("KV cache usage", "percentunit", [f"sum(vllm:kv_cache_usage_perc{sel})"], found.get("kv_cache_usage")),
         _panel("Preemptions per window", "short", [queries["preemptions"]], found.get("preemptions")),
         _panel("Running / waiting requests", "short", [f"sum(vllm:num_requests_running{sel})", f"sum(vllm:num_requests_waiting{sel})"],
@@ -218,15 +198,18 @@ def spec_document(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
         "written_by": WRITTEN_BY, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "spec": spec.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
         "limits": [limit.model_dump(mode="json") for limit in limits(envelope)],
+        "slos": [slo.model_dump(mode="json") for slo in slos(spec)],
     }
 
 
 def render_files(spec: ServedSpec, settings: DeploySettings) -> dict[str, str]:
     """File name -> content of every deployment file."""
+    rules = alert_rules(spec, settings)
     return {
         SERVE_SCRIPT: serve_script(spec, settings),
         PROMETHEUS_CONFIG: yaml.safe_dump(prometheus_config(spec, settings), sort_keys=False, width=1000),
-        ALERT_RULES: yaml.safe_dump(alert_rules(spec, settings), sort_keys=False, width=1000),
+        ALERT_RULES: yaml.safe_dump(rules, sort_keys=False, width=1000),
+        ALERT_TESTS: yaml.safe_dump(rule_tests(spec, rules, ALERT_RULES), sort_keys=False, width=1000),
         DASHBOARD: json.dumps(dashboard(spec, settings), indent=2) + "\n",
         SPEC_FILE: json.dumps(spec_document(spec, settings), indent=2) + "\n",
     }

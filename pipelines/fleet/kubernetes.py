@@ -36,7 +36,7 @@ from pipelines.fleet.fit import route_memory
 from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, check_config, find_nginx, max_conns, render_chain, render_config, write_config
 from pipelines.fleet.routes import ResolvedRoute
 from pipelines.schema import StrictModel
-from pipelines.serve.serving import LOOPBACK, MAX_LOGPROBS
+from pipelines.serve.serving import LOOPBACK, MAX_LOGPROBS, MONITORING_ENVIRONMENT
 
 KUBERNETES_VERSION = "1.37"
 VLLM_PORT = 8000
@@ -108,7 +108,8 @@ def route_objects(deployment: Deployment, route: ResolvedRoute, memory_bytes: in
     args = ["--model", model_path(route), "--served-model-name", deployment.model_name, "--host", "0.0.0.0", "--port", str(VLLM_PORT),
             *settings.model_copy(update={"dtype": cluster.dtype}).vllm_args(), "--max-logprobs", str(MAX_LOGPROBS)]
     key = {"secretKeyRef": {"name": f"{deployment.name}-keys", "key": _key_variable(route)}}
-    env: list[dict[str, Any]] = [{"name": "VLLM_API_KEY", "valueFrom": key}]
+    env: list[dict[str, Any]] = [{"name": "VLLM_API_KEY", "valueFrom": key}, *({"name": name, "value": value}
+                                                                              for name, value in MONITORING_ENVIRONMENT.items())]
     memory = f"{math.ceil(memory_bytes / MiB)}Mi"
     resources: dict[str, dict[str, str]] = {"requests": {"cpu": str(cluster.cpus), "memory": memory}, "limits": {"memory": memory}}
     if cluster.target == "gpu":

@@ -181,6 +181,11 @@ class ProductionSlo(FrozenModel):
                                     description="requests waiting for a slot, p95 over a window; default: the measured max_num_seqs")
     envelope_tolerance: float = Field(default=1.5, ge=1, le=MAX_RATIO, allow_inf_nan=False,
                                       description="latency and memory may pass the load test's own figure by this factor")
+    e2e_p95_ms: Milliseconds | None = Field(default=None, description="p95 end-to-end request latency over a window; default: none "
+                                                                      "(the load test measures no end-to-end figure to derive one from)")
+    latency_slo_target: float = Field(default=0.95, gt=0, lt=1, allow_inf_nan=False,
+                                      description="share of requests (ITL: of token gaps) within each latency limit that the deployed "
+                                                  "burn-rate alerts hold; 0.95 is what a p95 limit means")
 
 
 class PerformancePolicy(FrozenModel):
@@ -251,7 +256,7 @@ class ComparisonOverrides(_Override):
 
 
 class ProductionOverrides(_Override):
-    _NOT_NULL = ("max_error_rate", "max_kv_cache_usage", "max_preemptions", "envelope_tolerance")
+    _NOT_NULL = ("max_error_rate", "max_kv_cache_usage", "max_preemptions", "envelope_tolerance", "latency_slo_target")
 
     ttft_p95_ms: Milliseconds | None = None
     itl_p95_ms: Milliseconds | None = None
@@ -260,6 +265,8 @@ class ProductionOverrides(_Override):
     max_preemptions: int | None = Field(default=None, ge=0, le=10**9)
     max_waiting: int | None = Field(default=None, ge=0, le=10**9)
     envelope_tolerance: float | None = Field(default=None, ge=1, le=MAX_RATIO, allow_inf_nan=False)
+    e2e_p95_ms: Milliseconds | None = None
+    latency_slo_target: float | None = Field(default=None, gt=0, lt=1, allow_inf_nan=False)
 
 
 class PerformanceOverrides(_Override):

@@ -44,10 +44,18 @@ HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",
     "batch_tokens": "vllm:iteration_tokens_total",
 }
-# The first bucket bound (seconds) of the latency histograms a limit is held against: vLLM's defaults
-# (vllm/v1/metrics/buckets.py of the pinned vLLM; a server started with --custom-histogram-buckets has others). Below it a
-# p95 cannot be told apart from zero: pipelines/watch/verdict.py raises a limit there to that bound.
-FIRST_LATENCY_BUCKET_S = {"ttft": 0.001, "itl": 0.01}
+# The bucket bounds (seconds) of the latency histograms a limit is held against: vLLM's defaults (vllm/v1/metrics/buckets.py
+# of the pinned vLLM; a server started with --custom-histogram-buckets has others). Below the first bound a p95 cannot be told
+# apart from zero: pipelines/watch/verdict.py raises a limit there to that bound. The burn-rate alert rules count the requests
+# over the first bound at or above each limit (pipelines/deploy/slo.py).
+LATENCY_BUCKETS_S = {
+    "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+             640.0, 2560.0),
+    "itl": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+    "e2e": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+            7680.0),
+}
+FIRST_LATENCY_BUCKET_S = {key: bounds[0] for key, bounds in LATENCY_BUCKETS_S.items()}
 # figure key -> gauge sample name, summed over series at each sample time
 GAUGES = {
     "kv_cache_usage": "vllm:kv_cache_usage_perc",

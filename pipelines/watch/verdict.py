@@ -52,6 +52,9 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
                     source="policy production.max_waiting" if production.max_waiting is not None
                     else f"the measured max_num_seqs ({envelope.max_waiting}): a queue longer than one full batch"),
     ]
+    if production.e2e_p95_ms is not None:
+        found.append(_at_resolution("e2e_p95_s", production.e2e_p95_ms / 1000, FIRST_LATENCY_BUCKET_S["e2e"],
+                                    f"policy production.e2e_p95_ms {production.e2e_p95_ms:g} ms"))
     if envelope.memory_limit_bytes is not None and envelope.peak_memory_bytes is not None:
         found.append(FigureLimit(figure="memory_bytes", limit=float(envelope.memory_limit_bytes),
                                  source=f"load test's memory watermark {envelope.peak_memory_bytes / 2**20:.0f} MiB x {tolerance:g} "

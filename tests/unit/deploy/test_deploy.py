@@ -17,7 +17,7 @@ from test_loadtest_runner import gate, servers, tool  # noqa: F401 (fixtures)
 from pipelines.cli import main
 from pipelines.deploy.files import dashboard_expressions
 from pipelines.registry.store import Registry
-from pipelines.watch.series import FIRST_LATENCY_BUCKET_S
+from pipelines.watch.series import FIRST_LATENCY_BUCKET_S, LATENCY_BUCKETS_S
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -43,22 +43,30 @@ def test_deploy_writes_files_promtool_accepts_with_limits_from_the_load_test(too
     out = tmp_path / "deploy"
     assert deploy(workspace, out, "--json", "--window", "2m", "--alert-for", "0s", "--metrics-target", "127.0.0.1:9000") == 0
     result = json.loads(capsys.readouterr().out)
-    assert sorted(p.name for p in out.iterdir()) == ["alert-rules.yml", "grafana-dashboard.json", "prometheus.yml", "serve.sh", "spec.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["alert-rules.test.yml", "alert-rules.yml", "grafana-dashboard.json", "prometheus.yml",
+                                                     "serve.sh", "spec.json"]
     checked = promtool("check", "config", str(out / "prometheus.yml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS" in checked.stdout and "alert-rules.yml" in checked.stdout
     rules = yaml.safe_load((out / "alert-rules.yml").read_text())["groups"][0]["rules"]
-    by_figure = {rule["labels"]["figure"]: rule for rule in rules}
-    assert set(by_figure) == {"ttft_p95_s", "itl_p95_s", "error_rate", "kv_cache_usage", "preemptions", "waiting_p95", "memory_bytes", "up"}
+    by_figure = {rule["labels"]["figure"]: rule for rule in rules if "alert" in rule and rule["labels"]["severity"] != "page"
+                 or rule.get("alert") in ("VllmTargetDown", "VllmCorruptedRequests")}
+    assert set(by_figure) == {"ttft_p95_s", "itl_p95_s", "error_rate", "kv_cache_usage", "preemptions", "waiting_p95", "memory_bytes", "up",
+                              "corrupted_requests", "admission_rejections"}
     candidate = Registry(workspace.registry).show("demo-llama", version).gate.performance.figures("candidate")
     ttft = candidate.at(16).ttft_ms.p95
     held = max(min(2.0, ttft * 1.5 / 1000), FIRST_LATENCY_BUCKET_S["ttft"])  # not below vLLM's first TTFT bucket bound
-    assert by_figure["ttft_p95_s"]["expr"].endswith(f"> {held:g}")
-    assert "[120s]" in by_figure["ttft_p95_s"]["expr"] and by_figure["preemptions"]["for"] == "0s"
+    bound = min(b for b in LATENCY_BUCKETS_S["ttft"] if b >= held)  # the share over the limit is counted at this bucket bound
+    records = {rule["record"]: rule["expr"] for rule in rules if "record" in rule}
+    assert f'le=~"{bound!r}' in records["quantgate:ttft_over_limit:ratio_rate1h"].replace("\\", "")
+    assert "quantgate:ttft_over_limit:ratio_rate3d" in by_figure["ttft_p95_s"]["expr"]  # the ticket; the page holds the 1 h window
+    page = next(rule for rule in rules if rule.get("alert") == "VllmTtftBudgetBurn" and rule["labels"]["severity"] == "page")
+    assert "quantgate:ttft_over_limit:ratio_rate1h" in page["expr"] and "(14.4 * 0.05)" in page["expr"]
+    assert "[2m]" in by_figure["preemptions"]["expr"] and by_figure["preemptions"]["for"] == "0s"
     assert by_figure["waiting_p95"]["expr"].endswith("> 16") and "measured max_num_seqs" in by_figure["waiting_p95"]["annotations"]["description"]
     assert by_figure["memory_bytes"]["expr"].endswith(f"> {float(int(candidate.peak_memory_bytes * 1.5)):g}")
     script = (out / "serve.sh").read_text()
-    assert "export VLLM_CPU_KVCACHE_SPACE=1" in script and "--max-num-seqs 16" in script and "--max-model-len 512" in script
+    assert "export VLLM_CPU_KVCACHE_SPACE=1" in script and "export VLLM_COMPUTE_NANS_IN_LOGITS=1" in script and "--max-num-seqs 16" in script and "--max-model-len 512" in script
     assert f"/promoted/demo-llama/v{version}" in script and "--served-model-name demo-llama" in script
     assert "--disable-log-stats" not in script.split("exec ")[1]
     assert (out / "serve.sh").stat().st_mode & 0o100
@@ -135,3 +143,19 @@ def test_an_itl_limit_comes_from_tpot_when_the_load_test_read_its_stream_in_burs
     assert envelope.itl_p95_limit_ms == basis_ms * envelope.production.envelope_tolerance
     itl = next(limit for limit in limits(envelope) if limit.figure == "itl_p95_s")
     assert ("read in bursts" in itl.source) is bursty
+
+
+def rule_test(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, "test", "rules", "alert-rules.test.yml"], cwd=folder, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_burn_rate_rules_fire_on_the_series_that_must_and_hold_on_those_that_must_not(tool, servers, workspace, tmp_path):
+    promoted(workspace)
+    out = tmp_path / "deploy"
+    assert deploy(workspace, out) == 0
+    checked = promtool("check", "rules", str(out / "alert-rules.yml"))
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    tested = rule_test(out)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+    print(tested.stdout)

@@ -29,7 +29,7 @@ def test_the_spec_serves_the_signed_bundle_with_the_measured_arguments(tool, ser
     assert spec.args.max_num_seqs == tuning.measured_max_num_seqs == 16
     assert spec.args.max_model_len == 512 and spec.args.cpu_kv_cache_gib == 1 and spec.args.dtype == "bfloat16"
     assert "measured" in spec.args.sources["max_num_seqs"]
-    assert spec.args.environment() == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert spec.args.environment() == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_COMPUTE_NANS_IN_LOGITS": "1"}
     cli = spec.args.cli_args()
     assert cli[:4] == ["--dtype", "bfloat16", "--max-model-len", "512"] and cli[cli.index("--max-num-seqs") + 1] == "16"
     envelope = spec.require_envelope()
