@@ -18,6 +18,7 @@ from pipelines.deploy.spec import served_spec
 from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError
 from pipelines.registry.store import open_registry
 from pipelines.settings import current as current_settings
+from pipelines.watch.exposition import metrics_url
 from pipelines.watch.report import WatchReport, WindowReport
 from pipelines.watch.session import WatchSettings, default_folder, finish, watch
 from pipelines.watch.shadow import read_sample, shadow_report
@@ -28,8 +29,8 @@ MAX_WINDOWS = 10_000
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("watch", description="Read a deployed vLLM server's metrics window by window and hold each figure to "
                                    "the envelope its registry version was promoted on (exit 0 within, 1 breach, 2 error).")
-    parser.add_argument("--url", required=True, help="the vLLM server's metrics page, e.g. http://127.0.0.1:8000/metrics (with "
-                        "--prometheus: the target as Prometheus scrapes it)")
+    parser.add_argument("--url", required=True, help="the vLLM server: its base URL, e.g. http://127.0.0.1:8000, or its metrics page, "
+                        "http://127.0.0.1:8000/metrics (with --prometheus: the target as Prometheus scrapes it)")
     parser.add_argument("--version", metavar="NAME@ALIAS", default=None,
                         help="the registry version deployed there (verified first); without it, the figures alone and exit 0")
     parser.add_argument("--served-name", default=None, help="the model name the server serves, when deployed under another than the "
@@ -56,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _watch(args: argparse.Namespace) -> int:
     _check_options(args)
+    if args.prometheus is None:
+        args.url = metrics_url(args.url)  # the page read live, whichever of the server's URLs was given
     registry = open_registry(args.registry) if args.version else None
     # The runtime is compared where it can be read: a server on this machine (a remote one runs on its own host's).
     spec = served_spec(args.version, registry=registry, served_name=args.served_name,
