@@ -8,7 +8,8 @@
     quantize serve drill [NAME]                        under a bounded load, crash then hang the primary: what was answered, by whom
 
 The work is in pipelines/fleet (docs/fleet.md). Exit 0 on success (a deployment stopped by Ctrl-C, SIGTERM or `serve stop`
-ends with 0 and its traffic summary), 2 on every error: bad input starts nothing.
+ends with 0 and its traffic summary; a drill whose every criterion held), 1 when a drill's criterion failed (a request
+lost, a route not answering again within its bound, no working fallback), 2 on every error: bad input starts nothing.
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def _drill(args: argparse.Namespace) -> int:
 
     folder, _ = find_state(args.target)
     settings = DrillSettings(requests=args.requests, concurrency=args.concurrency, rate=args.rate, hang_s=args.hang_s, recover_s=args.recover_s)
-    emit(run_drill(folder, settings), as_json=args.json, render=_render_drill)
-    return 0
+    report = run_drill(folder, settings)
+    emit(report, as_json=args.json, render=_render_drill)
+    return 0 if report.passed else 1
 
 
 def _export(args: argparse.Namespace, source: Path) -> int:
@@ -168,9 +170,9 @@ def _render_final(state: ServeState) -> None:
     if traffic is None:
         say(f"deployment {state.name} stopped; no traffic")
         return
-    rows = [[route.label, route.answered, sum(route.failed.values()), route.skipped_breaker_open, route.skipped_at_max_conns]
+    rows = [[route.label, route.answered, route.busy, sum(route.failed.values()), route.skipped_breaker_open, route.skipped_at_max_conns]
             for route in traffic.routes]
-    columns = ["route", "answered", "failed", "skipped (breaker)", "skipped (max_conns)"]
+    columns = ["route", "answered", "busy (503/429)", "failed", "skipped (breaker)", "skipped (max_conns)"]
     say(table(f"deployment {state.name}: {traffic.requests} requests, {traffic.answered} answered", columns, rows))
     for why, count in traffic.failed.items():
         say(f"not answered: {count} x {why}")
@@ -187,6 +189,7 @@ def _render_status(report) -> None:
               ["route", "serves", "port", "process", "/health", "breaker", "answered", "failed", "last 60 s", "timeout", "restarts", "why"], rows))
     failed = ", ".join(f"{count} x {why}" for why, count in report.failed.items()) or "none"
     say(f"requests: {report.requests}, answered {report.answered}, not answered: {failed}; last 60 s: {report.recent_requests}")
+    say(f"turned away with no route answering: {report.busy} x 529 (a route busy), {report.down} x 503 (every route down)")
     for line in report.breaker_events:
         say(f"breaker: {line}")
 
@@ -211,3 +214,8 @@ def _render_drill(report) -> None:
         say(f"{_clock(fault.at)} {fault.kind} of pid {fault.pid}: {fault.in_flight} requests in flight{back}")
     for event in report.breaker:
         say(f"{_clock(event.at)} breaker {event.route} {event.kind} ({event.why})")
+    rows = [[item.name, "-" if item.measured is None else f"{item.measured:g}", f"{item.rule} {item.limit:g} {item.unit}",
+             "ok" if item.passed else "FAILED", item.detail] for item in report.criteria]
+    say(table("the drill's criteria", ["criterion", "measured", "limit", "verdict", "detail"], rows))
+    failed = [item.name for item in report.criteria if not item.passed]
+    say("drill passed: every criterion held" if report.passed else f"drill FAILED: {'; '.join(failed)}")

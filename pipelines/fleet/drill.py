@@ -11,6 +11,14 @@ bounded in time) goes through the deployment's endpoint while the drill, in orde
 Every request is recorded at the client (sent, answered with which route: the proxy's X-Quantgate-Route header, or
 failed and why); the breaker's open and close times come from the supervisor's reading of nginx's logs (state.json).
 Loopback only: the endpoint is the deployment's own, on 127.0.0.1.
+
+The verdict is a list of criteria, each with its measured figure and its limit; the drill passes when all hold:
+- a working fallback: at least one route after the faulted one is up before any fault (else no fault is run: the
+  chain would have nothing to fall back to, and the drill fails at once);
+- no request lost: every request sent got an answer (0 lost);
+- the crash: the supervisor restarted the route within recover_s, and the route answered again within its breaker's
+  bound (state.json's breaker_close_bound_s, supervisor.breaker_close_bound_s) after the restart;
+- the hang: the route answered again within that bound after SIGCONT.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import Field
@@ -29,7 +38,7 @@ from pydantic import Field
 from pipelines.console.output import progress
 from pipelines.errors import InputError, QuantGateError, ServeError
 from pipelines.fleet.nginx import ROUTE_HEADER
-from pipelines.fleet.state import ServeState, read_state, supervisor_alive
+from pipelines.fleet.state import RouteState, ServeState, read_state, supervisor_alive
 from pipelines.fleet.traffic import BreakerEvent
 from pipelines.schema import StrictModel
 
@@ -70,7 +79,27 @@ class Fault(StrictModel):
     at: float
     pid: int
     in_flight: int = Field(description="requests the client had in flight at that moment")
+    ended_at: float | None = Field(default=None, description="when the fault ended: the restart done (a crash), SIGCONT (a hang); "
+                                                             "None when the route was not restarted within recover_s")
     recovered_at: float | None = Field(default=None, description="when the route answered a request sent after the fault ended")
+    story: str = Field(default="", description="where the route was and what the supervisor said, when it did not come back")
+
+
+class Criterion(StrictModel):
+    """One pass criterion of the drill: its measured figure against its limit."""
+
+    name: str
+    measured: float | None = Field(description="None: not measured (the step before it failed)")
+    rule: Literal["at most", "at least"]
+    limit: float
+    unit: str
+    passed: bool
+    detail: str = ""
+
+
+def criterion(name: str, measured: float | None, rule: Literal["at most", "at least"], limit: float, unit: str, detail: str = "") -> Criterion:
+    holds = measured is not None and (measured <= limit if rule == "at most" else measured >= limit)
+    return Criterion(name=name, measured=measured, rule=rule, limit=limit, unit=unit, passed=holds, detail=detail)
 
 
 class DrillReport(StrictModel):
@@ -88,6 +117,12 @@ class DrillReport(StrictModel):
     restarts: int
     latency_p50_s: float | None
     latency_max_s: float | None
+    criteria: list[Criterion]
+    passed: bool = Field(description="every criterion held: exit 0; else exit 1")
+
+    @property
+    def lost(self) -> int:
+        return self.sent - self.answered
 
 
 class Load:
@@ -151,14 +186,15 @@ def _route_pid(folder: Path, label: str) -> tuple[int, ServeState]:
     return route.pid, state
 
 
-def _wait(what: str, done: Callable[[], bool], deadline: float, load: Load, folder: Path) -> None:
+def _wait(what: str, done: Callable[[], bool], deadline: float, load: Load) -> bool:
+    """Whether `done` came true by the deadline; an error when the load ran out first (the drill could not tell)."""
     while time.time() < deadline:
         if done():
-            return
+            return True
         if load.count >= load.settings.requests and not load.in_flight:
             raise ServeError(f"drill: the load ran out ({load.settings.requests} requests) before {what}; give it more with --requests")
         time.sleep(POLL_S)
-    raise ServeError(f"drill: {what} did not happen within recover_s ({load.settings.recover_s:g} s); {_route_story(folder, load.settings.route)}")
+    return False
 
 
 def _route_story(folder: Path, label: str) -> str:
@@ -173,14 +209,26 @@ def _route_story(folder: Path, label: str) -> str:
     return f"{where}; the supervisor said: {said}"
 
 
+def _fallbacks_up(state: ServeState, label: str) -> tuple[int, str]:
+    """How many routes after `label` in the chain are up, and what the others are doing."""
+    index = next(index for index, route in enumerate(state.routes) if route.label == label)
+    after = state.routes[index + 1:]
+    down = "; ".join(f"{route.label} {route.status}{f' ({route.why})' if route.why else ''}" for route in after if route.status != "up")
+    return sum(route.status == "up" for route in after), down or f"{len(after)} fallback(s) up"
+
+
 def run_drill(folder: Path, settings: DrillSettings) -> DrillReport:
     """The drill on the deployment whose run folder is `folder` (module docstring); bounded by recover_s per fault."""
     state = read_state(folder)
     if not supervisor_alive(state) or state.phase != "serving":
         raise InputError(f"deployment {state.name!r} is not serving ({state.phase}); start it with `quantize serve FILE`", field="DEPLOYMENT")
+    _, state = _route_pid(folder, settings.route)
+    began = time.time()
+    up, why = _fallbacks_up(state, settings.route)
+    if not up:  # a fault now is an outage the drill would cause: the verdict is known
+        return _report(state, settings, [], [], began, fallbacks=(up, why))
     key = Path(state.client_key_file).read_text().strip()
     load = Load(state, key, settings)
-    began = time.time()
     faults: list[Fault] = []
     with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
         for _ in range(settings.concurrency):
@@ -188,12 +236,13 @@ def run_drill(folder: Path, settings: DrillSettings) -> DrillReport:
         try:
             time.sleep(settings.warmup_s)
             faults.append(_crash(folder, load, settings))
-            faults.append(_hang(folder, load, settings))
+            if faults[0].ended_at is not None:
+                faults.append(_hang(folder, load, settings))
         finally:
             load.stop.set()
     time.sleep(2 * POLL_S + 1.0)  # the supervisor folds the proxy's logs once a second
     final = read_state(folder)
-    return _report(final, settings, load.sent, faults, began)
+    return _report(final, settings, load.sent, faults, began, fallbacks=(up, why))
 
 
 def _crash(folder: Path, load: Load, settings: DrillSettings) -> Fault:
@@ -210,11 +259,15 @@ def _crash(folder: Path, load: Load, settings: DrillSettings) -> Fault:
         route = next(route for route in read_state(folder).routes if route.label == settings.route)
         return route.restarts > restarts and route.status == "up"
 
-    _wait(f"the restart of {settings.route}", restarted, deadline, load, folder)
+    fault = Fault(kind="SIGKILL (crash)", at=at, pid=pid, in_flight=in_flight)
+    if not _wait(f"the restart of {settings.route}", restarted, deadline, load):
+        return fault.model_copy(update={"story": _route_story(folder, settings.route)})
     back = time.time()
     progress(f"drill: {settings.route} restarted after {back - at:.1f} s; waiting for it to answer")
-    _wait(f"an answer from {settings.route} after its restart", lambda: load.answered_by_since(settings.route, back), deadline, load, folder)
-    return Fault(kind="SIGKILL (crash)", at=at, pid=pid, in_flight=in_flight, recovered_at=time.time())
+    answered = _wait(f"an answer from {settings.route} after its restart", lambda: load.answered_by_since(settings.route, back),
+                     back + settings.recover_s, load)
+    return fault.model_copy(update={"ended_at": back, "recovered_at": time.time() if answered else None,
+                                    "story": "" if answered else _route_story(folder, settings.route)})
 
 
 def _hang(folder: Path, load: Load, settings: DrillSettings) -> Fault:
@@ -231,12 +284,32 @@ def _hang(folder: Path, load: Load, settings: DrillSettings) -> Fault:
         os.killpg(group, signal.SIGCONT)
     resumed = time.time()
     progress(f"drill: SIGCONT to {settings.route}; waiting for it to answer again")
-    _wait(f"an answer from {settings.route} after SIGCONT", lambda: load.answered_by_since(settings.route, resumed), resumed + settings.recover_s,
-          load, folder)
-    return Fault(kind=f"SIGSTOP for {settings.hang_s:g} s (hang)", at=at, pid=pid, in_flight=in_flight, recovered_at=time.time())
+    answered = _wait(f"an answer from {settings.route} after SIGCONT", lambda: load.answered_by_since(settings.route, resumed),
+                     resumed + settings.recover_s, load)
+    return Fault(kind=f"SIGSTOP for {settings.hang_s:g} s (hang)", at=at, pid=pid, in_flight=in_flight, ended_at=resumed,
+                 recovered_at=time.time() if answered else None, story="" if answered else _route_story(folder, settings.route))
 
 
-def _report(state: ServeState, settings: DrillSettings, sent: list[Sent], faults: list[Fault], began: float) -> DrillReport:
+def _criteria(state: ServeState, settings: DrillSettings, lost: int, faults: list[Fault], fallbacks: tuple[int, str]) -> list[Criterion]:
+    """The verdict's criteria (module docstring), in the order the drill meets them."""
+    route: RouteState = next(route for route in state.routes if route.label == settings.route)
+    bound = route.breaker_close_bound_s or settings.recover_s
+    out = [criterion("a working fallback", fallbacks[0], "at least", 1, "routes up after " + settings.route, fallbacks[1])]
+    if not fallbacks[0]:
+        return out
+    out.append(criterion("no request lost", lost, "at most", 0, "requests"))
+    crash = faults[0] if faults else None
+    restart = crash.ended_at - crash.at if crash is not None and crash.ended_at is not None else None
+    out.append(criterion(f"crash: {settings.route} restarted", restart, "at most", settings.recover_s, "s", crash.story if crash else ""))
+    for fault, what in ((crash, "crash"), (faults[1] if len(faults) > 1 else None, "hang")):
+        took = fault.recovered_at - fault.ended_at if fault is not None and fault.recovered_at and fault.ended_at else None
+        out.append(criterion(f"{what}: {settings.route} answered again (its breaker closed)", took, "at most", round(bound, 1), "s",
+                             fault.story if fault is not None and took is None else "after the restart" if what == "crash" else "after SIGCONT"))
+    return out
+
+
+def _report(state: ServeState, settings: DrillSettings, sent: list[Sent], faults: list[Fault], began: float, *,
+            fallbacks: tuple[int, str]) -> DrillReport:
     answered_by: dict[str, int] = {}
     failed: dict[str, int] = {}
     for item in sent:
@@ -247,9 +320,11 @@ def _report(state: ServeState, settings: DrillSettings, sent: list[Sent], faults
             failed[why] = failed.get(why, 0) + 1
     latencies = sorted(item.ended - item.started for item in sent if item.ok)
     breaker = [event for event in (state.traffic.breaker if state.traffic else []) if event.at >= began - 1]
+    criteria = _criteria(state, settings, len(sent) - sum(answered_by.values()), faults, fallbacks)
     return DrillReport(
         deployment=state.name, endpoint=state.endpoint, settings=settings, started_at=began, ended_at=time.time(), sent=len(sent),
         answered=sum(answered_by.values()), answered_by=answered_by, failed=failed, faults=faults, breaker=breaker,
         restarts=sum(route.restarts for route in state.routes),
         latency_p50_s=latencies[len(latencies) // 2] if latencies else None, latency_max_s=latencies[-1] if latencies else None,
+        criteria=criteria, passed=all(item.passed for item in criteria),
     )

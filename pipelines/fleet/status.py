@@ -5,7 +5,10 @@ A route is live when nginx would send a new request to it: its server runs, answ
 closed; the live route is the first such route in chain order, and every route before it says why it is passed
 over (its process died, it is being restarted, it does not answer /health: hung, its breaker is open since when and
 after which failures, it turned requests away at max_conns). The deployment is degraded when the live route is not
-the primary. The last minute of the access log says which routes actually answered.
+the primary, and says so when no fallback runs (one that could not start: the chain has no working fallback). The
+last minute of the access log says which routes actually answered; the traffic tells overload from failure: requests
+a route turned away busy (503/429, handed down the chain), and requests no route answered, 529 (one was busy) apart
+from 503 (every route down).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+from pydantic import Field
 
 from pipelines.fleet.state import Event, RouteState, ServeState, supervisor_alive
 from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
@@ -36,6 +40,7 @@ class RouteReport(StrictModel):
     health: Health
     breaker: str
     answered: int
+    busy: int = Field(description="requests it turned away busy (503/429): handed down the chain, not failures")
     failed: int
     recent_answered: int
     timeout_s: float
@@ -57,6 +62,9 @@ class StatusReport(StrictModel):
     requests: int
     answered: int
     failed: dict[str, int]
+    busy: int = Field(description="requests no route answered while one was busy: 529")
+    down: int = Field(description="requests no route answered, every route down: 503")
+    fallbacks_up: int = Field(description="routes after the primary that run (0: the chain has no working fallback)")
     recent_requests: int
     last_answered_by: str | None
     breaker_events: list[str]
@@ -106,11 +114,14 @@ def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, runn
                        .get(health, f"/health: {health}"))
     if traffic is not None and traffic.skipped_at_max_conns:
         reasons.append(f"turned {traffic.skipped_at_max_conns} requests away at max_conns (overload)")
+    if traffic is not None and traffic.busy:
+        reasons.append(f"answered {traffic.busy} requests busy (503/429: its queue full), handed down the chain")
     available = running and state.status == "up" and health == "ok" and breaker == "closed"
     serves = f"{state.model} v{state.version}" if state.kind == "version" else f"16-bit base of {state.model} v{state.version}"
     return RouteReport(
         label=state.label, ref=state.ref, serves=serves, port=state.port, status=state.status, health=health, breaker=breaker,
-        answered=traffic.answered if traffic else 0, failed=sum(traffic.failed.values()) if traffic else 0, recent_answered=recent_answered,
+        answered=traffic.answered if traffic else 0, busy=traffic.busy if traffic else 0, failed=sum(traffic.failed.values()) if traffic else 0,
+        recent_answered=recent_answered,
         timeout_s=state.timeout_s, restarts=state.restarts, available=available, why="; ".join(reasons) or "serving",
     )
 
@@ -126,6 +137,7 @@ def status_report(state: ServeState) -> StatusReport:
         health = probe(route.port if route.status == "up" else None) if running else "not running"
         rows.append(_route(route, traffic.routes[index] if traffic and index < len(traffic.routes) else None, health, running, answered))
     live = next((row for row in rows if row.available), None)
+    fallbacks_up = sum(route.status == "up" for route in state.routes[1:])
     if not running:
         why = f"not running ({state.phase}{' at ' + _clock(state.stopped_at) if state.stopped_at else ''})"
     elif live is None:
@@ -134,10 +146,13 @@ def status_report(state: ServeState) -> StatusReport:
         passed = [f"{row.label}: {row.why}" for row in rows[: rows.index(live)]]
         why = f"{live.label} is the first route that runs, answers /health and has its breaker closed" + (
             f"; passed over: {'; '.join(passed)}" if passed else "")
+    if running and len(state.routes) > 1 and not fallbacks_up:
+        why += "; the chain has no working fallback: " + "; ".join(f"{row.label}: {row.why}" for row in rows[1:])
     return StatusReport(
         name=state.name, running=running, phase=state.phase, endpoint=state.endpoint, served_model_name=state.served_model_name,
         live_route=live.label if live else None, degraded=running and (live is None or live.label != rows[0].label), why=why, routes=rows,
         requests=traffic.requests if traffic else 0, answered=traffic.answered if traffic else 0, failed=dict(traffic.failed) if traffic else {},
+        busy=traffic.busy if traffic else 0, down=traffic.down if traffic else 0, fallbacks_up=fallbacks_up,
         recent_requests=len(window), last_answered_by=traffic.last_answered_by if traffic else None,
         breaker_events=[f"{_clock(event.at)} {event.route} {event.kind} ({event.why})" for event in (traffic.breaker if traffic else [])][-20:],
         events=state.events[-10:],
