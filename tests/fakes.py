@@ -140,6 +140,7 @@ class FakeStack:
         self.scored: list[tuple[str, list[str]]] = []
         self.lost = 0
         self.renamed: set[int] = set()
+        self.unstable: set[int] = set()  # items the baseline's second scoring (the noise floor) answers wrong
         self.fail_candidate: BaseException | None = None
 
     @contextmanager
@@ -160,7 +161,7 @@ class FakeStack:
         items = [
             ItemScore(
                 doc_id=i, doc_hash=f"{eval_set.name}-{i}" + ("-other" if candidate and i in self.renamed else ""),
-                value=0.0 if candidate and i < self.lost else 1.0,
+                value=0.0 if (candidate and i < self.lost) or (served_name == "baseline_repeat" and i in self.unstable) else 1.0,
             )
             for i in range(N_ITEMS)
         ]

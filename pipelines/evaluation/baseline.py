@@ -4,7 +4,8 @@ A baseline entry (scores + the KL reference paths) is keyed by the model's conte
 of the eval set's folder (task YAML, data, `!function` helpers), the serve settings, the lm-eval
 arguments, the versions of vLLM, lm-eval, datasets and transformers, SCORING_VERSION and the KL
 method. A candidate entry (scores + per-item KL) is keyed the same way on the artifact's content
-hash, plus the baseline entry it was measured against. A rerun with the same inputs starts no server.
+hash, plus the baseline entry it was measured against. A repeat entry (the baseline scored a second time, for the
+noise floor) is keyed on the baseline entry it repeats. A rerun with the same inputs starts no server.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ class BaselineEntry(BaseModel):
     references: list[Reference]
 
 
+class RepeatEntry(BaseModel):
+    """The baseline's second scoring on the same runtime (the policy's noise_floor: pipelines.gate.noise)."""
+
+    key: str
+    model_hash: str
+    score: SetScore
+    first_key: str  # the BaselineEntry it repeats
+
+
 class CandidateEntry(BaseModel):
     key: str
     model_hash: str
@@ -42,7 +52,7 @@ class CandidateEntry(BaseModel):
     kl_by_doc: dict[int, float | None]
 
 
-Entry = TypeVar("Entry", BaselineEntry, CandidateEntry)
+Entry = TypeVar("Entry", BaselineEntry, CandidateEntry, RepeatEntry)
 
 
 def lm_eval_arguments() -> list[str]:
@@ -85,6 +95,11 @@ def candidate_key(artifact_hash: str, eval_set: EvalSet, settings: ServeSettings
     )
 
 
+def repeat_key(first_key: str) -> str:
+    """The second scoring of a cached baseline: its own entry, keyed on the first's key (its inputs, runtime included)."""
+    return sha256_json({"repeat_of": first_key, "pass": 2})
+
+
 def _entry_path(key: str, cache_dir: Path) -> Path:
     return cache_dir / f"{key}.json"
 
@@ -104,5 +119,5 @@ def load_cached(key: str, cache_dir: Path, entry_type: type[BaseModel] = Baselin
         return None
 
 
-def store(entry: BaselineEntry | CandidateEntry, cache_dir: Path) -> None:
+def store(entry: BaselineEntry | CandidateEntry | RepeatEntry, cache_dir: Path) -> None:
     write_json_atomic(_entry_path(entry.key, cache_dir), entry.model_dump(mode="json"))

@@ -19,28 +19,38 @@ _SHOWN = 5  # doc ids named in an error before "..."
 
 def pair_set(
     eval_set: EvalSet, baseline: SetScore, candidate: SetScore, kl_by_doc: dict[int, float | None], kl_method: str | None,
+    repeat: SetScore | None = None,
 ) -> SetComparison:
-    """The set's paired items; EvalError (exit 2) naming the set if the two runs do not hold the same items."""
-    for role, score in (("baseline", baseline), ("candidate", candidate)):
-        _check_scored_on(eval_set, role, score)
-    base, cand = _by_doc(eval_set, "baseline", baseline), _by_doc(eval_set, "candidate", candidate)
-    _check_same_items(eval_set, base, cand)
-    _check_same_docs(eval_set, base, cand)
+    """The set's paired items; EvalError (exit 2) naming the set if the runs do not hold the same items. `repeat`: the
+    baseline's second scoring (the noise floor), checked against the baseline like the candidate is."""
+    runs = [("candidate", candidate)] + ([("baseline's second scoring", repeat)] if repeat is not None else [])
+    _check_scored_on(eval_set, "baseline", baseline)
+    base = _by_doc(eval_set, "baseline", baseline)
     _check_baseline_finite(eval_set, base)
-    _check_same_counts(eval_set, base, cand)
+    by_role = {}
+    for role, score in runs:
+        _check_scored_on(eval_set, role, score)
+        by_role[role] = other = _by_doc(eval_set, role, score)
+        _check_same_items(eval_set, base, other, role)
+        _check_same_docs(eval_set, base, other, role)
+        _check_same_counts(eval_set, base, other)
+    if repeat is not None:
+        _check_baseline_finite(eval_set, by_role["baseline's second scoring"])
+    cand, again = by_role["candidate"], by_role.get("baseline's second scoring")
     stray = sorted(set(kl_by_doc) - set(base))
     if stray:
         raise EvalError(f"eval set {eval_set.name}: KL measured for items not in the set: {_docs(stray)}")
-    items = [_paired(eval_set, base[doc], cand[doc], kl_by_doc.get(doc)) for doc in sorted(base)]
+    items = [_paired(eval_set, base[doc], cand[doc], kl_by_doc.get(doc), again[doc] if again else None) for doc in sorted(base)]
     try:
         return SetComparison(eval_set=eval_set.name, metric=eval_set.metric, items=items, kl_method=kl_method)
     except ValidationError as error:  # the gate's checks of the whole set: their message, not the input echoed
         raise InputError(error.errors()[0]["msg"].removeprefix("Value error, "), field=f"eval set {eval_set.name}") from None
 
 
-def _paired(eval_set: EvalSet, base: ItemScore, cand: ItemScore, kl: float | None) -> PairedItem:
+def _paired(eval_set: EvalSet, base: ItemScore, cand: ItemScore, kl: float | None, again: ItemScore | None) -> PairedItem:
     try:
-        return PairedItem(item_id=base.item_id, baseline=base.value, candidate=cand.value, kl=kl)
+        return PairedItem(item_id=base.item_id, baseline=base.value, candidate=cand.value, kl=kl,
+                          baseline_repeat=again.value if again is not None else None)
     except ValidationError as error:
         raise from_validation_error(error, f"eval set {eval_set.name}: item {base.item_id}") from None
 
@@ -65,26 +75,26 @@ def _by_doc(eval_set: EvalSet, role: str, score: SetScore) -> dict[int, ItemScor
     return items
 
 
-def _check_same_items(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore]) -> None:
+def _check_same_items(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore], role: str = "candidate") -> None:
     expected = set(range(eval_set.num_items))
     if set(base) == set(cand) == expected:
         return
     gaps = {
         "missing from baseline": expected - set(base),
-        "missing from candidate": expected - set(cand),
+        f"missing from {role}": expected - set(cand),
         "not in the set": (set(base) | set(cand)) - expected,
     }
     detail = "; ".join(f"{label}: {_docs(sorted(docs))}" for label, docs in gaps.items() if docs)
     raise EvalError(
-        f"eval set {eval_set.name}: baseline has {len(base)} items, candidate {len(cand)}, the set {eval_set.num_items}; {detail}"
+        f"eval set {eval_set.name}: baseline has {len(base)} items, {role} {len(cand)}, the set {eval_set.num_items}; {detail}"
     )
 
 
-def _check_same_docs(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore]) -> None:
+def _check_same_docs(eval_set: EvalSet, base: dict[int, ItemScore], cand: dict[int, ItemScore], role: str = "candidate") -> None:
     differing = [doc for doc in sorted(base) if base[doc].doc_hash != cand[doc].doc_hash]
     if differing:
         raise EvalError(
-            f"eval set {eval_set.name}: {len(differing)} item(s) differ between the baseline and candidate runs "
+            f"eval set {eval_set.name}: {len(differing)} item(s) differ between the baseline and {role} runs "
             f"(doc_hash): {_docs(differing)}"
         )
 

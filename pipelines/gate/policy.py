@@ -55,6 +55,9 @@ RelMargin = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=1, le=MAX_ITEMS)]
 Confidence = Annotated[float, Field(ge=0.5, le=0.9999, allow_inf_nan=False)]
 KLAction = Literal["warn", "reject"]
+# Score the 16-bit baseline twice (pipelines.gate.noise): true, false, or auto (pass/fail sets only, where a runtime flip
+# moves a whole item; averaged and corpus metrics move by fractions the second scoring rarely pays for).
+NoiseFloorSetting = Literal[True, False, "auto"]
 DamageShare = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 DEFAULT_CONFIDENCE = 0.95
 DEFAULT_DAMAGE_SHARE = 0.02
@@ -93,6 +96,15 @@ class SetPolicy(FrozenModel):
                     "the tolerance's guarantee covers damage confined to; a set needs ln((1 - confidence) / 3) / ln(1 - damage_share) "
                     "documents (203 at 0.02) to miss such damage at most a third of the error budget's times",
     )
+    noise_floor: NoiseFloorSetting = Field(
+        default="auto",
+        description="score the 16-bit baseline twice: the A/A flips reported, the candidate compared with the mean of both "
+                    "passes, a tolerance under the measured floor refused (docs/guarantees.md); auto: pass/fail sets only",
+    )
+
+    def noise_floor_for(self, kind: str) -> bool:
+        """Whether a set of this metric kind (binary, continuous, corpus) gets the second baseline scoring."""
+        return kind == "binary" if self.noise_floor == "auto" else bool(self.noise_floor)
 
 
 class RuleOverrides(FrozenModel):
@@ -109,8 +121,9 @@ class RuleOverrides(FrozenModel):
     rel_margin: RelMargin | None = None
     max_kl_action: KLAction | None = None
     damage_share: DamageShare | None = None
+    noise_floor: NoiseFloorSetting | None = None
 
-    @field_validator("non_inferiority", "ni_margin", "min_items", "confidence", "max_kl_action", "damage_share")
+    @field_validator("non_inferiority", "ni_margin", "min_items", "confidence", "max_kl_action", "damage_share", "noise_floor")
     @classmethod
     def _not_null(cls, value: object) -> object:
         if value is None:
@@ -170,6 +183,11 @@ class Policy(FrozenModel):
     eval_sets: dict[str, RuleOverrides] = Field(default_factory=dict)
     fit: FitRequirement | None = None
     performance: PerformancePolicy = PerformancePolicy()
+    runtime_change: Literal["refuse", "warn"] = Field(
+        default="refuse",
+        description="a promoted version served on a runtime it was not gated on (another vLLM, torch, host class or kernel): "
+                    "refuse until `quantize regate` passes there, or only warn (docs/registry.md, \"Re-gating\")",
+    )
     max_scoring_time_s: float | None = Field(
         default=None, gt=0, le=MAX_SCORING_TIME_S, allow_inf_nan=False,
         description="refuse (exit 2, before it is scored) a candidate whose probed kernels make its estimated scoring time "

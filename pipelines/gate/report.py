@@ -55,6 +55,16 @@ SAMPLING_MODELS = {
     "corpus": "corpus metric: a bootstrap, simulated not exact; for perplexities, damage reaching at least damage_share of documents",
 }
 RULE_COLUMNS = ["Eval set", *SetPolicy.model_fields]
+NOISE_COLUMNS = [
+    "Eval set", "A/A flips / n", "R->W / W->R", "Rate [exact interval]", "Floor", "Candidate flips on unstable", "Reference",
+    "Unstable items (doc ids)",
+]
+NOISE_NOTE = (
+    "The 16-bit baseline scored twice on this runtime (policy `noise_floor`): the items whose value changed between the "
+    "passes are the runtime's own flips, listed as unstable. The candidate is compared with the mean of both passes (a "
+    "loss or gain on an unstable item counts half; docs/guarantees.md, \"The runtime's noise floor\"), and a tolerance "
+    "under the floor is refused."
+)
 _HEADER_INPUTS = ("model", "artifact", "recipe", "policy")
 
 
@@ -118,6 +128,24 @@ def set_rows(gate: GateResult) -> Rows:
         ]
         for v in gate.sets
     ]
+
+
+def noise_rows(gate: GateResult) -> Rows:
+    """One row per set scored twice (the noise floor); none when no set was."""
+    rows = []
+    for v in gate.sets:
+        f = v.noise_floor
+        if f is None:
+            continue
+        directions = "-" if f.right_to_wrong is None else f"{f.right_to_wrong} / {f.wrong_to_right}"
+        share = "-" if f.candidate_flips is None else f"{f.candidate_flips_on_unstable} of {f.candidate_flips}"
+        docs = ", ".join(item.split(":", 1)[0] for item in f.unstable_items) or "none"
+        rows.append([
+            v.eval_set, f"{f.flips} / {f.n}", directions,
+            f"{f.rate:.2%} [{f.rate_low:.2%}, {f.rate_high:.2%}] ({f.interval_confidence:.0%})",
+            "-" if f.floor is None else f"{f.floor:.2f} {v.unit}", share, f.reference, docs,
+        ])
+    return rows
 
 
 def guarantee_notes(gate: GateResult) -> list[str]:
@@ -264,6 +292,9 @@ def render_markdown(report: GateReport) -> str:
               "tolerance in force. Certifiable: the smallest tolerance an unchanged candidate with this set's observed "
               "discordance passes 80% of the time, and the items the tolerance needs at that discordance. P(reject unchanged): "
               "how often this set rejects an unchanged candidate with that discordance (KL not counted)."]
+    noise = noise_rows(gate)
+    if noise:
+        parts += ["## Runtime noise floor", _md_table(NOISE_COLUMNS, noise), NOISE_NOTE]
     parts += ["## Reasons", _md_list(gate.reasons) if gate.reasons else "None: every rule passed."]
     if gate.warnings:
         parts += ["## Warnings", _md_list(gate.warnings)]
@@ -303,6 +334,9 @@ def render_console(report: GateReport, console: Console | None = None) -> None:
     keep = [i for i, column in enumerate(SET_COLUMNS) if column not in _CONSOLE_SKIP]
     rows = [[row[i] for i in keep] for row in set_rows(gate)]
     out.print(_table("Eval sets (points)", [SET_COLUMNS[i] for i in keep], rows))
+    noise = noise_rows(gate)
+    if noise:
+        out.print(_table("Runtime noise floor (the baseline scored twice)", NOISE_COLUMNS, noise))
     if gate.unchanged_reject_probability is not None and gate.sets:
         out.print(f"Whole run: an unchanged candidate with these discordances is rejected {gate.unchanged_reject_probability:.1%} of the time")
     for title, items, style in (("Reasons", gate.reasons, "red"), ("Warnings", gate.warnings, "yellow")):

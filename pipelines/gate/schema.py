@@ -54,6 +54,24 @@ IntervalMethod = Literal[
 ]
 
 
+class NoiseFloor(StrictModel):
+    """The runtime against itself on one set: the 16-bit baseline scored twice (pipelines.gate.noise)."""
+
+    n: int
+    flips: int = Field(description="items whose value differs between the two baseline passes (both directions)")
+    right_to_wrong: int | None = Field(description="pass/fail: right in the first pass, wrong in the second")
+    wrong_to_right: int | None
+    rate: float = Field(description="flips / n")
+    rate_low: float = Field(description="exact (Clopper-Pearson) two-sided interval of the rate at interval_confidence")
+    rate_high: float
+    interval_confidence: float
+    floor: float | None = Field(description="the rate in the set's unit (points) for metrics in points: tolerances under it are refused")
+    unstable_items: list[str] = Field(description="ids of the items that flipped between the passes")
+    reference: Literal["mean of both passes", "first pass"] = Field(description="what the candidate was compared with")
+    candidate_flips: int | None = Field(description="items where the candidate differs from the first pass")
+    candidate_flips_on_unstable: int | None = Field(description="of those, items the runtime flipped against itself")
+
+
 class SetVerdict(StrictModel):
     """One eval set, judged. Scores, deltas, CI bounds and min_detectable_drop are in `unit`s.
 
@@ -102,6 +120,7 @@ class SetVerdict(StrictModel):
     unchanged_reject_probability: float | None = Field(
         default=None, description="P(this set rejects an unchanged candidate at its observed discordance), KL not counted",
     )
+    noise_floor: NoiseFloor | None = Field(default=None, description="the baseline scored twice; null when the policy's noise_floor is off")
 
     @property
     def worst_bound(self) -> float:

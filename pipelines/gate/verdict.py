@@ -18,7 +18,7 @@ from scipy.stats import norm
 
 from pipelines.errors import InputError
 from pipelines.evaluation.metrics import MetricSpec, corpus_aggregation, value_range
-from pipelines.gate import betting, exact, identical, stats
+from pipelines.gate import betting, exact, identical, noise, stats
 from pipelines.gate.policy import Policy, SetPolicy, relative_rule_in_force, unseen_damage
 from pipelines.gate.schema import FitCheck, GateResult, IntervalMethod, SetVerdict, StatsSettings
 from pipelines.planner.gpus import GiB
@@ -49,6 +49,8 @@ class PairedItem(StrictModel):
     baseline: ItemValue
     candidate: ItemValue
     kl: float | None = Field(default=None, ge=0)
+    # The baseline's second scoring (policy noise_floor: pipelines.gate.noise); None when it was scored once.
+    baseline_repeat: ItemValue | None = None
 
 
 class SetComparison(StrictModel):
@@ -65,6 +67,8 @@ class SetComparison(StrictModel):
             raise ValueError(f"item {duplicate!r} appears more than once in {self.eval_set!r}")
         for item in self.items:
             _check_value(self.metric, item)
+        if len({item.baseline_repeat is None for item in self.items}) > 1:
+            raise ValueError(f"the baseline's second scoring of {self.eval_set!r} holds some items, not all")
         if self.kl_method is None and any(item.kl is not None for item in self.items):
             raise ValueError("items carry KL values but kl_method is not given")
         return self
@@ -82,9 +86,10 @@ def non_finite(value: ItemValue) -> bool:
 
 def _check_value(metric: MetricSpec, item: PairedItem) -> None:
     """The baseline's value must be finite; a candidate's non-finite value is the gate's to reject (judge_set)."""
-    if non_finite(item.baseline):
-        raise ValueError(f"the baseline's {metric.name} is not finite on item {item.item_id!r} ({item.baseline!r})")
-    values = tuple(value for value in (item.baseline, item.candidate) if not non_finite(value))
+    for baseline in (item.baseline, item.baseline_repeat):
+        if baseline is not None and non_finite(baseline):
+            raise ValueError(f"the baseline's {metric.name} is not finite on item {item.item_id!r} ({baseline!r})")
+    values = tuple(value for value in (item.baseline, item.candidate, item.baseline_repeat) if value is not None and not non_finite(value))
     if metric.kind == "corpus":
         # lm-eval logs [gold, pred] or [loglikelihood, count] pairs, but a bare loglikelihood for `perplexity`.
         if not all(isinstance(value, list) or _finite(value) for value in values):
@@ -93,7 +98,7 @@ def _check_value(metric: MetricSpec, item: PairedItem) -> None:
     if not all(_finite(value) for value in values):
         raise ValueError(f"metric {metric.name!r} needs a finite number per item; item {item.item_id!r} has {values}")
     if metric.kind == "binary" and set(values) - {0.0, 1.0}:
-        raise ValueError(f"binary metric but item {item.item_id!r} scores {item.baseline} / {item.candidate}")
+        raise ValueError(f"binary metric but item {item.item_id!r} scores {values}")
     if metric.bounded_unit_interval and not all(0.0 <= value <= 1.0 for value in values):  # type: ignore[operator]
         raise ValueError(f"metric {metric.name!r} lies in [0, 1] but item {item.item_id!r} scores {values}")
 
@@ -206,12 +211,21 @@ _SCALED = ("baseline_score", "candidate_score", "ci_low", "ci_high", "min_detect
 def _measure(comparison: SetComparison, rules: SetPolicy) -> dict[str, Any]:
     spec = comparison.metric
     n = len(comparison.items)
+    repeated = comparison.items[0].baseline_repeat is not None
     if spec.kind == "corpus":
         measured = _measure_corpus(comparison, rules)
     else:
         base = np.array([item.baseline for item in comparison.items], dtype=float)
         cand = np.array([item.candidate for item in comparison.items], dtype=float)
-        measured = _measure_binary(spec, base, cand, rules) if spec.kind == "binary" else _measure_continuous(spec, base, cand, rules)
+        again = np.array([item.baseline_repeat for item in comparison.items], dtype=float) if repeated else None
+        measured = (_measure_binary(spec, base, cand, rules, again) if spec.kind == "binary"
+                    else _measure_continuous(spec, base if again is None else (base + again) / 2.0, cand, rules))
+    if repeated:
+        measured["noise_floor"] = noise.measure_floor(
+            [item.item_id for item in comparison.items], [item.baseline for item in comparison.items],
+            [item.baseline_repeat for item in comparison.items], kind=spec.kind, scale=spec.scale, in_points=spec.in_points,
+            candidate=[item.candidate for item in comparison.items],
+        )
     scaled = {key: _report_units(key, measured[key], spec.scale) for key in _SCALED}
     delta = _scaled(measured["candidate_score"] - measured["baseline_score"], spec.scale)
     kl = stats.kl_summary([item.kl for item in comparison.items])
@@ -242,18 +256,24 @@ def _measure(comparison: SetComparison, rules: SetPolicy) -> dict[str, Any]:
 
 # --- what the tolerance rules allow, and what the set can certify ----------------------------------------------
 
-def tolerance(in_points: bool, rules: SetPolicy, baseline_score: float) -> float | None:
-    """The tightest tolerance in force for a set, in its unit: ni_margin (metrics in points), rel_margin x |baseline|
+def tolerances(in_points: bool, rules: SetPolicy, baseline_score: float) -> dict[str, float]:
+    """The tolerances in force for a set, in its unit, by rule: ni_margin (metrics in points), rel_margin x |baseline|
     (metrics in their own unit), max_rel_drop x |baseline| (any); relative ones only at a nonzero baseline."""
-    found = []
+    found = {}
     if rules.non_inferiority and in_points:
-        found.append(rules.ni_margin)
+        found["ni_margin"] = rules.ni_margin
     if baseline_score != 0:
         if rules.non_inferiority and not in_points and rules.rel_margin is not None:
-            found.append(rules.rel_margin * abs(baseline_score))
+            found["rel_margin"] = rules.rel_margin * abs(baseline_score)
         if rules.max_rel_drop is not None:
-            found.append(rules.max_rel_drop * abs(baseline_score))
-    return min(found) if found else None
+            found["max_rel_drop"] = rules.max_rel_drop * abs(baseline_score)
+    return found
+
+
+def tolerance(in_points: bool, rules: SetPolicy, baseline_score: float) -> float | None:
+    """The tightest tolerance in force for a set, in its unit (tolerances)."""
+    found = tolerances(in_points, rules, baseline_score)
+    return min(found.values()) if found else None
 
 
 def _fraction(allowed: float | None, unit_range: float) -> float | None:
@@ -328,9 +348,12 @@ def _binary_unchanged_reject_probability(rules: SetPolicy, higher_is_better: boo
 
 
 @lru_cache(maxsize=200_000)
-def table_rejects(rules: SetPolicy, higher_is_better: bool, n: int, right: int, lost: int, gained: int) -> bool:
-    """Whether a set of n pass/fail items (baseline right on `right`) with these flips fails its rules, KL aside."""
-    measured = _binary_table(n, right, lost, gained, rules, higher_is_better, full=False)
+def table_rejects(
+    rules: SetPolicy, higher_is_better: bool, n: int, right: float, lost: int, gained: int, charged: tuple[float, float] | None = None,
+) -> bool:
+    """Whether a set of n pass/fail items (baseline right on `right`) with these flips fails its rules, KL aside.
+    `charged`: the half counts against the mean of two baseline passes, `right` then the mean count (_binary_table)."""
+    measured = _binary_table(n, right, lost, gained, rules, higher_is_better, full=False, charged=charged)
     scaled = {key: _report_units(key, measured[key], 100.0) if key in _SCALED else value for key, value in measured.items()}
     delta = _scaled(measured["candidate_score"] - measured["baseline_score"], 100.0)
     scaled |= {"unit": "points", "higher_is_better": higher_is_better, "worsening": -delta if higher_is_better else delta,
@@ -343,7 +366,7 @@ def table_rejects(rules: SetPolicy, higher_is_better: bool, n: int, right: int, 
 _NO_FLIPS = {"mcnemar_p": None, "flips_right_to_wrong": None, "flips_wrong_to_right": None, "flip_rate": None, "flip_rate_lower_bound": None}
 
 
-def binary_critical_value(rules: SetPolicy, n: int, right: int) -> float | None:
+def binary_critical_value(rules: SetPolicy, n: int, right: float) -> float | None:
     """The critical value of a pass/fail set's bound: calibrated (pipelines.gate.exact) at the tightest tolerance in force,
     so that a true worsening of exactly that tolerance passes at most 1 - c of the time; None (Tango's z(c)) when no
     tolerance applies."""
@@ -353,17 +376,23 @@ def binary_critical_value(rules: SetPolicy, n: int, right: int) -> float | None:
     return exact.critical_value(n, allowed / 100.0, rules.confidence)
 
 
-def _binary_table(n: int, right: int, lost: int, gained: int, rules: SetPolicy, higher_is_better: bool, *, full: bool = True) -> dict[str, Any]:
+def _binary_table(
+    n: int, right: float, lost: int, gained: int, rules: SetPolicy, higher_is_better: bool, *, full: bool = True,
+    charged: tuple[float, float] | None = None,
+) -> dict[str, Any]:
     """A pass/fail set's figures from its 2x2 table alone, in metric units (fractions). `full`: also the 95% interval,
-    McNemar and the sizing inputs (what the rules do not read)."""
+    McNemar and the sizing inputs (what the rules do not read). `charged`: the losses and gains the bound reads when they
+    are not the table's (against the mean of two baseline passes, in halves: pipelines.gate.noise); `right` is then the
+    baseline's mean count. The flips (and max_flip_rate) are the table's, against the first pass."""
     # Bound of the worsening: -(lower bound of delta) when higher is better; the upper bound of delta (the lower
     # bound of -delta, losses and gains swapped) when lower is better. Its critical value is calibrated per n.
     confidence, z = rules.confidence, binary_critical_value(rules, n, right)
-    bound = -(stats.tango_lower_bound(lost, gained, n, z=z, confidence=confidence) if higher_is_better
-              else stats.tango_lower_bound(gained, lost, n, z=z, confidence=confidence))
+    losses, gains = charged if charged is not None else (lost, gained)
+    bound = -(stats.tango_lower_bound(losses, gains, n, z=z, confidence=confidence) if higher_is_better
+              else stats.tango_lower_bound(gains, losses, n, z=z, confidence=confidence))
     measured: dict[str, Any] = {
         "baseline_score": right / n,
-        "candidate_score": (right - lost + gained) / n,
+        "candidate_score": (right - losses + gains) / n,
         "worsening_bound": bound,
         "flips_right_to_wrong": lost,
         "flips_wrong_to_right": gained,
@@ -371,21 +400,27 @@ def _binary_table(n: int, right: int, lost: int, gained: int, rules: SetPolicy, 
         "flip_rate_lower_bound": stats.exact_lower_bound(lost, n, confidence=confidence),
     }
     if full:
-        low, high = stats.tango_interval(lost, gained, n)
+        low, high = stats.tango_interval(losses, gains, n)
         measured |= {
             "ci_low": low,
             "ci_high": high,
             "mcnemar_p": stats.mcnemar_exact_p(lost, gained),
-            "min_detectable_drop": stats.min_detectable_drop_binary(n, (lost + gained) / n),
-            "_discordance": (lost + gained) / n,
-            "_baseline_right": right,
+            "min_detectable_drop": stats.min_detectable_drop_binary(n, (losses + gains) / n),
+            "_discordance": (losses + gains) / n,
+            "_baseline_right": round(right),
         }
     return measured
 
 
-def _measure_binary(spec: MetricSpec, base: np.ndarray, cand: np.ndarray, rules: SetPolicy) -> dict[str, Any]:
+def _measure_binary(spec: MetricSpec, base: np.ndarray, cand: np.ndarray, rules: SetPolicy, again: np.ndarray | None = None) -> dict[str, Any]:
+    """`again`: the baseline's second pass; the bound then reads the candidate against the mean of both (in halves)."""
     flipped = stats.flips(base, cand)
-    return _binary_table(flipped.n, int(base.sum()), flipped.right_to_wrong, flipped.wrong_to_right, rules, spec.higher_is_better)
+    if again is None:
+        return _binary_table(flipped.n, int(base.sum()), flipped.right_to_wrong, flipped.wrong_to_right, rules, spec.higher_is_better)
+    difference = cand - (base + again) / 2.0
+    charged = (float(np.maximum(-difference, 0.0).sum()), float(np.maximum(difference, 0.0).sum()))
+    return _binary_table(flipped.n, float((base + again).sum() / 2.0), flipped.right_to_wrong, flipped.wrong_to_right, rules,
+                         spec.higher_is_better, charged=charged)
 
 
 def _bad_side(spec: MetricSpec, low: float, high: float) -> float:

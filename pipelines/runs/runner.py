@@ -46,6 +46,7 @@ from pipelines.evaluation.evaluate import ANSWER_RESERVE_TOKENS, ScoringDeadline
 from pipelines.files.atomic import write_json_atomic, write_text_atomic
 from pipelines.files.hashing import folder_hash, sha256_file, sha256_text
 from pipelines.files.safepath import safe_component
+from pipelines.gate.floor import refuse_below_floor
 from pipelines.gate.pairing import pair_set
 from pipelines.gate.policy import Policy
 from pipelines.gate.report import render_markdown, with_unverified_note
@@ -217,10 +218,12 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
     # With the load test on, servers the scoring starts stay up for it (pipelines/loadtest/gate_hook.py).
     with server_pool(loadtest, staging, job.settings.serve, job.baseline_dir, job.artifact_dir, stages, stack.serve) as pool:
         baseline = _baseline_entries(staging, job, include_dir, prompts, stages, stack, pool)
+        repeats = _repeat_entries(staging, job, include_dir, baseline, identity, stages, stack)
         candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, stack, pool)
         with timed(stages, "gate_s"):
             comparisons = [
-                pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD)
+                pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD,
+                         repeats[s.name].score if s.name in repeats else None)
                 for s in job.settings.eval_sets
             ]
             fit, plan = _fit_and_plan(job, identity)
@@ -272,6 +275,27 @@ def _baseline_entries(
         return baseline_cache.BaselineEntry(key=keys[eval_set.name], model_hash=model_hash, score=score, references=references)
 
     return _cached_or_served("baseline", job.baseline_dir, keys, baseline_cache.BaselineEntry, entry, staging, job, include_dir, stages, stack, pool)
+
+
+def _repeat_entries(
+    staging, job: GateJob, include_dir, baseline, recipe: RecipeIdentity | None, stages, stack: GateStack,
+) -> dict[str, baseline_cache.RepeatEntry]:
+    """The baseline scored a second time, on a fresh server, for the sets whose policy wants the noise floor (cached like
+    the first: one rescoring per model, set and runtime); a tolerance under a set's floor is refused before any candidate
+    is served (pipelines.gate.noise)."""
+    policy = job.settings.policy
+    sets = [s for s in job.settings.eval_sets if policy.for_set(recipe, s.name).noise_floor_for(s.metric.kind)]
+    keys = {s.name: baseline_cache.repeat_key(baseline[s.name].key) for s in sets}
+
+    def entry(server: RunningServer, eval_set: EvalSet, score: SetScore) -> baseline_cache.RepeatEntry:
+        first = baseline[eval_set.name]
+        return baseline_cache.RepeatEntry(key=keys[eval_set.name], model_hash=first.model_hash, score=score, first_key=first.key)
+
+    repeats = _cached_or_served("baseline_repeat", job.baseline_dir, keys, baseline_cache.RepeatEntry, entry, staging, job,
+                                include_dir, stages, stack) if sets else {}
+    for s in sets:
+        refuse_below_floor(s, baseline[s.name].score, repeats[s.name].score, policy, job.settings.policy_path, recipe)
+    return repeats
 
 
 def _candidate_entries(
@@ -340,7 +364,7 @@ def _complete(entries: dict[str, baseline_cache.Entry | None]) -> dict[str, base
 
 
 def _cached_or_served(
-    role: Literal["baseline", "candidate"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
+    role: Literal["baseline", "candidate", "baseline_repeat"], model_dir: Path, keys: dict[str, str], entry_type: type[baseline_cache.Entry],
     make_entry: Callable[[RunningServer, EvalSet, SetScore], baseline_cache.Entry], staging: Path, job: GateJob, include_dir: Path,
     stages: dict[str, float], stack: GateStack, pool: ServerPool | None = None,
     before_serving: Callable[[list[EvalSet]], ScoringDeadline | None] | None = None,
@@ -348,7 +372,7 @@ def _cached_or_served(
     """The cached entry of every set; `role`'s server is started only for the sets missing, which are then cached
     (and, with a pool, kept up after its scoring for the load test). `before_serving` sees the missing sets first."""
     entries = {name: baseline_cache.load_cached(key, job.settings.cache_dir, entry_type) for name, key in keys.items()}
-    missing = [s for s in job.settings.eval_sets if entries[s.name] is None]
+    missing = [s for s in job.settings.eval_sets if s.name in entries and entries[s.name] is None]
     if not missing:
         progress(f"{role}: all {len(entries)} eval set(s) cached; no {role} server needed")
         return _complete(entries)
@@ -409,14 +433,23 @@ def score_baseline(model_dir: Path, settings: GateSettings, stack: GateStack | N
     The server's and lm-eval's logs go to a run folder `<id>-baseline` only when something was scored."""
     job = GateJob(artifact_dir=model_dir, baseline_dir=model_dir, recipe_name="baseline", settings=settings)
     keys = {s.name: baseline_cache.cache_key(folder_hash(model_dir), s, settings.serve) for s in settings.eval_sets}
-    missing = [name for name, key in keys.items() if baseline_cache.load_cached(key, settings.cache_dir) is None]
+    cached = {name: baseline_cache.load_cached(key, settings.cache_dir) for name, key in keys.items()}
+    missing = [name for name, entry in cached.items() if entry is None or _repeat_missing(settings, entry, name)]
     if missing:
         with run_folder(settings.runs_dir, "baseline") as folder:
             include_dir = materialize_tasks(settings.eval_sets, folder.path / "tasks")
             stack = stack or STACK
             prompts = stack.prompts(settings.eval_sets, include_dir, model_dir)
-            _baseline_entries(folder.path, job, include_dir, prompts, {}, stack)
+            baseline = _baseline_entries(folder.path, job, include_dir, prompts, {}, stack)
+            _repeat_entries(folder.path, job, include_dir, baseline, None, {}, stack)
     return missing
+
+
+def _repeat_missing(settings: GateSettings, entry: baseline_cache.BaselineEntry, name: str) -> bool:
+    """Whether the set's policy (without a recipe's override) wants the baseline's second scoring and it is not cached."""
+    kind = next(s.metric.kind for s in settings.eval_sets if s.name == name)
+    wanted = settings.policy.for_set(None, name).noise_floor_for(kind)
+    return wanted and baseline_cache.load_cached(baseline_cache.repeat_key(entry.key), settings.cache_dir, baseline_cache.RepeatEntry) is None
 
 
 def register_run(run_dir: Path, baseline_dir: Path, settings: GateSettings, check: ArtifactCheck) -> int:

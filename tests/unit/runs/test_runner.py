@@ -68,7 +68,7 @@ def test_a_rejected_run_is_registered_as_rejected_with_its_gate_evidence(stack, 
 def test_an_identical_rerun_starts_no_server_at_all(stack, workspace, capsys):
     first = gate(workspace)
     second = gate(workspace)
-    assert stack.starts == ["baseline", "candidate"]
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate"]  # the baseline scored twice (the noise floor), then cached
     assert {"baseline_serve_start_s", "candidate_serve_start_s"} <= first.stages.keys()
     assert not {"baseline_serve_start_s", "candidate_serve_start_s", "candidate_scoring_s"} & second.stages.keys()
     assert not (second.run_dir / "baseline-server.log").exists() and not (second.run_dir / "candidate-server.log").exists()
@@ -83,7 +83,7 @@ def test_a_new_artifact_on_a_warm_baseline_serves_only_the_candidate(stack, work
     gate(workspace)
     workspace.artifact = make_model(workspace.root / "candidates" / "w4a16-4567", manifest=True)
     outcome = gate(workspace)
-    assert stack.starts == ["baseline", "candidate", "candidate"]
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate", "candidate"]
     assert "baseline_serve_start_s" not in outcome.stages and "candidate_serve_start_s" in outcome.stages
 
 
@@ -91,7 +91,8 @@ def test_only_the_sets_missing_from_the_cache_are_scored(stack, workspace):
     gate(workspace)
     both = gate_settings(workspace).model_copy(update={"eval_sets": [workspace.eval_set, make_eval_set(workspace.root / "eval_sets", "orders")]})
     gate(workspace, both)
-    assert stack.scored == [("baseline", ["tickets"]), ("candidate", ["tickets"]), ("baseline", ["orders"]), ("candidate", ["orders"])]
+    assert stack.scored == [("baseline", ["tickets"]), ("baseline_repeat", ["tickets"]), ("candidate", ["tickets"]),
+                            ("baseline", ["orders"]), ("baseline_repeat", ["orders"]), ("candidate", ["orders"])]
 
 
 def _change_input(change: str, ws: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> runner.GateSettings:
@@ -123,14 +124,14 @@ def _change_input(change: str, ws: SimpleNamespace, monkeypatch: pytest.MonkeyPa
 def test_a_changed_input_rescores_baseline_and_candidate(stack, workspace, monkeypatch, change):
     gate(workspace)
     outcome = gate(workspace, _change_input(change, workspace, monkeypatch))
-    assert stack.starts == ["baseline", "candidate", "baseline", "candidate"]
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate", "baseline", "baseline_repeat", "candidate"]
     assert "baseline_serve_start_s" in outcome.stages
 
 
 def test_timeouts_are_not_part_of_the_cache_key(stack, workspace):
     gate(workspace)
     gate(workspace, gate_settings(workspace, serve=ServeSettings(startup_timeout_s=999, request_timeout_s=9)))
-    assert stack.starts == ["baseline", "candidate"]
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate"]
 
 
 def test_a_corrupt_cache_entry_is_recomputed_not_trusted(stack, workspace):
@@ -138,7 +139,7 @@ def test_a_corrupt_cache_entry_is_recomputed_not_trusted(stack, workspace):
     for entry in (workspace.root / "cache").glob("*.json"):
         entry.write_text("{not json")
     gate(workspace)
-    assert stack.starts == ["baseline", "candidate", "baseline", "candidate"]
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate", "baseline", "baseline_repeat", "candidate"]
 
 
 @pytest.mark.parametrize("error", [ServeError("vLLM server died (exit code -9)"), KeyboardInterrupt()])
@@ -162,7 +163,7 @@ def test_an_error_run_does_not_block_the_next_run(stack, workspace):
     stack.fail_candidate = None
     outcome = gate(workspace)
     assert outcome.verdict == "promoted"
-    assert stack.starts == ["baseline", "candidate", "candidate"]  # the baseline scores survived the failure
+    assert stack.starts == ["baseline", "baseline_repeat", "candidate", "candidate"]  # the baseline scores survived the failure
     assert len(run_folders(workspace)) == 2
 
 
