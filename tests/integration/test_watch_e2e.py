@@ -23,6 +23,7 @@ import httpx
 import pytest
 from helpers import QUANTIZE, CommandRun, Workspace
 
+from pipelines.canary.client import API_KEY_ENV
 from pipelines.deploy.spec import served_spec
 from pipelines.loadtest.bench import BenchDriver, PlannedRun, bench_argv
 from pipelines.loadtest.workload import WorkloadItem, write_dataset
@@ -113,9 +114,9 @@ class Load:
         self.thread.join(timeout=30)
 
 
-def start_watch(workspace: Workspace, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([str(QUANTIZE), "watch", *args, "--json"], cwd=workspace.root, env=workspace.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start_watch(workspace: Workspace, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([str(QUANTIZE), "watch", *args, "--json"], cwd=workspace.root, env={**workspace.env, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished(process: subprocess.Popen, argv: str, timeout_s: float = 300) -> CommandRun:
@@ -149,22 +150,23 @@ def scenario(workspace: Workspace, load_tested: int, folder: Path) -> SimpleName
         with vllm_server(spec.folder, log_path=folder / "server.log", settings=settings, served_name=spec.served_name, port=port) as server:
             url = f"http://127.0.0.1:{port}/metrics"
             common = ["--url", url, "--version", f"{MODEL}@production", "--window", WINDOW, "--sample-every", "0.5s"]
+            key = {API_KEY_ENV: server.api_key or ""}  # the canary's requests need the server's key (/metrics does not)
             with Load(folder / "light-load", server, prompts(64, 16), concurrency=1, requests=1000):
-                within = finished(start_watch(workspace, *common, "--windows", "1", "--out", str(folder / "light")), "watch light")
+                within = finished(start_watch(workspace, *common, "--windows", "1", "--out", str(folder / "light"), env=key), "watch light")
             with Load(folder / "heavy-load", server, prompts(64, 300), concurrency=spec.args.max_num_seqs, requests=1000) as heavy:
-                breach = finished(start_watch(workspace, *common, "--windows", "4", "--rollback-after", "2", "--out", str(folder / "breach")),
-                                  "watch breach")
+                breach = finished(start_watch(workspace, *common, "--windows", "4", "--rollback-after", "2", "--out", str(folder / "breach"),
+                                              env=key), "watch breach")
             time.sleep(2)  # one more scrape and rule evaluation after the load
             # read while the breach is recent: the preemption alert resolves once its window no longer holds the load
             alerts = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/alerts", timeout=10).json()
             from_prometheus = workspace.quantize("watch", "--url", f"http://127.0.0.1:{port}/metrics", "--prometheus",
                                                  f"http://127.0.0.1:{prometheus_port}", "--version", f"{MODEL}@{second}", "--window", WINDOW,
-                                                 "--windows", "6", "--out", str(folder / "prometheus"), "--json")
+                                                 "--windows", "6", "--out", str(folder / "prometheus"), "--json", env=key)
             sample = folder / "sample.jsonl"
             sample.write_text("".join(json.dumps({"prompt": item.prompt, "expected": answer, "stop": ["\n"]}) + "\n"
                                       for item, answer in zip(prompts(SHADOW_ITEMS, 1), answers(SHADOW_ITEMS), strict=True)))
             shadow = workspace.quantize("watch", "--url", url, "--version", f"{MODEL}@production", "--window", "1s", "--shadow", str(sample),
-                                        "--out", str(folder / "shadow"), "--json")
+                                        "--out", str(folder / "shadow"), "--json", env=key)
             rules = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/rules", timeout=10).json()
             log = (folder / "server.log").read_text(errors="replace")
     finally:
@@ -225,6 +227,9 @@ def test_a_light_window_is_within_the_envelope(watched):
     assert document["generation_tokens_per_s"] > 0, "vLLM's statistics are on: the product's servers export vllm:* series"
     assert all(verdicts[name]["verdict"] == "within" for name in ("ttft_p95_s", "kv_cache_usage", "preemptions")), document["overall"]
     assert document["recommendations"] and all(r["planner"]["fits"] for r in document["recommendations"])
+    # The canary: the golden set the gate run fixed on the candidate's server agrees with the deployed bundle's server.
+    canary = document["windows"][0]["canary"]
+    assert document["canary"]["prompts"] == canary["total"] > 0 and canary["healthy"] and canary["answered"] == canary["total"], canary
 
 
 def test_the_induced_breach_is_reported_and_rolled_back_to_the_previous_verified_version(watched):

@@ -4,6 +4,7 @@ is a deterministic function of the context and of its `weights` (a seed), plus o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -23,9 +24,8 @@ class ToyModel:
         self.requests = 0
 
     def logprobs(self, context: list[int], jitter: random.Random) -> list[float]:
-        base = random.Random(f"base:{context[-3:]}:{len(context)}")
-        other = random.Random(f"w{self.weights}:{context[-3:]}:{len(context)}")
-        logits = [self.sharp * base.gauss(0, 1) + self.perturb * other.gauss(0, 1) + self.noise * jitter.gauss(0, 1) for _ in range(VOCAB)]
+        fixed = _logits(tuple(context[-3:]), len(context), self.weights, self.sharp, self.perturb)
+        logits = [value + self.noise * jitter.gauss(0, 1) for value in fixed] if self.noise else list(fixed)
         top = max(logits)
         norm = top + math.log(sum(math.exp(v - top) for v in logits))
         return [v - norm for v in logits]
@@ -44,6 +44,14 @@ class ToyModel:
             if chosen == EOS:
                 break
         return {"choices": [{"text": " ".join(tokens), "logprobs": {"tokens": tokens, "top_logprobs": rows}}]}
+
+
+@functools.lru_cache(maxsize=100_000)
+def _logits(tail: tuple[int, ...], position: int, weights: int, sharp: float, perturb: float) -> tuple[float, ...]:
+    """The weights' logits after a context (its last three tokens and its length): shared, plus this artifact's own."""
+    base = random.Random(f"base:{list(tail)}:{position}")
+    other = random.Random(f"w{weights}:{list(tail)}:{position}")
+    return tuple(sharp * base.gauss(0, 1) + perturb * other.gauss(0, 1) for _ in range(VOCAB))
 
 
 class FakeOpenAI(ThreadingHTTPServer):
