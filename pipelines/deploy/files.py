@@ -209,7 +209,8 @@ def render_files(spec: ServedSpec, settings: DeploySettings) -> dict[str, str]:
         SERVE_SCRIPT: serve_script(spec, settings),
         PROMETHEUS_CONFIG: yaml.safe_dump(prometheus_config(spec, settings), sort_keys=False, width=1000),
         ALERT_RULES: yaml.safe_dump(rules, sort_keys=False, width=1000),
-        ALERT_TESTS: yaml.safe_dump(rule_tests(spec, rules, ALERT_RULES), sort_keys=False, width=1000),
+        ALERT_TESTS: yaml.safe_dump(rule_tests(spec, rules, ALERT_RULES, window_s=settings.window_s, alert_for_s=settings.alert_for_s),
+                                    sort_keys=False, width=1000),
         DASHBOARD: json.dumps(dashboard(spec, settings), indent=2) + "\n",
         SPEC_FILE: json.dumps(spec_document(spec, settings), indent=2) + "\n",
     }

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, job_name
+from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, duration, job_name
 from pipelines.deploy.slo import BURN_SUFFIX, Slo, slos
 from pipelines.deploy.spec import ServedSpec
 
@@ -27,12 +27,12 @@ PER_MINUTE = 1000  # requests a minute in every case
 DAY_MIN = 1440
 # Rules are evaluated every 5 min over series sampled every minute (a 5-minute window needs two samples): evaluating every minute
 # made the day-long cases 5x slower (13 to 33 s each on 2 loaded cores). Every eval_time below is a multiple of it.
-EVALUATION_INTERVAL, SAMPLE_INTERVAL = "5m", "1m"
-Segments = Sequence[tuple[int, float]]  # (minutes, increase per minute), in order
+EVALUATION_S, SAMPLE_INTERVAL = 300, "1m"
+Segments = Sequence[tuple[int, float]]  # (samples, increase per sample), in order; one sample a minute but where a case says
 
 
 def counter(segments: Segments) -> str:
-    """A counter in promtool's expanding notation, one sample a minute from 0: `a+bxn` is a, a+b, ..., a+n*b."""
+    """A counter in promtool's expanding notation from 0: `a+bxn` is a, a+b, ..., a+n*b."""
     parts, value = ["0"], 0.0
     for minutes, step in segments:
         parts.append(f"{value + step:g}+{step:g}x{minutes - 1}")
@@ -100,40 +100,55 @@ def _latency_case(job: str, latency: Slo, expected: Expected) -> dict[str, Any]:
     }
 
 
-def _corruption_and_overload(job: str, served_name: str, error_alert: str, expected: Expected) -> list[dict[str, Any]]:
-    engine = f'engine="0",model_name="{served_name}"'
-    rejected: Segments = [(30, 0), (20, 100)]  # 10% of the minute's requests refused for 20 min after a quiet half hour
-    http = f'job="{job}",handler="/v1/completions"'
+def _corruption_and_overload(job: str, served_name: str, error_alert: str, expected: Expected, window_s: int,
+                             alert_for_s: int) -> list[dict[str, Any]]:
+    """Cases timed by the rules' window and `for`: sampled four times a window (at most a minute apart), each change placed just
+    before an evaluation so that any window of two samples or more sees it."""
+    step = max(1, min(60, window_s // 4))
+    per_sample = PER_MINUTE * step / 60
+    corrupted_at = 2 * EVALUATION_S
+    rejected_from = EVALUATION_S
+    overloaded_at = _tick_after(rejected_from + 2 * step) + _tick_after(alert_for_s) + EVALUATION_S
+    unchecked_at = _tick_after(window_s) + 2 * EVALUATION_S
+    rejected: Segments = [(rejected_from // step, 0), ((overloaded_at - rejected_from) // step, per_sample / 10)]
+    answered: Segments = [(overloaded_at // step, per_sample)]
+    http, engine = f'job="{job}",handler="/v1/completions"', f'engine="0",model_name="{served_name}"'
+
+    def case(name: str, series: list[dict[str, str]], checks: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"name": name, "interval": f"{step}s", "input_series": series, "alert_rule_test": checks}
+
     return [
-        {"name": "must fire: one corrupted request (NaN logits)", "interval": SAMPLE_INTERVAL,
-         "input_series": [{"series": f'{CORRUPTED_REQUESTS}{{job="{job}",{engine}}}', "values": "0x6 1x10"},
-                          {"series": f'up{{job="{job}"}}', "values": "1x16"}],
-         "alert_rule_test": [expected.at("VllmCorruptedRequests", "5m", []),
-                             expected.at("VllmCorruptedRequests", "10m", ["page"]),
-                             expected.at("VllmNanCheckOff", "15m", [])]},
-        {"name": "must fire: the overload ticket; must not fire: the error SLO's alerts on overload alone (503s that are rejections)",
-         "interval": SAMPLE_INTERVAL,
-         "input_series": [
-             *_engine(job, [(50, 0)]),
-             {"series": f'{ADMISSION_REJECTIONS}{{job="{job}",model_name="{served_name}",reason="max_num_queued_reqs"}}',
-              "values": counter(rejected)},
-             {"series": f'http_requests_total{{{http},status="2xx"}}', "values": counter([(50, PER_MINUTE)])},
-             {"series": f'http_requests_total{{{http},status="5xx"}}', "values": counter(rejected)},
-         ],
-         "alert_rule_test": [expected.at("VllmOverloaded", "45m", ["ticket"]),
-                             expected.at(error_alert, "45m", [])]},
-        {"name": "must fire: a server scraped without the NaN check (no corrupted-requests series)", "interval": SAMPLE_INTERVAL,
-         "input_series": [{"series": f'up{{job="{job}"}}', "values": "1x20"}],
-         "alert_rule_test": [expected.at("VllmNanCheckOff", "15m", ["ticket"])]},
+        case("must fire: one corrupted request (NaN logits)",
+             [{"series": f'{CORRUPTED_REQUESTS}{{job="{job}",{engine}}}', "values": f"0x{corrupted_at // step - 2} 1x2"},
+              {"series": f'up{{job="{job}"}}', "values": f"1x{corrupted_at // step + 1}"}],
+             [expected.at("VllmCorruptedRequests", duration(EVALUATION_S), []),
+              expected.at("VllmCorruptedRequests", duration(corrupted_at), ["page"]),
+              expected.at("VllmNanCheckOff", duration(corrupted_at), [])]),
+        case("must fire: the overload ticket; must not fire: the error SLO's alerts on overload alone (503s that are rejections)",
+             [{"series": f'vllm:request_success_total{{job="{job}",finished_reason="stop"}}', "values": counter(answered)},
+              {"series": f'{ADMISSION_REJECTIONS}{{job="{job}",model_name="{served_name}",reason="max_num_queued_reqs"}}',
+               "values": counter(rejected)},
+              {"series": f'http_requests_total{{{http},status="2xx"}}', "values": counter(answered)},
+              {"series": f'http_requests_total{{{http},status="5xx"}}', "values": counter(rejected)}],
+             [expected.at("VllmOverloaded", duration(overloaded_at), ["ticket"]), expected.at(error_alert, duration(overloaded_at), [])]),
+        case("must fire: a server scraped without the NaN check (no corrupted-requests series)",
+             [{"series": f'up{{job="{job}"}}', "values": f"1x{unchecked_at // step}"}],
+             [expected.at("VllmNanCheckOff", duration(unchecked_at), ["ticket"])]),
     ]
 
 
-def rule_tests(spec: ServedSpec, rules: dict[str, Any], rules_file: str) -> dict[str, Any]:
-    """The test document for `rules` (written as `rules_file`, a path relative to the test file)."""
+def _tick_after(seconds: int) -> int:
+    """The first evaluation at or after `seconds`."""
+    return -(-seconds // EVALUATION_S) * EVALUATION_S
+
+
+def rule_tests(spec: ServedSpec, rules: dict[str, Any], rules_file: str, *, window_s: int, alert_for_s: int) -> dict[str, Any]:
+    """The test document for `rules` (written as `rules_file`, a path relative to the test file), whose window and `for` are
+    `window_s` and `alert_for_s`."""
     job, found = job_name(spec), {slo.figure: slo for slo in slos(spec)}
     expected = Expected(rules, job)
     tests = _error_cases(job, found["error_rate"], expected)
     if "ttft_p95_s" in found:
         tests.append(_latency_case(job, found["ttft_p95_s"], expected))
-    tests += _corruption_and_overload(job, spec.served_name, found["error_rate"].alert, expected)
-    return {"rule_files": [rules_file], "evaluation_interval": EVALUATION_INTERVAL, "tests": tests}
+    tests += _corruption_and_overload(job, spec.served_name, found["error_rate"].alert, expected, window_s, alert_for_s)
+    return {"rule_files": [rules_file], "evaluation_interval": duration(EVALUATION_S), "tests": tests}

@@ -5,6 +5,7 @@ promtool is Debian's (scripts/setup_system.sh installs it)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from test_loadtest_runner import gate, servers, tool  # noqa: F401 (fixtures)
 
 from pipelines.cli import main
 from pipelines.deploy.files import dashboard_expressions
+from pipelines.paths import REPO_ROOT
 from pipelines.registry.store import Registry
 from pipelines.watch.series import FIRST_LATENCY_BUCKET_S, LATENCY_BUCKETS_S
 
@@ -159,4 +161,49 @@ def test_the_burn_rate_rules_fire_on_the_series_that_must_and_hold_on_those_that
     assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
     tested = rule_test(out)
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
-    print(tested.stdout)
+    # The cases can fail: rules without the overload exclusion page on overload alone; a ticket at half the budget's burn fires
+    # on errors just under the SLO.
+    rules, cases = (out / "alert-rules.yml").read_text(), yaml.safe_load((out / "alert-rules.test.yml").read_text())
+    for broken, case, alert in ((rules.replace("vllm:admission_rejections_total{", "vllm:no_such_series{"), "must fire: the overload",
+                                 "VllmErrorRateBudgetBurn"),
+                                (rules.replace("> (1 * 0.01)", "> (0.5 * 0.01)"), "must not fire: errors just under", "VllmErrorRateBudgetBurn")):
+        assert broken != rules
+        (out / "alert-rules.yml").write_text(broken)
+        subset = {**cases, "tests": [test for test in cases["tests"] if test["name"].startswith(case)]}
+        assert len(subset["tests"]) == 1
+        (out / "alert-rules.test.yml").write_text(yaml.safe_dump(subset))
+        failed = rule_test(out)
+        assert failed.returncode == 1 and f"alertname: {alert}" in failed.stdout + failed.stderr, failed.stdout + failed.stderr
+
+
+@pytest.mark.parametrize(("window", "alert_for"), [("8s", "0s"), pytest.param("2m", "30m", marks=pytest.mark.slow),
+                                                   pytest.param("1h", "1m", marks=pytest.mark.slow)])
+def test_the_window_timed_cases_hold_for_any_window_and_for(tool, servers, workspace, tmp_path, window, alert_for):
+    promoted(workspace)
+    out = tmp_path / "deploy"
+    assert deploy(workspace, out, "--window", window, "--alert-for", alert_for) == 0
+    cases = yaml.safe_load((out / "alert-rules.test.yml").read_text())
+    cases["tests"] = [test for test in cases["tests"] if "corrupted" in test["name"] or "overload" in test["name"]]
+    assert len(cases["tests"]) == 3
+    (out / "alert-rules.test.yml").write_text(yaml.safe_dump(cases))
+    tested = rule_test(out)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+def test_the_latency_buckets_are_the_serve_environments_vllm_defaults():
+    source = next(REPO_ROOT.glob(".venv-serve/lib/python3*/site-packages/vllm/v1/metrics/buckets.py"), None)
+    if source is None:
+        pytest.skip("no serve environment (.venv-serve): make setup builds it")
+    constants = _tuples(source)
+    assert {"ttft": constants["TIME_TO_FIRST_TOKEN_BUCKETS"], "itl": constants["INTER_TOKEN_LATENCY_BUCKETS"],
+                                 "e2e": constants["REQUEST_LATENCY_BUCKETS"]} == LATENCY_BUCKETS_S
+
+
+def _tuples(source: Path) -> dict[str, tuple]:
+    """The module-level tuple constants of a Python file (annotated or not)."""
+    found = {}
+    for node in ast.parse(source.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0] if isinstance(node, ast.Assign) else None
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Tuple):  # type: ignore[union-attr]
+            found[target.id] = ast.literal_eval(node.value)  # type: ignore[union-attr]
+    return found
