@@ -14,6 +14,7 @@
       last_route_timeout_s: 120          # the last route has nothing to fall back to: a slow answer beats none
       overload: {max_queue: 8, on_http_503: true}
       server_death: {restart: true, max_restarts: 3, hung_after_s: 60}
+      canary_every_s: 60               # the golden set of each version route's bundle asked this often (0: off)
     circuit_breaker: {failures_to_open: 3, retry_after_s: 10}
     listen: {host: 127.0.0.1, port: 8080}
 
@@ -148,6 +149,10 @@ class Rules(FrozenModel):
     connect_timeout_s: Seconds = Field(default=2.0, description="a loopback connect either succeeds at once or is refused")
     overload: Overload = Overload()
     server_death: ServerDeath = ServerDeath()
+    canary_every_s: float = Field(default=60.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                                  description="each version route's golden set (its bundle's evidence/canary.json) asked this often; a "
+                                              "route that answers but disagrees beyond the recorded tolerance is taken out of the chain "
+                                              "until a probe agrees (0: off)")
 
 
 class CircuitBreaker(FrozenModel):

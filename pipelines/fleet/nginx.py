@@ -82,6 +82,7 @@ class Upstream(StrictModel):
     api_key: str
     timeout_s: float
     max_conns: int
+    down: bool = Field(default=False, description="out of the chain (nginx `down`): its canary disagreed (pipelines/fleet/health.py)")
 
 
 class Chain(StrictModel):
@@ -195,7 +196,7 @@ def render_chain(deployment: Deployment, chain: Chain) -> str:
         lines += [
             f"upstream route{index} {{  # {upstream.label}", f"    zone route{index} 64k;",
             f"    server {upstream.address} max_fails={breaker.failures_to_open} fail_timeout={breaker.retry_after_s}s "
-            f"max_conns={upstream.max_conns};",
+            f"max_conns={upstream.max_conns}{' down' if upstream.down else ''};",
             f"    server {LOOPBACK}:{chain.sentinel_port} backup max_fails=0;", "    keepalive 16;",
             f"    keepalive_timeout {UPSTREAM_KEEPALIVE_S}s;", "}", "",
         ]

@@ -58,6 +58,8 @@ class ResolvedRoute(StrictModel):
     model: str
     version: int = Field(description="the registry version (for a base route: the version whose 16-bit model it is)")
     model_dir: Path
+    bundle: Path | None = Field(default=None, description="a version route's signed promotion bundle (its golden set is there); None "
+                                                           "for a base route, whose 16-bit model has no golden set of its own")
     identity: str = Field(description="what the route serves, for the cycle check: the artifact hash or the 16-bit folder's hash")
     verified: str = Field(description="what was checked, in words")
     serve: ServeSettings
@@ -139,7 +141,7 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
     timeout_s, basis = route_timeout(route, latency, deployment, source=source, field=field, last=index == len(deployment.routes) - 1)
     return ResolvedRoute(
         index=index, field=field, label=label(index), kind=kind, ref=str(route.ref), model=version.model, version=version.version,
-        model_dir=model_dir, identity=_identity(route, version), verified=verified,
+        model_dir=model_dir, bundle=check.bundle if kind == "version" else None, identity=_identity(route, version), verified=verified,
         serve=served_settings(spec, route, max_queue=deployment.rules.overload.max_queue),
         timeout_s=timeout_s, timeout_basis=basis, latency=latency,
     )

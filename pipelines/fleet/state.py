@@ -67,6 +67,9 @@ class RouteState(StrictModel):
     latency: Latency | None = None
     breaker_close_bound_s: float | None = Field(default=None, description="the longest its breaker stays open once the route answers "
                                                                           "again (supervisor.breaker_close_bound_s)")
+    canary: str = Field(default="", description="the last golden-set probe's summary (pipelines/fleet/health.py); empty: none yet or off")
+    canary_at: float | None = None
+    canary_down: bool = Field(default=False, description="taken out of the chain (nginx `down`) by a disagreeing canary until one agrees")
 
 
 class ProxyState(StrictModel):

@@ -109,6 +109,8 @@ def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, runn
         reasons.append(f"breaker {breaker}")
     if state.status != "up":
         reasons.insert(0, f"{state.status}{': ' + state.why if state.why else ''}")
+    elif state.canary_down:
+        reasons.insert(0, f"out of the chain by its canary ({state.canary})")
     elif health != "ok":
         reasons.insert(0, {"no answer": f"no answer on /health within {PROBE_TIMEOUT_S:g} s (hung?)", "refused": "refuses connections"}
                        .get(health, f"/health: {health}"))
@@ -116,7 +118,7 @@ def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, runn
         reasons.append(f"turned {traffic.skipped_at_max_conns} requests away at max_conns (overload)")
     if traffic is not None and traffic.busy:
         reasons.append(f"answered {traffic.busy} requests busy (503/429: its queue full), handed down the chain")
-    available = running and state.status == "up" and health == "ok" and breaker == "closed"
+    available = running and state.status == "up" and health == "ok" and breaker == "closed" and not state.canary_down
     serves = f"{state.model} v{state.version}" if state.kind == "version" else f"16-bit base of {state.model} v{state.version}"
     return RouteReport(
         label=state.label, ref=state.ref, serves=serves, port=state.port, status=state.status, health=health, breaker=breaker,

@@ -13,6 +13,9 @@ open is probed through nginx (nginx.py PROBE_PREFIX), so the half-open try after
 the breaker closes within `breaker_close_bound_s` of the route's recovery without a client request; nginx itself is
 restarted if it dies; the proxy's logs are folded into the deployment's traffic (traffic.py) and state.json is rewritten.
 
+Each version route's golden set is its health check beside /health (pipelines/fleet/health.py): a route that answers but
+disagrees beyond the recorded tolerance is taken out of the chain (nginx `down`, reloaded) until a later probe agrees.
+
 A fallback that cannot start (its server dies at start-up) does not stop the deployment: it serves degraded, the route
 `dead` with why, restarted under rules.server_death like any dead route, and `serve status` says the chain has no
 working fallback. A primary that cannot start is an error (exit 2): there is nothing to serve it with.
@@ -36,13 +39,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from pydantic import Field
 
+from pipelines.canary.golden import GoldenSet
 from pipelines.console.output import progress
 from pipelines.errors import InputError, ServeError
 from pipelines.files.atomic import storage_error
 from pipelines.fleet.cores import CorePlan, allowed_cores, plan_cores
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
+from pipelines.fleet.health import CanaryChecks, Probed, load_goldens
 from pipelines.fleet.metrics import RouteSeries, write_metrics
 from pipelines.fleet.nginx import (
     PROBE_PREFIX,
@@ -104,6 +110,7 @@ class Prepared(StrictModel):
     nginx: Path
     nginx_check: str
     cores: CorePlan | None = None  # each route's cores on a CPU host (cores.py); None on a GPU
+    goldens: list[GoldenSet | None] = Field(default_factory=list, description="each route's golden set (health.py); none: not probed")
 
 
 def prepare(deployment: Deployment, source: Path, registry: Registry, *, nginx: str | None = None) -> Prepared:
@@ -119,7 +126,8 @@ def prepare(deployment: Deployment, source: Path, registry: Registry, *, nginx: 
     if not port_free(deployment.listen.host, deployment.listen.port):
         raise InputError(f"port {deployment.listen.port} on {deployment.listen.host} is already in use", file=source, field="listen.port")
     check = _dry_check(deployment, routes, binary)
-    return Prepared(deployment=deployment, source=source, routes=routes, fit=fit, nginx=binary, nginx_check=check, cores=cores)
+    goldens = load_goldens(routes, deployment.rules.canary_every_s)
+    return Prepared(deployment=deployment, source=source, routes=routes, fit=fit, nginx=binary, nginx_check=check, cores=cores, goldens=goldens)
 
 
 def _pin_cores(routes: list[ResolvedRoute]) -> tuple[list[ResolvedRoute], CorePlan | None]:
@@ -250,6 +258,7 @@ class Supervisor:
         self.errors = LogTail(self.layout.error_log)
         self.silent_since: dict[int, float] = {}
         self.route_series = RouteSeries()
+        self.canary = CanaryChecks(prepared.goldens or [None] * len(prepared.routes), deployment.rules.canary_every_s, deployment.model_name)
         self.state = self._initial_state()
 
     # --- the run folder and its state ---------------------------------------------------------------
@@ -351,7 +360,8 @@ class Supervisor:
             # A route without a server (dead, restart failed) keeps its last port: nothing listens there, nginx fails over.
             port = running.port if running is not None else (state.port or free_port())
             key = running.api_key if running is not None and running.api_key else PLACEHOLDER_KEY
-            out.append(Upstream(label=route.label, address=f"{LOOPBACK}:{port}", api_key=key, timeout_s=route.timeout_s, max_conns=state.max_conns))
+            out.append(Upstream(label=route.label, address=f"{LOOPBACK}:{port}", api_key=key, timeout_s=route.timeout_s, max_conns=state.max_conns,
+                                down=state.canary_down))
         return out
 
     def _write_proxy_config(self) -> None:
@@ -386,6 +396,7 @@ class Supervisor:
         if self.state.phase == "stopped":
             return
         self.state.phase = "stopping"
+        self.canary.close()
         self._stop_proxy()
         for server, state in zip(self.servers, self.state.routes, strict=True):
             server.stop()
@@ -404,13 +415,43 @@ class Supervisor:
                 self._check_route(index, server)
             self._keep_proxy()
             self._probe_open_breakers()
+            self._canary_tick()
             self.save()
+
+    def _canary_tick(self) -> None:
+        """Take in a finished golden-set probe; start the next one due (health.py: one at a time, in the background)."""
+        done = self.canary.finished()
+        if done is not None:
+            self._canary_verdict(done)
+        now = time.monotonic()
+        for index, (server, state) in enumerate(zip(self.servers, self.state.routes, strict=True)):
+            running = server.server
+            if running is not None and state.status == "up" and self.canary.due(index, now):
+                self.canary.start(index, running.port, running.api_key, state.timeout_s)
+                return
+
+    def _canary_verdict(self, probed: Probed) -> None:
+        """A route that answered but disagreed leaves the chain until a probe agrees; a probe without answers decides nothing."""
+        state, result = self.state.routes[probed.index], probed.result
+        if state.port != probed.port:  # the route was restarted meanwhile: this was its predecessor
+            return
+        state.canary, state.canary_at = result.summary(), time.time()
+        disagrees = result.error is None and not result.healthy
+        if disagrees and not state.canary_down:
+            state.canary_down = True
+            self.note(f"{state.label} ({state.ref}): canary: {result.summary()}; taken out of the chain until a probe agrees")
+            self._reload_proxy(f"{state.label} marked down by its canary")
+            self.counter.open_breaker(probed.index, time.time(), f"canary: {result.summary()}")
+        elif result.healthy and state.canary_down:
+            state.canary_down = False
+            self.note(f"{state.label} ({state.ref}): canary: {result.summary()}; back in the chain")
+            self._reload_proxy(f"{state.label} back: its canary agrees")
 
     def _probe_open_breakers(self) -> None:
         """Each route whose breaker is open (as the proxy's logs say) and whose server runs: its /health through nginx, which
         is the half-open try once fail_timeout has passed; its answer closes the breaker (traffic.py reads it in the log)."""
         for index, (traffic, state) in enumerate(zip(self.counter.traffic.routes, self.state.routes, strict=True)):
-            if traffic.breaker_open_since is None or state.status != "up" or self.proxy is None:
+            if traffic.breaker_open_since is None or state.status != "up" or state.canary_down or self.proxy is None:
                 continue
             try:
                 httpx.get(f"http://{self.layout.listen_host}:{self.layout.listen_port}{PROBE_PREFIX}route{index}", timeout=PROBE_TIMEOUT_S + 1.0)
@@ -484,7 +525,8 @@ class Supervisor:
             process = self.proxy[0]
             os.kill(process.pid, signal.SIGHUP)
             self.state.proxy.reloads += 1
-            self.counter.reset_breakers(time.time(), f"nginx reloaded ({why}): a reload starts every breaker closed")
+            kept_out = frozenset(index for index, state in enumerate(self.state.routes) if state.canary_down)
+            self.counter.reset_breakers(time.time(), f"nginx reloaded ({why}): a reload starts every breaker closed", keep=kept_out)
             self.note(f"nginx reloaded: {why}")
 
     def _keep_proxy(self) -> None:

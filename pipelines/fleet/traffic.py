@@ -218,18 +218,24 @@ class TrafficCounter:
             state.breaker_open_since = None
             self.traffic.breaker.append(BreakerEvent(route=state.label, kind="closed", at=request.at, why=why))
 
-    def reset_breakers(self, at: float, why: str) -> None:
-        """nginx reloaded: every route's breaker is closed again (a reload gives each upstream a fresh zone)."""
-        for state in self.traffic.routes:
-            if state.breaker_open_since is not None:
+    def reset_breakers(self, at: float, why: str, keep: frozenset[int] = frozenset()) -> None:
+        """nginx reloaded: every route's breaker is closed again (a reload gives each upstream a fresh zone), but those in
+        `keep`, which the reloaded config itself keeps out (`down`)."""
+        for index, state in enumerate(self.traffic.routes):
+            if state.breaker_open_since is not None and index not in keep:
                 state.breaker_open_since = None
                 self.traffic.breaker.append(BreakerEvent(route=state.label, kind="closed", at=at, why=why))
 
-    def _open(self, route: int, at: float) -> None:
+    def _open(self, route: int, at: float, why: str | None = None) -> None:
         state = self.traffic.routes[route]
         if state.breaker_open_since is None:
             state.breaker_open_since = at
-            self.traffic.breaker.append(BreakerEvent(route=state.label, kind="opened", at=at, why=state.last_failure or UNKNOWN_FAILURE))
+            self.traffic.breaker.append(BreakerEvent(route=state.label, kind="opened", at=at, why=why or state.last_failure or UNKNOWN_FAILURE))
+
+    def open_breaker(self, route: int, at: float, why: str) -> None:
+        """The supervisor took the route out of the chain itself (its canary disagreed): its breaker is open, for `why`."""
+        self.traffic.routes[route].last_failure = why
+        self._open(route, at, why)
 
     def add(self, request: Request) -> None:
         traffic = self.traffic

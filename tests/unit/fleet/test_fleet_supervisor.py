@@ -23,8 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pipelines.canary.golden import GoldenSet
+from pipelines.canary.probe import CanaryResult
 from pipelines.cli import build_parser, main
 from pipelines.errors import ServeError
+from pipelines.fleet import health as health_module
 from pipelines.fleet import metrics as metrics_module
 from pipelines.fleet import supervisor as supervisor_module
 from pipelines.fleet.deployment import Deployment, ServerDeath
@@ -431,3 +434,51 @@ def test_nginx_killed_while_a_route_restarts_is_started_again_before_the_route_i
     assert seen["primary then"] in ("restarting", "starting"), seen
     assert seen["answer"] == (200, "fallback-1")
     assert any(re.search(r"nginx exited \(killed by SIGKILL; its console: .*\); starting it again", text) for text in seen["events"]), seen["events"]
+
+
+def test_a_route_whose_canary_disagrees_leaves_the_chain_until_a_probe_agrees(prepared: Prepared, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The golden-set probe (faked here: pipelines/canary has its own tests against a server) as the routes' health check: a
+    primary that answers but disagrees is marked down in nginx, the event names the prompts, and it returns on agreement."""
+    verdict = {"disagreeing": []}
+    asked: list[str] = []
+
+    def fake_probe(base_url: str, *, model: str, golden: GoldenSet, api_key: str | None, timeout_s: float) -> CanaryResult:
+        asked.append(base_url)
+        wrong = list(verdict["disagreeing"])
+        return CanaryResult(healthy=not wrong, disagreeing=wrong, answered=16, total=16, tolerated=0, wall_s=0.1)
+
+    monkeypatch.setattr(health_module, "probe_canary", fake_probe)
+    rules = prepared.deployment.rules.model_copy(update={"canary_every_s": 0.3})
+    golden = GoldenSet.model_construct()
+    prepared = prepared.model_copy(update={"deployment": prepared.deployment.model_copy(update={"rules": rules}), "goldens": [golden, None]})
+    port = prepared.deployment.listen.port
+
+    def drive(folder: Path, seen: dict[str, object]) -> None:
+        key = (folder / "client-key").read_text().strip()
+        wait_until(lambda: read_state(folder).routes[0].canary != "")
+        seen["healthy"] = ask(port, key)[1]
+        verdict["disagreeing"] = ["p03", "p07"]
+        wait_until(lambda: read_state(folder).routes[0].canary_down)
+        seen["down"] = [ask(port, key)[1] for _ in range(3)]
+        seen["status"] = status_report(read_state(folder))
+        verdict["disagreeing"] = []
+        wait_until(lambda: not read_state(folder).routes[0].canary_down)
+        wait_until(lambda: ask(port, key)[1] == "primary", timeout_s=10)
+        time.sleep(1.0)  # the supervisor folds the logs
+        state = read_state(folder)
+        seen["events"] = [event.text for event in state.events]
+        seen["breaker"] = [(event.route, event.kind, event.why) for event in state.traffic.breaker]
+
+    final, seen = supervise_while(prepared, drive)
+    assert "error" not in seen, seen.get("error")
+    assert seen["healthy"] == "primary" and seen["down"] == ["fallback-1"] * 3
+    assert {url.rsplit(":", 1)[0] for url in asked} == {"http://127.0.0.1"} and len(set(asked)) == 1  # the primary only
+    status = seen["status"]
+    assert status.degraded and status.live_route == "fallback-1"
+    assert "out of the chain by its canary (2 of 16 golden prompts disagree beyond tolerance: p03, p07)" in status.why
+    assert "primary (m@1): canary: 2 of 16 golden prompts disagree beyond tolerance: p03, p07; taken out of the chain until a probe agrees" \
+        in seen["events"]
+    assert any(text.startswith("primary (m@1): canary: 16 of 16 golden prompts agree within tolerance; back in the chain") for text in seen["events"])
+    opened = [item for item in seen["breaker"] if item[1] == "opened"]
+    assert opened == [("primary", "opened", "canary: 2 of 16 golden prompts disagree beyond tolerance: p03, p07")]
+    assert seen["breaker"][-1][:2] == ("primary", "closed") and final.proxy.reloads == 2
