@@ -8,6 +8,7 @@ from pathlib import Path
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
 from pipelines.deploy.files import DeploySettings, write_deployment
+from pipelines.deploy.slo import slos
 from pipelines.deploy.spec import served_spec
 from pipelines.registry.store import open_registry
 from pipelines.watch.verdict import limits
@@ -26,9 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--scrape-interval", type=duration_arg(1, 3600), default=15.0, metavar="DURATION",
                         help="Prometheus' scrape and rule interval (default: 15s)")
     parser.add_argument("--window", type=duration_arg(1, 86_400), default=300.0, metavar="DURATION",
-                        help="the window each alert rule measures over, as `quantize watch --window` (default: 5m)")
+                        help="the window of the capacity, corrupted-request and overload rules, as `quantize watch --window` "
+                        "(default: 5m; the SLOs' burn-rate windows are fixed, 5m to 3d)")
     parser.add_argument("--alert-for", type=duration_arg(0, 86_400), default=60.0, metavar="DURATION",
-                        help="how long a rule must hold before it fires (default: 1m)")
+                        help="how long a capacity or overload rule must hold before it fires (default: 1m)")
     parser.add_argument("--registry", metavar="PATH", type=Path, default=None,
                         help="registry database (default: $QUANTGATE_REGISTRY or artifacts/registry.db)")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
@@ -45,14 +47,17 @@ def _deploy(args: argparse.Namespace) -> int:
     written = write_deployment(spec, settings, args.out)
     result = {"model": spec.model, "version": spec.version, "reference": spec.reference, "folder": str(spec.folder),
               "served_name": spec.served_name, "vllm_args": spec.args.cli_args(), "environment": spec.args.environment(),
-              "sources": spec.args.sources, "limits": [limit.model_dump() for limit in limits(envelope)], "notes": spec.notes,
+              "sources": spec.args.sources, "limits": [limit.model_dump() for limit in limits(envelope)],
+              "slos": [slo.model_dump() for slo in slos(spec)], "notes": spec.notes,
               "files": {name: str(path) for name, path in written.items()}}
 
     def render(value: dict) -> None:
         say(table(f"{spec.model} v{spec.version} ({spec.reference}) -> {args.out}", ["argument", "value", "from"],
                   [list(row) for row in spec.args.described()]))
-        say(table("Alert rules (alert-rules.yml)", ["figure", "limit", "from"],
+        say(table("Limits (quantize watch; the capacity ones are alert-rules.yml tickets)", ["figure", "limit", "from"],
                   [[limit["figure"], f"{limit['limit']:g}", limit["source"]] for limit in value["limits"]]))
+        say(table("Burn-rate SLOs (page: 14.4x over 1h and 5m, or 6x over 6h and 30m; ticket: 3x over 1d and 2h, or 1x over 3d and 6h)",
+                  ["SLO", "budget", "bad"], [[slo["figure"], f"{slo['budget']:.4g}", slo["description"]] for slo in value["slos"]]))
         for note in spec.notes:
             say(f"note: {note}")
         say("written: " + ", ".join(value["files"]))

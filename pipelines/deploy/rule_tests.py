@@ -73,7 +73,7 @@ def _error_cases(job: str, errors: Slo, expected: Expected) -> list[dict[str, An
 
     healthy = budget / 10
     return [
-        case("must fire: fast burn (every request fails for 10 min after a healthy day)",
+        case("must fire: fast burn (every request fails for 12 min after a healthy day)",
              [(DAY_MIN, healthy), (12, PER_MINUTE)], [("1d5m", []), ("1d10m", ["page"])]),
         case("must fire: slow burn (8x the budget after a healthy day; the 6 h window confirms it after about 4.5 h)",
              [(DAY_MIN, healthy), (5 * 60 + 5, 8 * budget)], [("1d2h", []), ("1d5h", ["page", "ticket"])]),
