@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # The demo model's business sets (pipelines.paths.DEMO_EVAL_SETS); eval_sets/ also holds the real model's.
 DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
-.PHONY: setup demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate
+.PHONY: setup demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate bench-noise bench-noise-floor
 
 # The two environments are built side by side (each pip is mostly one core; CI has two); then the Debian packages
 # the product drives (Prometheus, nginx: scripts/setup_system.sh).
@@ -62,6 +62,14 @@ clean-artifacts:
 ## Operating characteristics of the gate policy (P(promote) by true drop and noise; not a test), for your own sets:
 ## EVAL_SETS=a,b (their sizes from eval_sets/), REPORT=artifacts/runs/ID/gate.json (a run's sizes, baselines and
 ## discordance), RECIPE=name (its policy overrides), POLICY=file.
+## The rule for charging flips given the runtime's noise floor, simulated (docs/guarantees.md; about 10 minutes on 2 cores)
+bench-noise: setup
+	$(PY) -m pipelines.benchmarks.noise_rule --trials $(or $(TRIALS),20000)
+
+## The runtime's own noise floor on this host: the demo model's 16-bit baseline scored twice per set (real vLLM)
+bench-noise-floor: setup
+	flock /tmp/quantgate-heavy.lock $(PY) -m pipelines.benchmarks.noise_floor --model models/demo-llama --eval-sets $(DEMO_SETS)
+
 bench-gate: setup
 	$(PY) -m pipelines.benchmarks.gate_oc --policy $(or $(POLICY),policies/default.yaml) --recipe $(or $(RECIPE),w8a8) \
 		$(if $(EVAL_SETS),--eval-sets $(EVAL_SETS)) $(if $(REPORT),--report $(REPORT))

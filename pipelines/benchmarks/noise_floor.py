@@ -16,7 +16,6 @@ import json
 import time
 from pathlib import Path
 
-from pipelines.commands.args import eval_set_names
 from pipelines.evaluation import baseline as baseline_cache
 from pipelines.evaluation.evalsets import select_eval_sets
 from pipelines.files.hashing import folder_hash
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     policy, policy_path = load_gate_policy(args.policy)
-    eval_sets = select_eval_sets(eval_set_names(args.eval_sets))
+    eval_sets = select_eval_sets([name.strip() for name in args.eval_sets.split(",") if name.strip()])
     every_set = {s.name: RuleOverrides(noise_floor=True) for s in eval_sets}
     policy = policy.model_copy(update={"eval_sets": {**policy.eval_sets, **every_set}})
     settings = GateSettings(eval_sets=eval_sets, policy=policy, policy_path=policy_path,

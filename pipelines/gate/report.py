@@ -173,6 +173,9 @@ def guarantee_notes(gate: GateResult) -> list[str]:
             effect = "rejects" if r.max_kl_action == "reject" else "warns only"
             notes[f"`max_kl` {r.max_kl} ({effect}, max_kl_action: {r.max_kl_action}): no stated error rate; the KL is a "
                   f"top-k lower bound of the full KL"] = None
+        if v.noise_floor is not None and v.noise_floor.reference == "mean of both passes":
+            notes["`noise_floor`: the candidate is compared with the mean of two baseline scorings (a flip on an item the runtime "
+                  "flipped against itself counts half); the tolerance's rate holds against it (simulated, docs/guarantees.md)"] = None
     whole = gate.unchanged_reject_probability
     if whole is not None:
         notes[f"whole run: an unchanged candidate with these sets' observed discordance is rejected by at least one set "

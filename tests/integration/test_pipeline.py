@@ -51,6 +51,14 @@ def test_the_first_run_serves_the_baseline_and_keeps_the_evidence(w8a8_run):
     stages = gate_report(w8a8_run)["stages"]
     assert stages["baseline_serve_start_s"] > 0 and stages["candidate_serve_start_s"] > 0
     assert (run_dir / "report.md").read_text().startswith("# Quantization gate: PROMOTED")
+    # The default policy's noise floor: every pass/fail set's baseline scored a second time, on a fresh server
+    assert stages["baseline_repeat_serve_start_s"] > 0 and (run_dir / "baseline_repeat-server.log").is_file()
+    for verdict in gate_report(w8a8_run)["gate"]["sets"]:
+        floor = verdict["noise_floor"]
+        assert floor["n"] == verdict["n"] and floor["reference"] == "mean of both passes", verdict["eval_set"]
+        assert len(floor["unstable_items"]) == floor["flips"] == floor["right_to_wrong"] + floor["wrong_to_right"]
+        assert floor["rate_low"] <= floor["rate"] <= floor["rate_high"] and floor["floor"] < verdict["rules"]["ni_margin"]
+    assert "## Runtime noise floor" in (run_dir / "report.md").read_text()
 
 
 def test_aggressive_is_rejected_with_reasons_naming_the_set_and_the_rule(workspace, aggressive_run, eval_set_names: list[str], no_process_left):
