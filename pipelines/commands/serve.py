@@ -133,7 +133,7 @@ def _export(args: argparse.Namespace, source: Path) -> int:
     deployment: Deployment = load_deployment(source)
     from pipelines.fleet.routes import resolve_routes
 
-    routes = resolve_routes(deployment, _registry(args), source=source)
+    routes = resolve_routes(deployment, _registry(args), source=source, here=False)  # the cluster's image serves, not this host
     exported = export_manifests(deployment, routes, args.out)
     emit(exported, as_json=args.json, render=_render_export)
     return 0

@@ -2,8 +2,8 @@
 
 A baseline entry (scores + the KL reference paths) is keyed by the model's content hash, every file
 of the eval set's folder (task YAML, data, `!function` helpers), the serve settings, the lm-eval
-arguments, the versions of vLLM, lm-eval, datasets and transformers, SCORING_VERSION and the KL
-method. A candidate entry (scores + per-item KL) is keyed the same way on the artifact's content
+arguments, the versions of vLLM, lm-eval, datasets and transformers, the host class and serve dtype,
+SCORING_VERSION and the KL method. A candidate entry (scores + per-item KL) is keyed the same way on the artifact's content
 hash, plus the baseline entry it was measured against. A repeat entry (the baseline scored a second time, for the
 noise floor) is keyed on the baseline entry it repeats. A rerun with the same inputs starts no server.
 """
@@ -22,6 +22,7 @@ from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.evaluate import SetScore, lm_eval_command
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.hashing import folder_hash, sha256_json
+from pipelines.hardware.targets import host_record
 from pipelines.serve.serving import RunningServer, ServeSettings, serve_versions
 
 # Bump when the scoring code (evaluate, divergence, pairing of items) changes what a cached entry means.
@@ -70,6 +71,13 @@ def project_versions() -> dict[str, str]:
     return {package: version(package) for package in PROJECT_PACKAGES}
 
 
+def runtime_key() -> dict[str, str]:
+    """What of the host decides the numbers a server computes: its class (the ISA vLLM's library is built for) and the
+    serve dtype. Scores from another host class, an emulated one included, are never reused."""
+    host = host_record()
+    return {"host_class": str(host["host_class"]), "library": str(host.get("library", "")), "serve_dtype": str(host.get("serve_dtype", ""))}
+
+
 def cache_key(model_hash: str, eval_set: EvalSet, settings: ServeSettings) -> str:
     return sha256_json(
         {
@@ -78,6 +86,7 @@ def cache_key(model_hash: str, eval_set: EvalSet, settings: ServeSettings) -> st
             "serve": settings.cache_fields(),
             "lm_eval": lm_eval_arguments(),
             "versions": {**serve_versions(), **project_versions()},
+            "runtime": runtime_key(),
             "scoring": SCORING_VERSION,
             "kl": KL_METHOD,
         }

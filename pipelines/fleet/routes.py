@@ -76,13 +76,14 @@ def label(index: int) -> str:
     return "primary" if index == 0 else f"fallback-{index}"
 
 
-def resolve_routes(deployment: Deployment, registry: Registry, *, source: Path | str) -> list[ResolvedRoute]:
+def resolve_routes(deployment: Deployment, registry: Registry, *, source: Path | str, here: bool = True) -> list[ResolvedRoute]:
     """Every route of the chain resolved and verified, in order (the module docstring's steps). Any failure is an
-    InputError naming the deployment file and the route's field; nothing has started yet."""
+    InputError naming the deployment file and the route's field; nothing has started yet. `here=False` (manifests for a
+    cluster): the runtime of this machine is not the one that will serve, so it is not compared."""
     found = [_lookup(route, index, registry, source) for index, route in enumerate(deployment.routes)]
     _refuse_cycles(deployment.routes, found, source)
     pairs = enumerate(zip(deployment.routes, found, strict=True))
-    return [_verified(route, index, version, deployment, registry, source) for index, (route, version) in pairs]
+    return [_verified(route, index, version, deployment, registry, source, here) for index, (route, version) in pairs]
 
 
 def _lookup(route: Route, index: int, registry: Registry, source: Path | str) -> Version:
@@ -114,7 +115,8 @@ def _refuse_cycles(routes: list[Route], versions: list[Version], source: Path | 
         seen[identity] = index
 
 
-def _verified(route: Route, index: int, version: Version, deployment: Deployment, registry: Registry, source: Path | str) -> ResolvedRoute:
+def _verified(route: Route, index: int, version: Version, deployment: Deployment, registry: Registry, source: Path | str,
+              here: bool) -> ResolvedRoute:
     field = route_field(index)
     try:
         check = registry.verify_signature(version, required=True)
@@ -124,7 +126,7 @@ def _verified(route: Route, index: int, version: Version, deployment: Deployment
     except InputError as error:
         raise InputError(f"{route.describe()} (version {version.version}) does not verify: {error.one_line()}", file=source, field=field) from None
     verified = f"signature {check.method} {check.key_id[:12]}, {check.files} files, evidence {check.evidence}"
-    if route.model is not None:  # a quantized route: its verdict holds only on a runtime it was gated on
+    if route.model is not None and here:  # a quantized route: its verdict holds only on a runtime it was gated on
         try:
             verified += "".join(f"; {note}" for note in require_gated_runtime(registry, version, check.bundle))
         except InputError as error:

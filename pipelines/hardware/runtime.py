@@ -103,16 +103,21 @@ def recorded_runtime(gate: dict[str, Any], provenance: dict[str, Any] | None, *,
     """The runtime a gate.json's verdict was measured on: its `inputs.runtime`, or for a gate.json written before
     it was recorded, what it did record (the host and, from provenance.json, the serve environment's versions;
     kernels unknown)."""
-    inputs: dict[str, Any] = gate["inputs"] if isinstance(gate.get("inputs"), dict) else {}
-    try:
-        if isinstance(inputs.get("runtime"), dict):
+    inputs = _mapping(gate.get("inputs"))
+    if "runtime" in inputs:
+        try:
             return Runtime.model_validate(inputs["runtime"])
-        host: dict[str, Any] = inputs["host"] if isinstance(inputs.get("host"), dict) else {}
-        versions = ((provenance or {}).get("versions") or {}).get("serve") or {}
-        return Runtime(host_class=str(host.get("host_class", "unknown")), library=str(host.get("library", "")),
-                       serve_dtype=str(host.get("serve_dtype", "")), packages=_runtime_packages(dict(versions)),
-                       serve_args=dict(inputs.get("serve") or {}))
-    except (ValidationError, TypeError, ValueError) as error:
-        problem = " ".join(str(error).split())[:200]
-        raise InputError(f"the recorded runtime is malformed ({problem})", file=file, field="inputs.runtime") from None
+        except ValidationError as error:
+            problem = " ".join(str(error).split())[:200]
+            raise InputError(f"the recorded runtime is malformed ({problem})", file=file, field="inputs.runtime") from None
+    host = _mapping(inputs.get("host"))
+    versions = _mapping(_mapping(_mapping(provenance).get("versions")).get("serve"))
+    return Runtime(host_class=str(host.get("host_class", "unknown")), library=str(host.get("library", "")),
+                   serve_dtype=str(host.get("serve_dtype", "")), packages=_runtime_packages({k: str(v) for k, v in versions.items()}),
+                   serve_args=_mapping(inputs.get("serve")))
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    """`value` when a JSON object, else {}: an older file's missing or malformed part records nothing."""
+    return value if isinstance(value, dict) else {}
 

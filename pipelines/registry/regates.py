@@ -35,7 +35,7 @@ from pipelines.files.atomic import hidden_sibling, storage_error, write_json_ato
 from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.hardware.runtime import Runtime, recorded_runtime, runtime_here
-from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, POLICY_APPLIED, PROVENANCE
+from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, POLICY_APPLIED, PROVENANCE, registry_record
 from pipelines.registry.signing import load_signer, parse_record, sign_folder, signature_record, verify_bundle
 from pipelines.registry.store import Registry, Version
 from pipelines.schema import StrictModel
@@ -49,6 +49,10 @@ class SetOutcome(StrictModel):
     name: str
     verdict: Literal["passed", "failed", "not scored"]
     reasons: list[str] = Field(default_factory=list)
+    worsening_bound: float | None = Field(default=None, description="the one-sided bound the tolerance rule read, in the set's unit")
+    tolerance: float | None = None
+    unchanged_reject_probability: float | None = Field(
+        default=None, description="P(this set rejects an unchanged candidate) at the discordance measured on this runtime")
 
 
 class RegateRecord(StrictModel):
@@ -56,6 +60,7 @@ class RegateRecord(StrictModel):
 
     model: str
     version: int
+    registry_record: dict[str, Any] = Field(description="the version's identity (its bundle's evidence/registry.json)")
     at: str
     verdict: Literal["passed", "failed"]
     reasons: list[str]
@@ -66,13 +71,10 @@ class RegateRecord(StrictModel):
     stopped_early: bool = Field(description="true when a failed set ended it before every set was scored")
     divergence: dict[str, Any] | None = Field(default=None, description="the golden set's probe on this runtime (semantic canary)")
     error_rates: str
+    unchanged_reject_probability: float | None = Field(
+        default=None, description="P(some scored set rejects an unchanged candidate), sets independent, at this runtime's discordance")
     run_dir: str | None = None
     cost_s: float
-
-
-class AcceptedRuntime(StrictModel):
-    source: str  # "gate" or "regate <stamp>"
-    runtime: Runtime
 
 
 def regates_folder(bundle: Path) -> Path:
@@ -111,8 +113,8 @@ def record_regate(registry: Registry, version: Version, record: RegateRecord, bu
     signature = signature_record(final, signer, sign_s)
     try:
         registry.record_regate(version.model, version.version, f"re-gated on {record.runtime.host_class}: {record.verdict}", {
-            "signature": signature.model_dump(mode="json"), "verdict": record.verdict, "runtime": record.runtime.summary(),
-            "changes": record.changes, "cost_s": record.cost_s,
+            "signature": signature.model_dump(mode="json"), "verdict": record.verdict, "runtime": record.runtime.model_dump(mode="json"),
+            "summary": record.runtime.summary(), "changes": record.changes, "cost_s": record.cost_s,
         })
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
@@ -120,20 +122,53 @@ def record_regate(registry: Registry, version: Version, record: RegateRecord, bu
     return final
 
 
-def accepted_runtimes(registry: Registry, version: Version, bundle: Path) -> list[AcceptedRuntime]:
-    """The gate's runtime, then every runtime a passing re-gate recorded whose signature verifies."""
-    accepted = [AcceptedRuntime(source="gate", runtime=gated_runtime(bundle))]
+def regated_runtimes(registry: Registry, version: Version) -> list[tuple[Runtime, str, dict[str, Any]]]:
+    """Every re-gate the registry recorded for `version`, oldest first: (runtime, verdict, the event's evidence)."""
+    found = []
     for event in registry.history(version.model, version=version.version):
-        if event.kind != "regated" or event.version != version.version or (event.evidence or {}).get("verdict") != "passed":
+        if event.kind != "regated" or event.version != version.version:
             continue
-        record = parse_record(event.evidence)
-        if record is None:
-            continue
-        check = verify_bundle(record)  # an edited regate.json is refused like any tampered bundle file
-        regate = _read_record(check.bundle / REGATE_JSON)
-        if regate.verdict == "passed" and (regate.model, regate.version) == (version.model, version.version):
-            accepted.append(AcceptedRuntime(source=f"regate {check.bundle.name}", runtime=regate.runtime))
-    return accepted
+        evidence = event.evidence or {}
+        try:
+            runtime = Runtime.model_validate(evidence.get("runtime"))
+        except ValidationError:
+            raise InputError(f"a regated event of {version.model} v{version.version} holds no readable runtime", file=registry.path,
+                             field="events.evidence.runtime") from None
+        found.append((runtime, str(evidence.get("verdict")), evidence))
+    return found
+
+
+def accepted_runtime(registry: Registry, version: Version, bundle: Path, here: Runtime) -> str | None:
+    """Where the verdict for `here` comes from ("the gate", "a re-gate"), or None when `here` is neither the gate's runtime
+    nor one re-gated with a pass. A failed re-gate of a runtime, the gate's own included, vetoes it for good: retrying
+    until one passes would multiply the false-pass rate (each attempt is a `regated` event), so serving there takes a
+    new gate run, i.e. a new version. Only the latest passing re-gate's signed folder is read, so a broken folder of
+    another runtime's re-gate blocks nothing."""
+    same = [(verdict, evidence) for runtime, verdict, evidence in regated_runtimes(registry, version) if not runtime.changes(here)]
+    if not same:
+        return None if gated_runtime(bundle).changes(here) else "the gate"
+    if any(verdict != "passed" for verdict, _ in same):
+        return None
+    _verified_record(registry, version, bundle, same[-1][1])
+    return "a re-gate"
+
+
+def _verified_record(registry: Registry, version: Version, bundle: Path, evidence: dict[str, Any]) -> RegateRecord:
+    """The re-gate a `regated` event names: its signature verifies (an edited regate.json is refused like any tampered
+    bundle file), its folder is this version's, and the record is this version's and passed."""
+    record = parse_record(evidence)
+    if record is None:
+        raise InputError(f"a regated event of {version.model} v{version.version} has no signature record", file=registry.path,
+                         field="events.evidence.signature")
+    folder = Path(record.bundle)
+    if folder.parent != regates_folder(bundle):
+        raise InputError(f"the re-gate folder is not beside v{version.version}'s bundle ({regates_folder(bundle)})", file=folder)
+    check = verify_bundle(record)
+    regate = _read_record(check.bundle / REGATE_JSON)
+    if regate.registry_record != registry_record(version) or regate.verdict != "passed":
+        raise InputError(f"the re-gate record is not a passing re-gate of {version.model} v{version.version}", file=check.bundle / REGATE_JSON,
+                         field="registry_record")
+    return regate
 
 
 def _read_record(path: Path) -> RegateRecord:
@@ -142,7 +177,7 @@ def _read_record(path: Path) -> RegateRecord:
         return RegateRecord.model_validate(data)
     except ValidationError as error:
         problem = " ".join(str(error).split())[:200]
-        raise InputError(f"not a re-gate record this quantgate reads ({problem})", file=path) from None
+        raise InputError(f"not a re-gate record this quantgate reads ({problem})", file=path, field="(top level)") from None
 
 
 def runtime_change_action(bundle: Path) -> RuntimeChange:
@@ -152,13 +187,6 @@ def runtime_change_action(bundle: Path) -> RuntimeChange:
         return "refuse"
     policy, _ = read_json_object(path, what="policy.json", max_bytes=MAX_JSON_BYTES)
     return "warn" if policy.get("runtime_change") == "warn" else "refuse"
-
-
-def runtime_mismatch(accepted: list[AcceptedRuntime], here: Runtime) -> list[str] | None:
-    """None when `here` is an accepted runtime; else what changed against the gate's runtime."""
-    if any(not entry.runtime.changes(here) for entry in accepted):
-        return None
-    return accepted[0].runtime.changes(here)
 
 
 def serve_packages_here() -> dict[str, str] | None:
@@ -176,13 +204,13 @@ def require_gated_runtime(registry: Registry, version: Version, bundle: Path, *,
     packages = serve_packages_here()
     if packages is None:
         return ["the serving runtime was not compared with the gated one: no serve environment here (`make setup` builds it)"]
-    accepted = accepted_runtimes(registry, version, bundle)
-    # Without the kernels first: a changed host class or library is a refusal without probing this host's kernels.
-    changes = runtime_mismatch(accepted, runtime_here(bundle, {}, packages, kernels=False))
-    if changes is None:
-        changes = runtime_mismatch(accepted, runtime_here(bundle, {}, packages))
-    if changes is None:
-        return []
+    # Without the kernels first: a changed host class or library is decided without probing this host's kernels.
+    here = runtime_here(bundle, {}, packages, kernels=False)
+    if accepted_runtime(registry, version, bundle, here) is not None:
+        here = runtime_here(bundle, {}, packages)
+        if accepted_runtime(registry, version, bundle, here) is not None:
+            return []
+    changes = gated_runtime(bundle).changes(here) or ["the re-gate on this runtime failed"]
     line = (f"{version.model} v{version.version} was gated on another runtime ({'; '.join(changes[:4])}"
             f"{'; ...' if len(changes) > 4 else ''}): re-gate it here first with `quantize regate {version.model}@{version.version}`")
     if runtime_change_action(bundle) == "warn":

