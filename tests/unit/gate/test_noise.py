@@ -140,5 +140,7 @@ def test_the_rule_holds_every_scenario_at_a_larger_trial_count():
         rates = _rates(scenario, 2000)
         if scenario.worsening() > 0:
             assert rates["mean of passes"][1] <= 0.05, scenario.name
-        else:
-            assert rates["mean of passes"][0] >= rates["first pass"][0], scenario.name
+        elif scenario.unstable >= 0.2:  # fewer false rejections where the noise is large
+            assert rates["mean of passes"][0] > rates["first pass"][0], scenario.name
+        else:  # at about the measured noise neither way rejects an unchanged candidate (a set in 2,000 may move either way)
+            assert min(rates["mean of passes"][0], rates["first pass"][0]) >= 0.995, scenario.name
