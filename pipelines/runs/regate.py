@@ -42,12 +42,10 @@ from pipelines.canary.probe import probe_canary
 from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.evaluation import baseline as baseline_cache
-from pipelines.evaluation.divergence import KL_METHOD
 from pipelines.evaluation.evalsets import EvalSet, select_eval_sets
 from pipelines.evaluation.evaluate import ANSWER_RESERVE_TOKENS, materialize_tasks
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.hashing import folder_hash
-from pipelines.gate.pairing import pair_set
 from pipelines.gate.policy import Policy, load_policy
 from pipelines.gate.schema import GateReport, GateResult, SetVerdict
 from pipelines.gate.verdict import decide
@@ -62,10 +60,9 @@ from pipelines.runs.runfolder import run_folder
 from pipelines.runs.runner import (
     GateJob,
     GateSettings,
-    _baseline_entries,
-    _candidate_entries,
     check_served_here,
     default_runs_dir,
+    scored_comparisons,
 )
 from pipelines.runs.stack import GateStack
 from pipelines.serve.serving import HOST_DTYPE, LOOPBACK, RunningServer, ServeSettings
@@ -231,11 +228,9 @@ def _judge_one(staging: Path, job: GateJob, eval_set: EvalSet, identity: RecipeI
     include_dir = materialize_tasks([eval_set], staging / "tasks" / eval_set.name)
     prompts = stack.prompts([eval_set], include_dir, job.baseline_dir)
     stack.check_lengths(eval_set, prompts[eval_set.name], job.artifact_dir, job.settings.serve.max_model_len, ANSWER_RESERVE_TOKENS)
-    baseline = _baseline_entries(staging, one, include_dir, prompts, one.stages, stack)
-    candidate = _candidate_entries(staging, one, include_dir, baseline, one.stages, None, stack, artifact_hash=artifact_hash)
-    comparison = pair_set(eval_set, baseline[eval_set.name].score, candidate[eval_set.name].score,
-                          candidate[eval_set.name].kl_by_doc, KL_METHOD)
-    return decide([comparison], job.settings.policy, identity, None)
+    _, comparisons = scored_comparisons(staging, one, include_dir, prompts, identity, one.stages, stack, check=None,
+                                        artifact_hash=artifact_hash)
+    return decide(comparisons, job.settings.policy, identity, None)
 
 
 def _canary(bundle: Path, serve: Any, settings: ServeSettings, staging: Path) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ from pipelines.gate.pairing import pair_set
 from pipelines.gate.policy import Policy
 from pipelines.gate.report import render_markdown, with_unverified_note
 from pipelines.gate.schema import FitCheck, GateReport, load_report
-from pipelines.gate.verdict import decide
+from pipelines.gate.verdict import SetComparison, decide
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
 from pipelines.hardware.runtime import runtime_here
@@ -218,15 +218,8 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
     loadtest = job.settings.loadtest and job.settings.policy.performance_for(identity).enabled
     # With the load test on, servers the scoring starts stay up for it (pipelines/loadtest/gate_hook.py).
     with server_pool(loadtest, staging, job.settings.serve, job.baseline_dir, job.artifact_dir, stages, stack.serve) as pool:
-        baseline = _baseline_entries(staging, job, include_dir, prompts, stages, stack, pool)
-        repeats = _repeat_entries(staging, job, include_dir, baseline, identity, stages, stack)
-        candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, stack, pool)
+        baseline, comparisons = scored_comparisons(staging, job, include_dir, prompts, identity, stages, stack, check=check, pool=pool)
         with timed(stages, "gate_s"):
-            comparisons = [
-                pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD,
-                         repeats[s.name].score if s.name in repeats else None)
-                for s in job.settings.eval_sets
-            ]
             fit, plan = _fit_and_plan(job, identity)
             gate = decide(comparisons, job.settings.policy, identity, fit)
         gate, performance = stack.load_test(gate, pool, lambda: stage_inputs(job, prompts, identity, plan, staging), stages)
@@ -254,6 +247,24 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
         comparisons=comparisons, report=report,
     )
     return report
+
+
+def scored_comparisons(
+    staging: Path, job: GateJob, include_dir: Path, prompts: dict, identity: RecipeIdentity, stages: dict[str, float], stack: GateStack, *,
+    check: ArtifactCheck | None, pool: ServerPool | None = None, artifact_hash: str | None = None,
+) -> tuple[dict[str, baseline_cache.BaselineEntry], list[SetComparison]]:
+    """Every set of `job` scored (or read from the cache) for the baseline, its repeat where the policy wants the noise
+    floor, and the candidate, then paired: what a gate run and a re-gate (pipelines/runs/regate.py) judge."""
+    baseline = _baseline_entries(staging, job, include_dir, prompts, stages, stack, pool)
+    repeats = _repeat_entries(staging, job, include_dir, baseline, identity, stages, stack)
+    candidate = _candidate_entries(staging, job, include_dir, baseline, stages, check, stack, pool, artifact_hash=artifact_hash)
+    with timed(stages, "gate_s"):
+        comparisons = [
+            pair_set(s, baseline[s.name].score, candidate[s.name].score, candidate[s.name].kl_by_doc, KL_METHOD,
+                     repeats[s.name].score if s.name in repeats else None)
+            for s in job.settings.eval_sets
+        ]
+    return baseline, comparisons
 
 
 def _candidate_server(staging: Path, job: GateJob, stack: GateStack, pool: ServerPool | None) -> AbstractContextManager[RunningServer]:
