@@ -148,7 +148,7 @@ def scenario(workspace: Workspace, load_tested: int, folder: Path) -> SimpleName
     prometheus, watchdog = start_prometheus(folder, prometheus_port)
     try:
         with vllm_server(spec.folder, log_path=folder / "server.log", settings=settings, served_name=spec.served_name, port=port) as server:
-            url = f"http://127.0.0.1:{port}/metrics"
+            url = f"http://127.0.0.1:{port}"  # the server's base URL: watch reads its /metrics
             common = ["--url", url, "--version", f"{MODEL}@production", "--window", WINDOW, "--sample-every", "0.5s"]
             key = {API_KEY_ENV: server.api_key or ""}  # the canary's requests need the server's key (/metrics does not)
             with Load(folder / "light-load", server, prompts(64, 16), concurrency=1, requests=1000):
@@ -168,12 +168,14 @@ def scenario(workspace: Workspace, load_tested: int, folder: Path) -> SimpleName
             shadow = workspace.quantize("watch", "--url", url, "--version", f"{MODEL}@production", "--window", "1s", "--shadow", str(sample),
                                         "--out", str(folder / "shadow"), "--json", env=key)
             rules = httpx.get(f"http://127.0.0.1:{prometheus_port}/api/v1/rules", timeout=10).json()
+            page = httpx.get(f"{url}/metrics", timeout=10).text
             log = (folder / "server.log").read_text(errors="replace")
     finally:
         stop_process_group(prometheus)
         watchdog.stop()
     return SimpleNamespace(folder=folder, first=first.version, second=second, deploy=deploy, within=within, breach=breach, heavy=heavy,
-                           prometheus=from_prometheus, shadow=shadow, alerts=alerts, rules=rules, server_log=log, registry=registry, spec=spec)
+                           prometheus=from_prometheus, shadow=shadow, alerts=alerts, rules=rules, server_log=log, registry=registry, spec=spec,
+                           page=page)
 
 
 def start_prometheus(folder: Path, port: int):
@@ -275,3 +277,12 @@ def test_the_shadow_replay_pairs_the_deployed_version_with_its_baseline(watched)
     assert shadow["kl_mean"] is not None and shadow["kl_mean"] < 0.1
     assert any("one-sided Clopper-Pearson bound" in line for line in shadow["lines"])
     assert any("(95% one-sided bound)" in line for line in shadow["lines"])
+
+
+def test_the_server_counts_corrupted_requests_and_no_corruption_alert_fires(watched):
+    """The product's servers run with VLLM_COMPUTE_NANS_IN_LOGITS=1: vLLM exports vllm:corrupted_requests_total (0 here), the
+    page rule on it stays quiet, and so does the ticket for a server without it."""
+    corrupted = [line for line in watched.page.splitlines() if line.startswith("vllm:corrupted_requests_total")]
+    assert corrupted and all(float(line.rsplit(" ", 1)[1]) == 0 for line in corrupted), watched.page[:2000]
+    active = {alert["labels"]["alertname"] for alert in watched.alerts["data"]["alerts"]}
+    assert not active & {"VllmCorruptedRequests", "VllmNanCheckOff"}, watched.alerts
