@@ -15,6 +15,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,6 +45,8 @@ MAX_SERIES = 100_000  # series kept (the ones read), after the others are droppe
 SCRAPE_TIMEOUT_S = 10.0
 START_TIME = "process_start_time_seconds"
 MAX_MODEL_NAMES = 16
+METRICS_PATH = "/metrics"
+BASE_PATHS = ("", "/v1")  # a server's root and its OpenAI base URL: both mean the server, whose page is METRICS_PATH
 
 _BUCKET_NAMES = {f"{base}_bucket": key for key, base in HISTOGRAMS.items()}
 _SUM_NAMES = {f"{base}_sum": key for key, base in HISTOGRAMS.items()}
@@ -64,6 +67,26 @@ class Scrape(StrictModel):
     kv: KvCacheInfo | None = None
     started: float | None = Field(default=None, description="process_start_time_seconds: a change means a restart")
     model_names: list[str] = Field(default_factory=list, description="the model_name labels of the vllm:* series (the served names)")
+
+
+def metrics_url(url: str, field: str = "--url") -> str:
+    """The metrics page of `url`. A server's base URL (http://HOST:PORT, with or without a trailing slash, or its OpenAI base
+    URL ending in /v1) means its /metrics; a path ending in /metrics is read without a trailing slash; any other path is read
+    as given (a page there that is not a metrics page is refused by `parse_page`, a 404 by `fetch_page`, each with one line)."""
+    parts = urlsplit(url.strip())
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise InputError("not an http(s) URL: give the vLLM server's base URL (http://HOST:PORT) or its metrics page "
+                         "(http://HOST:PORT/metrics)", file=url, field=field)
+    path = parts.path.rstrip("/")
+    if path in BASE_PATHS:
+        path = METRICS_PATH
+    elif not path.endswith(METRICS_PATH):
+        path = parts.path
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
 def fetch_page(client: httpx.Client, url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> bytes:
