@@ -127,8 +127,9 @@ def gate(ws, *, policy: Path | None = None, loadtest: bool = True) -> runner.Run
 
 def test_a_promoted_run_load_tests_both_models_on_the_servers_the_gate_started(tool, servers, workspace):
     outcome = gate(workspace)
-    assert servers.started == ["baseline", "candidate"], "the quality gate's servers are reused, none started again"
-    assert sorted(servers.stopped) == ["baseline", "candidate"]
+    # the quality gate's servers are reused, none started again (the baseline's second scoring, the noise floor, had its own)
+    assert servers.started == ["baseline", "baseline_repeat", "candidate"]
+    assert sorted(servers.stopped) == ["baseline", "baseline_repeat", "candidate"]
     assert (outcome.verdict, outcome.exit_code) == ("promoted", 0), "report-only on a CPU target"
     report = json.loads(outcome.gate_json.read_text())
     performance = report["performance"]
@@ -156,7 +157,7 @@ def test_a_warm_run_starts_the_baseline_once_for_the_load_test(tool, servers, wo
     gate(workspace)
     workspace.artifact = make_model(workspace.root / "candidates" / "w4a16-4567", manifest=True)
     outcome = gate(workspace)
-    assert servers.started == ["baseline", "candidate", "candidate", "baseline"]
+    assert servers.started == ["baseline", "baseline_repeat", "candidate", "candidate", "baseline"]
     assert "baseline_serve_start_s" not in outcome.stages and outcome.stages["loadtest_baseline_serve_start_s"] == 1.5
     assert (outcome.run_dir / "loadtest-baseline-server.log").is_file()
     served_by = [m["served_by"] for m in json.loads(outcome.gate_json.read_text())["performance"]["models"]]
@@ -221,7 +222,7 @@ def test_a_candidate_the_quality_gate_rejects_is_not_load_tested(tool, servers, 
     outcome = gate(workspace)
     assert outcome.verdict == "rejected" and tool.runs == []
     assert json.loads(outcome.gate_json.read_text())["performance"] is None and outcome.performance is None
-    assert sorted(servers.stopped) == sorted(servers.started) == ["baseline", "candidate"]
+    assert sorted(servers.stopped) == sorted(servers.started) == ["baseline", "baseline_repeat", "candidate"]
 
 
 @pytest.mark.parametrize("how", ["flag", "policy"])
@@ -230,14 +231,14 @@ def test_the_load_test_can_be_turned_off(tool, servers, workspace, tmp_path, how
     outcome = gate(workspace, **off)
     assert outcome.verdict == "promoted" and tool.runs == [] and outcome.performance is None
     assert "loadtest_s" not in outcome.stages
-    assert servers.stopped == ["baseline", "candidate"], "without the load test each server stops after its scoring"
+    assert servers.stopped == ["baseline", "baseline_repeat", "candidate"], "without the load test each server stops after its scoring"
 
 
 def test_a_failed_load_test_is_an_error_that_stops_every_server_and_registers_nothing(tool, servers, workspace):
     tool.fail = True
     with pytest.raises(LoadTestError, match="vLLM bench serve failed"):
         gate(workspace)
-    assert sorted(servers.stopped) == sorted(servers.started) == ["baseline", "candidate"]
+    assert sorted(servers.stopped) == sorted(servers.started) == ["baseline", "baseline_repeat", "candidate"]
     (failed,) = workspace.runs.iterdir()
     assert failed.name.endswith("-error") and "LoadTestError" in (failed / "error.txt").read_text()
     assert Registry(workspace.registry).list() == []
