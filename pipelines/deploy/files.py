@@ -26,7 +26,7 @@ import yaml
 
 from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, duration, error_rates, job_name, selector
 from pipelines.deploy.rule_tests import rule_tests
-from pipelines.deploy.slo import SLO_FIGURES, health_rules, slo_rules, slos
+from pipelines.deploy.slo import HEALTH_FIGURES, SLO_FIGURES, health_rules, slo_rules, slos
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir, folder_mode
@@ -81,7 +81,7 @@ def alert_rules(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
     rules = slo_rules(spec, labels) + health_rules(spec, settings.window_s, settings.alert_for_s, labels)
     queries = figure_queries(spec, settings.window_s)
     for limit in limits(envelope):
-        if limit.figure in SLO_FIGURES:
+        if limit.figure in SLO_FIGURES or limit.figure in HEALTH_FIGURES:
             continue
         name, words = _ALERT_NAMES[limit.figure]
         rules.append({

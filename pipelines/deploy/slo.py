@@ -60,6 +60,7 @@ WINDOWS_S = sorted({seconds for pair in BURN_WINDOWS for seconds in (pair.long_s
 _LATENCIES = {"ttft_p95_s": ("Ttft", "ttft", "time to first token"), "itl_p95_s": ("Itl", "itl", "inter-token latency"),
               "e2e_p95_s": ("E2e", "e2e", "end-to-end latency")}
 SLO_FIGURES = ("error_rate", *_LATENCIES)
+HEALTH_FIGURES = ("corrupted_requests",)  # watched figures whose rules are health_rules
 BURN_SUFFIX = "BudgetBurn"
 
 

@@ -45,6 +45,8 @@ class Figures(StrictModel):
     aborts: float
     http_5xx: float
     error_rate: float | None = None
+    admission_rejections: float = 0.0
+    corrupted_requests: float = 0.0
     kv_cache_usage: float | None = None
     kv_cache_usage_mean: float | None = None
     prefix_cache_hit_rate: float | None = None
@@ -84,8 +86,10 @@ def window_figures(window: WindowData) -> Figures:
     finished = sum(value for key, value in counters.items() if key.startswith("finished:"))
     answered = sum(value for key, value in counters.items() if key.startswith("http:") and key != "http:4xx")
     errors, aborts = counters.get("finished:error", 0.0), counters.get("finished:abort", 0.0)
-    http_5xx = counters.get("http:5xx", 0.0)
-    rates = [bad / total for bad, total in ((errors + aborts, finished), (http_5xx, answered)) if total > 0]
+    http_5xx, rejected = counters.get("http:5xx", 0.0), counters.get("admission_rejections", 0.0)
+    # an admission refused by a queue limit is answered 503 and is overload, not failure (as in the deployed error SLO)
+    failed, admitted = max(0.0, http_5xx - rejected), answered - rejected
+    rates = [bad / total for bad, total in ((errors + aborts, finished), (failed, admitted)) if total > 0]
     figures: dict[str, float | None] = {}
     for key in LATENCIES:
         for p in PERCENTILES:
@@ -96,7 +100,8 @@ def window_figures(window: WindowData) -> Figures:
         tpot_p95_s=histogram_quantile(0.95, histograms.get("tpot")), queue_time_p95_s=histogram_quantile(0.95, histograms.get("queue")),
         generation_tokens_per_s=counters.get("generation_tokens", 0.0) / window.duration_s,
         prompt_tokens_per_s=counters.get("prompt_tokens", 0.0) / window.duration_s,
-        errors=errors, aborts=aborts, http_5xx=http_5xx, error_rate=max(rates) if rates else None,
+        errors=errors, aborts=aborts, http_5xx=http_5xx, error_rate=max(rates) if rates else None, admission_rejections=rejected,
+        corrupted_requests=counters.get("corrupted_requests", 0.0),
         kv_cache_usage=_peak(window, "kv_cache_usage"), kv_cache_usage_mean=_mean(window, "kv_cache_usage"),
         prefix_cache_hit_rate=counters.get("prefix_cache_hits", 0.0) / queries if queries > 0 else None,
         preemptions=counters.get("preemptions", 0.0),

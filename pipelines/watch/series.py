@@ -29,6 +29,10 @@ COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    # admissions refused by a queue limit (answered 503: overload, left out of the error rate) and requests with NaN logits
+    # (exported only by a server started with VLLM_COMPUTE_NANS_IN_LOGITS=1)
+    "admission_rejections": "vllm:admission_rejections_total",
+    "corrupted_requests": "vllm:corrupted_requests_total",
 }
 # key prefix -> (sample name, the label a counter is split by): `finished:stop`, `http:5xx`
 GROUPED_COUNTERS = {

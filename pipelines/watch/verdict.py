@@ -46,6 +46,8 @@ def limits(envelope: Envelope) -> list[FigureLimit]:
                                        envelope.concurrency, "production.itl_p95_ms" if production.itl_p95_ms else "slo.tpot_ms")),
         FigureLimit(figure="error_rate", limit=production.max_error_rate,
                     source=f"policy production.max_error_rate (the load test had {envelope.failed} failed of {envelope.requests})"),
+        FigureLimit(figure="corrupted_requests", limit=0.0,
+                    source="any request with NaN logits (vllm:corrupted_requests, counted with VLLM_COMPUTE_NANS_IN_LOGITS=1)"),
         FigureLimit(figure="kv_cache_usage", limit=production.max_kv_cache_usage, source="policy production.max_kv_cache_usage"),
         FigureLimit(figure="preemptions", limit=float(production.max_preemptions), source="policy production.max_preemptions"),
         FigureLimit(figure="waiting_p95", limit=float(envelope.max_waiting),

@@ -38,6 +38,12 @@ class State:
     memory: float = 100 * 2**20
     started: float = 1796306253.55
     num_blocks: int = 2048
+    rejected: float = 0.0  # vllm:admission_rejections_total (each also answered 503)
+    corrupted: float | None = None  # vllm:corrupted_requests_total; None: a server without VLLM_COMPUTE_NANS_IN_LOGITS=1
+
+    def reject(self, requests: int) -> None:
+        self.rejected += requests
+        self.http["5xx"] += requests
 
     def serve(self, requests: int, *, ttft: float, itl: float, tokens: int = 10, reason: str = "length") -> None:
         for _ in range(requests):
@@ -77,6 +83,10 @@ def page(state: State) -> str:
     lines += [f'http_requests_total{{handler="/v1/completions",method="POST",status="{status}"}} {count}'
               for status, count in state.http.items()]
     lines.append('http_requests_total{handler="/metrics",method="GET",status="2xx"} 999.0')
+    lines += [f'vllm:admission_rejections_total{{model_name="demo-llama",reason="{reason}"}} {count}'
+              for reason, count in (("max_num_queued_reqs", state.rejected), ("max_num_queued_tokens", 0.0))]
+    if state.corrupted is not None:
+        lines.append(f"vllm:corrupted_requests_total{{{LABELS}}} {state.corrupted}")
     lines += _histogram("vllm:time_to_first_token_seconds", TTFT_BUCKETS, state.ttft)
     lines += _histogram("vllm:inter_token_latency_seconds", ITL_BUCKETS, state.itl)
     lines += _histogram("vllm:e2e_request_latency_seconds", TTFT_BUCKETS, [t + 0.5 for t in state.ttft])

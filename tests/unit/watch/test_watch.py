@@ -340,6 +340,34 @@ def test_error_rate_is_the_larger_of_the_engines_and_the_http_layers():
     assert figures.http_5xx == 2, "the /metrics handler's own reads are not requests"
 
 
+def _figures(before: State, after: State):
+    from pipelines.watch.exposition import window_between
+
+    first, last = parse_page(page(before).encode(), "x", 0.0), parse_page(page(after).encode(), "x", 10.0)
+    return window_figures(window_between(1, first, last, [last], "x"))
+
+
+def test_admission_rejections_are_overload_not_errors_as_in_the_deployed_error_slo():
+    state = State()
+    state.serve(90, ttft=0.03, itl=0.02)
+    state.reject(30)  # answered 503 by vLLM's queue limit
+    figures = _figures(State(), state)
+    assert figures.http_5xx == 30 and figures.admission_rejections == 30 and figures.error_rate == 0
+    state.http["5xx"] += 6  # six failures beside the rejections: 6 of the 96 admitted
+    assert _figures(State(), state).error_rate == pytest.approx(6 / 96)
+
+
+def test_a_corrupted_request_breaches_its_window(tmp_path):
+    from pipelines.watch.verdict import FigureLimit, judge
+
+    before, after = State(corrupted=0.0), State(corrupted=1.0)
+    after.serve(10, ttft=0.03, itl=0.02)
+    held = [FigureLimit(figure="corrupted_requests", limit=0.0, source="any")]
+    assert [v.verdict for v in judge(_figures(before, after), held)] == ["breach"]
+    assert [v.verdict for v in judge(_figures(before, before), held)] == ["within"]
+    assert _figures(State(), State()).corrupted_requests == 0, "a server without the NaN check: no series, nothing counted"
+
+
 def _window(index: int, **figures) -> tuple[int, float, float, object]:
     base = {"requests": 10.0, "requests_per_s": 1.0, "generation_tokens_per_s": 10.0, "prompt_tokens_per_s": 10.0, "errors": 0.0,
             "aborts": 0.0, "http_5xx": 0.0, "preemptions": 0.0, "kv_cache_usage": 0.2, "running_max": 4.0, "waiting_p95": 0.0,
