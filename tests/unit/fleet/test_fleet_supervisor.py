@@ -376,6 +376,7 @@ def test_a_fallback_that_cannot_start_serves_degraded_and_its_drill_fails_naming
     assert final.routes[0].restarts == 0  # the primary was never touched
 
 
+@pytest.mark.slow
 def test_a_hung_route_s_breaker_closes_after_it_recovers_without_a_client_request(prepared: Prepared) -> None:
     """The supervisor's probe through nginx is the half-open try: no client request has to reach the recovered route."""
     port = prepared.deployment.listen.port
@@ -436,6 +437,7 @@ def test_nginx_killed_while_a_route_restarts_is_started_again_before_the_route_i
     assert any(re.search(r"nginx exited \(killed by SIGKILL; its console: .*\); starting it again", text) for text in seen["events"]), seen["events"]
 
 
+@pytest.mark.slow
 def test_a_route_whose_canary_disagrees_leaves_the_chain_until_a_probe_agrees(prepared: Prepared, monkeypatch: pytest.MonkeyPatch) -> None:
     """The golden-set probe (faked here: pipelines/canary has its own tests against a server) as the routes' health check: a
     primary that answers but disagrees is marked down in nginx, the event names the prompts, and it returns on agreement."""
