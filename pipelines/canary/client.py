@@ -57,7 +57,7 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict, auth: dict[str, s
         response = await client.post(url, json=body, headers=auth)
     except httpx.TimeoutException:
         raise ProbeFailure(f"{url} did not answer in time") from None
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
         raise ProbeFailure(f"{url} unreachable ({type(error).__name__}: {error or 'no detail'})") from None
     if response.status_code != 200:
         raise ProbeFailure(f"{url} answered HTTP {response.status_code}: {' '.join(response.text[:_DETAIL_CHARS].split())}")

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pydantic import Field
 
@@ -16,6 +19,7 @@ from pipelines.canary.golden import GoldenSet
 from pipelines.schema import StrictModel
 
 _LISTED = 8  # prompt ids named in a summary line at most
+T = TypeVar("T")
 
 
 class CanaryResult(StrictModel):
@@ -42,9 +46,9 @@ def probe_canary(base_url: str, *, model: str, golden: GoldenSet, api_key: str |
     """Ask `base_url` (a server's base URL, http://HOST:PORT, with or without /v1) every golden prompt as `model`."""
     started = time.monotonic()
     try:
-        answers = asyncio.run(ask_all(base_url, model=model, prompts=[p.prompt_ids for p in golden.prompts], settings=golden.settings,
-                                      api_key=api_key, timeout_s=timeout_s, concurrency=golden.settings.concurrency))
-    except (OSError, ValueError, RuntimeError) as problem:  # a URL httpx cannot use; no event loop to run on
+        answers = _run(ask_all(base_url, model=model, prompts=[p.prompt_ids for p in golden.prompts], settings=golden.settings,
+                               api_key=api_key, timeout_s=timeout_s, concurrency=golden.settings.concurrency))
+    except (OSError, ValueError) as problem:  # a URL httpx cannot use
         answers = [ProbeFailure(f"{type(problem).__name__}: {problem}")] * len(golden.prompts)
     checks = [judge(distance(prompt, answer[0], golden.settings.top_k), golden.tolerance)
               for prompt, answer in zip(golden.prompts, answers, strict=True) if not isinstance(answer, ProbeFailure)]
@@ -56,3 +60,14 @@ def probe_canary(base_url: str, *, model: str, golden: GoldenSet, api_key: str |
         total=len(golden.prompts), tolerated=golden.tolerance.max_disagreeing, wall_s=round(time.monotonic() - started, 3), error=error,
         checks=checks,
     )
+
+
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The coroutine's result from synchronous code, also when the caller's thread already runs an event loop (there
+    asyncio.run refuses): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-probe") as pool:
+        return pool.submit(asyncio.run, coroutine).result()

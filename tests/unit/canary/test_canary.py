@@ -156,3 +156,23 @@ def test_a_sure_model_s_runners_up_move_where_its_kl_hardly_does() -> None:
     tolerance = tolerance_from([SelfCheck(name="alone", concurrency=1, max_kl=0.0, max_shift=0.02, diverged=0, max_divergence_margin=0.0,
                                           wall_s=0.1)])
     assert tolerance.shift_bound == pytest.approx(0.1) and judge(found, tolerance).disagrees
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://127.0.0.1:1", "http://[::1"])
+def test_a_url_that_cannot_be_asked_is_unhealthy_not_an_exception(url: str) -> None:
+    with FakeOpenAI(ToyModel()) as server:
+        golden = golden_of(server, count=2)
+    result = probe_canary(url, model="demo", golden=golden, api_key=None, timeout_s=2)
+    assert not result.healthy and result.error and result.answered == 0
+
+
+def test_a_probe_from_inside_an_event_loop_still_runs() -> None:
+    import asyncio
+
+    with FakeOpenAI(ToyModel()) as server:
+        golden = golden_of(server, count=2)
+
+        async def inside() -> bool:
+            return probe_canary(server.base_url, model="demo", golden=golden, api_key=None, timeout_s=10).healthy
+
+        assert asyncio.run(inside())
