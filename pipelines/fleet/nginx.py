@@ -16,8 +16,8 @@ The chain is a sequence of locations, one per route, each with its own upstream 
 - Overload is not failure. A route's queue is vLLM's own (`--max-num-queued-reqs` = max_num_seqs + the rules'
   max_queue): a full one answers 503 at once. 503 and 429 are NOT in `proxy_next_upstream` (nginx counts every status
   listed there toward max_fails, measured): they are intercepted by `error_page` and handed to the next route, and
-  nginx frees the server as a success. `max_conns` (the queue + max_num_seqs) is a backstop above vLLM's queue: only a
-  server that no longer answers at all (hung) fills it. When no route answers, `@verdict` tells the client which it
+  nginx frees the server as a success. `max_conns` (the queue + max_num_seqs + 16) is a backstop above vLLM's queue:
+  only a server that no longer answers at all (hung) fills it. When no route answers, `@verdict` tells the client which it
   was: 529 when a route said it was busy (a retry later can succeed), 503 when every route was down.
 - Reloads (a route restarted on a new port) do not drop requests: the endpoint does not keep client connections alive
   (`keepalive_timeout 0`). A graceful reload closes the old worker's idle kept-alive connections at once, and a client
@@ -65,6 +65,7 @@ FAILURE_STATUSES = "500 502 504"  # a route's failure: counted toward its breake
 BUSY_STATUSES = " ".join(map(str, BUSY))  # a busy route's answer: handed down the chain, never counted (rules.overload.on_http_503)
 SENTINEL_STATUS = 502  # not 503: the verdict reads a 503 or 429 in $upstream_status as a route's own "busy"
 PROBE_TIMEOUT_S = 2.0
+BACKSTOP_BURST = 16  # max_conns's room above vLLM's queue for requests it is answering 503 (max_conns below)
 UPSTREAM_KEEPALIVE_S = 4  # below vLLM's uvicorn keep-alive (5 s): nginx never reuses a connection the server is closing
 MAX_BODY = "16m"  # a request body larger than this is refused by nginx (413) before any route sees it
 NGINX_TEST_TIMEOUT_S = 30.0
@@ -146,8 +147,11 @@ def find_nginx(configured: str | None = None) -> Path:
 
 def max_conns(serve: ServeSettings) -> int:
     """nginx's cap on the requests a route holds: a backstop above vLLM's own queue (max_num_queued_reqs), which answers 503
-    first (busy); only a server that stopped answering (hung) fills nginx's, whose requests then skip it (module docstring)."""
-    return (serve.max_num_queued_reqs or serve.max_num_seqs) + serve.max_num_seqs
+    first (busy); only a server that stopped answering (hung) fills nginx's, whose requests then skip it (module docstring).
+    Its margin holds a burst of requests vLLM is turning away: with a margin of max_num_seqs alone, 24 clients at once on
+    routes of 2 filled it with 503s in flight, and 6 of 72 requests were told "every route down" instead of busy (measured,
+    docs/fleet.md)."""
+    return (serve.max_num_queued_reqs or serve.max_num_seqs) + serve.max_num_seqs + BACKSTOP_BURST
 
 
 def _seconds(value: float) -> str:
