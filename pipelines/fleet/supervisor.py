@@ -92,6 +92,7 @@ from pipelines.serve.serving import (
 )
 
 TICK_S = 1.0
+WARM_UP_TIMEOUT_S = 120.0  # a first completion slower than this is a server to let the breaker judge
 PROXY_CONSOLE_LOG = "nginx-console.log"
 PROXY_START_TIMEOUT_S = 30.0
 HEALTH_PROBE_S = 1.0
@@ -179,6 +180,20 @@ def breaker_close_bound_s(deployment: Deployment, timeout_s: float) -> float:
     supervisor's probe tries it within a tick, waiting at most the probe's timeout. A restarted route needs none of it: the
     reload that brings it in starts every breaker closed."""
     return timeout_s + deployment.circuit_breaker.retry_after_s + 1.0 + TICK_S + PROBE_TIMEOUT_S
+
+
+def warm_up(server: RunningServer) -> float | None:
+    """One completion straight to a server that has just passed /health, before it is let into the chain: vLLM's first
+    requests on a just-started CPU server took 27-36 s (measured), so a route let in cold times them out, fails them over
+    and opens its own breaker (a drill measured the restarted primary answering 39 s after its restart). The seconds it
+    took, or None when it did not answer (the route is let in anyway: its breaker is the judge)."""
+    started = time.monotonic()
+    try:
+        httpx.post(f"{server.base_url}/completions", json={"model": server.served_name, "prompt": "Hello", "max_tokens": 1},
+                   headers=server.auth_headers, timeout=WARM_UP_TIMEOUT_S).raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return time.monotonic() - started
 
 
 def vllm_args(route: ResolvedRoute) -> str:
@@ -348,6 +363,9 @@ class Supervisor:
         self.silent_since.pop(index, None)
         # While one route (re)starts, for up to minutes, the proxy is still watched: it is what every other route is reached by.
         running = server.start(while_waiting=self._keep_proxy if self.proxy is not None else None)
+        warm_s = warm_up(running)
+        if warm_s is None:
+            self.note(f"{state.label}: its first completion did not answer within {WARM_UP_TIMEOUT_S:g} s; let in cold")
         state.status, state.why = "up", ""
         state.port, state.pid, state.started_at, state.startup_s = running.port, running.process.pid, time.time(), running.startup_s
         state.ports = [*state.ports, PortEra(port=running.port, since=time.time())]

@@ -205,7 +205,8 @@ def test_the_deployed_files_pass_promtool_and_carry_the_measured_arguments(watch
     result = watched.deploy.json
     args = result["vllm_args"]
     assert args[args.index("--max-num-seqs") + 1] == str(watched.spec.args.max_num_seqs)
-    assert "measured" in result["sources"]["max_num_seqs"] and result["environment"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert "measured" in result["sources"]["max_num_seqs"]
+    assert result["environment"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_COMPUTE_NANS_IN_LOGITS": "1"}
     groups = watched.rules["data"]["groups"]
     assert [g["name"] for g in groups] == [f"quantgate-{MODEL}-v{watched.second}"] and all(r["health"] == "ok" for r in groups[0]["rules"])
 

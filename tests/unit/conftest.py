@@ -62,6 +62,7 @@ def cpu_serve_target(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_serve_environment(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
     missing = tmp_path_factory.getbasetemp() / "no-serve-venv"
     monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(missing))
+    serving.serve_versions.cache_clear()  # read once per process: a real environment's versions from an earlier test
     return missing
 
 

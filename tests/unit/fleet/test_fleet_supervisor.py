@@ -450,6 +450,7 @@ def test_a_route_whose_canary_disagrees_leaves_the_chain_until_a_probe_agrees(pr
         return CanaryResult(healthy=not wrong, disagreeing=wrong, answered=16, total=16, tolerated=0, wall_s=0.1)
 
     monkeypatch.setattr(health_module, "probe_canary", fake_probe)
+    monkeypatch.setattr(supervisor_module, "warm_up", lambda server: 0.0)
     rules = prepared.deployment.rules.model_copy(update={"canary_every_s": 0.3})
     golden = GoldenSet.model_construct()
     prepared = prepared.model_copy(update={"deployment": prepared.deployment.model_copy(update={"rules": rules}), "goldens": [golden, None]})
@@ -461,6 +462,7 @@ def test_a_route_whose_canary_disagrees_leaves_the_chain_until_a_probe_agrees(pr
         seen["healthy"] = ask(port, key)[1]
         verdict["disagreeing"] = ["p03", "p07"]
         wait_until(lambda: read_state(folder).routes[0].canary_down)
+        wait_until(lambda: ask(port, key)[1] == "fallback-1", timeout_s=10)  # nginx's reload is graceful: old workers finish first
         seen["down"] = [ask(port, key)[1] for _ in range(3)]
         seen["status"] = status_report(read_state(folder))
         verdict["disagreeing"] = []
