@@ -138,19 +138,31 @@ def regated_runtimes(registry: Registry, version: Version) -> list[tuple[Runtime
     return found
 
 
+Regated = list[tuple[Runtime, str, dict[str, Any]]]
+
+
 def accepted_runtime(registry: Registry, version: Version, bundle: Path, here: Runtime) -> str | None:
     """Where the verdict for `here` comes from ("the gate", "a re-gate"), or None when `here` is neither the gate's runtime
     nor one re-gated with a pass. A failed re-gate of a runtime, the gate's own included, vetoes it for good: retrying
     until one passes would multiply the false-pass rate (each attempt is a `regated` event), so serving there takes a
     new gate run, i.e. a new version. Only the latest passing re-gate's signed folder is read, so a broken folder of
     another runtime's re-gate blocks nothing."""
-    same = [(verdict, evidence) for runtime, verdict, evidence in regated_runtimes(registry, version) if not runtime.changes(here)]
+    source = _source(gated_runtime(bundle), regated_runtimes(registry, version), here)
+    if isinstance(source, dict):
+        _verified_record(registry, version, bundle, source)
+        return "a re-gate"
+    return source
+
+
+def _source(gated: Runtime, regates: Regated, here: Runtime) -> str | dict[str, Any] | None:
+    """accepted_runtime's decision without reading anything: "the gate", the passing re-gate's event evidence (its signed
+    folder still to verify), or None."""
+    same = [(verdict, evidence) for runtime, verdict, evidence in regates if not runtime.changes(here)]
     if not same:
-        return None if gated_runtime(bundle).changes(here) else "the gate"
+        return None if gated.changes(here) else "the gate"
     if any(verdict != "passed" for verdict, _ in same):
         return None
-    _verified_record(registry, version, bundle, same[-1][1])
-    return "a re-gate"
+    return same[-1][1]
 
 
 def _verified_record(registry: Registry, version: Version, bundle: Path, evidence: dict[str, Any]) -> RegateRecord:
@@ -204,13 +216,17 @@ def require_gated_runtime(registry: Registry, version: Version, bundle: Path, *,
     packages = serve_packages_here()
     if packages is None:
         return ["the serving runtime was not compared with the gated one: no serve environment here (`make setup` builds it)"]
+    gated, regates = gated_runtime(bundle), regated_runtimes(registry, version)
     # Without the kernels first: a changed host class or library is decided without probing this host's kernels.
     here = runtime_here(bundle, {}, packages, kernels=False)
-    if accepted_runtime(registry, version, bundle, here) is not None:
+    if _source(gated, regates, here) is not None:
         here = runtime_here(bundle, {}, packages)
-        if accepted_runtime(registry, version, bundle, here) is not None:
+        source = _source(gated, regates, here)
+        if isinstance(source, dict):
+            _verified_record(registry, version, bundle, source)  # once, on the decision: a signed folder is hashed
+        if source is not None:
             return []
-    changes = gated_runtime(bundle).changes(here) or ["the re-gate on this runtime failed"]
+    changes = gated.changes(here) or ["the re-gate on this runtime failed"]
     line = (f"{version.model} v{version.version} was gated on another runtime ({'; '.join(changes[:4])}"
             f"{'; ...' if len(changes) > 4 else ''}): re-gate it here first with `quantize regate {version.model}@{version.version}`")
     if runtime_change_action(bundle) == "warn":
