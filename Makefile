@@ -8,13 +8,19 @@ export TOKENIZERS_PARALLELISM := false
 # The demo model's business sets (pipelines.paths.DEMO_EVAL_SETS); eval_sets/ also holds the real model's.
 DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
-.PHONY: setup demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate bench-noise bench-noise-floor
+.PHONY: setup setup-backends demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate bench-noise bench-noise-floor
 
 # The two environments are built side by side (each pip is mostly one core; CI has two); then the Debian packages
 # the product drives (Prometheus, nginx: scripts/setup_system.sh).
 setup:
 	@scripts/setup_env.sh project & project=$$!; scripts/setup_env.sh serve; serve=$$?; wait $$project && test $$serve -eq 0
 	@scripts/setup_system.sh
+
+## The quantize backends' own environments (docs/backends.md): the product builds one on first use; the tests use
+## GPTQModel's for real, so `make test` builds it first. bitsandbytes' is not built on a CPU host: vLLM's CPU build
+## cannot serve its checkpoints, so the product refuses that backend there before building anything.
+setup-backends: setup
+	@scripts/setup_env.sh gptqmodel
 
 ## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote with a
 ## signed bundle (docs/registry.md, "Signed promotion"); the promoted version becomes `champion`, which is verified.
@@ -42,7 +48,7 @@ lint: setup
 
 ## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
 ## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler).
-test: lint
+test: lint setup-backends
 	$(PY) -m pytest tests -n 2 --dist loadscope
 
 test-unit: setup

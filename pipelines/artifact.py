@@ -26,7 +26,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.errors import InputError
 from pipelines.files.hashing import file_hashes, sha256_file, sha256_json
@@ -204,6 +204,18 @@ class KvCacheRecord(StrictModel):
     served_as: str = "auto"  # vLLM's --kv-cache-dtype (`auto`: the serve dtype, no flag)
 
 
+class BackendRecord(StrictModel):
+    """The backend that made an artifact, as its manifest records it."""
+
+    name: str
+    version: str
+    checkpoint_format: str
+    quant_method: str = Field(description="vLLM's quantization method for the checkpoint")
+    versions: dict[str, str] = Field(default={}, description="the backend environment's torch, transformers and backend")
+    config: dict[str, Any] | None = Field(default=None, description="what the backend was given (subprocess backends)")
+    notes: list[str] = Field(default=[], description="recipe settings the backend applies differently, in words")
+
+
 class Manifest(StrictModel):
     schema_version: int = 1
     recipe: str
@@ -230,6 +242,8 @@ class Manifest(StrictModel):
     serve_target: str | None = None
     host: dict[str, str | bool] | None = None
     kv_cache: KvCacheRecord | None = None  # absent in manifests written before the KV cache was a recipe field (16-bit)
+    # The toolkit that quantized (pipelines.quantize.backends); absent in manifests written before backends: llm-compressor.
+    backend: BackendRecord | None = None
 
 
 def artifact_file_hashes(artifact_dir: Path) -> dict[str, str]:

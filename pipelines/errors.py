@@ -40,6 +40,10 @@ class EvalError(QuantGateError):
     """Scoring failed."""
 
 
+class QuantizeError(QuantGateError):
+    """A quantize backend's process failed or died (its cause and log named)."""
+
+
 class LoadTestError(QuantGateError):
     """The load test (vLLM bench serve) failed or returned what cannot be read."""
 

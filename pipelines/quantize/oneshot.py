@@ -10,6 +10,7 @@ The calibration data (the recipe's, else `--calibration`: a folder, a JSONL file
 
 from __future__ import annotations
 
+import json
 import random
 import resource
 import shutil
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipelines.artifact import (
     MANIFEST_NAME,
+    BackendRecord,
     CalibrationRecord,
     KvCacheRecord,
     Manifest,
@@ -42,6 +44,11 @@ from pipelines.files.atomic import atomic_dir, write_json_atomic
 from pipelines.files.hashing import file_hashes, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.hardware.targets import ServeTarget, host_record, installed_target
+from pipelines.quantize.backends import BACKENDS, DEFAULT, BackendPlan, BackendSpec
+from pipelines.quantize.backends.compile import compile_for_backend
+from pipelines.quantize.backends.environment import pinned_versions
+from pipelines.quantize.backends.process import BackendRun, run_backend
+from pipelines.quantize.backends.serving import check_backend_served
 from pipelines.quantize.calibration import calibration_dataset, calibration_inputs
 from pipelines.quantize.compiler import CompiledRecipe, compile_recipe
 from pipelines.quantize.layout import layout_from_model_dir
@@ -75,6 +82,7 @@ class _Inputs(BaseModel):
     source_files: dict[str, str]
     versions: dict[str, str]
     target: str  # the serve target the recipe was checked for (not part of the key: the same bits serve anywhere)
+    backend_plan: BackendPlan | None = None  # a subprocess backend's configuration (None: llm-compressor, in-process)
 
     @property
     def key(self) -> str:
@@ -84,8 +92,14 @@ class _Inputs(BaseModel):
                 "compiled_recipe": self.compiled.yaml,
                 "calibration": self.calibration.model_dump() if self.calibration else None,
                 "versions": self.versions,
+                # llm-compressor's key stays as it was (its artifacts are reused); another backend's adds its plan
+                **({"backend": self.backend_plan.model_dump()} if self.backend_plan else {}),
             }
         )
+
+    @property
+    def backend(self) -> BackendSpec:
+        return BACKENDS[self.recipe.recipe.backend]
 
 
 def quantize_model(
@@ -107,8 +121,9 @@ def quantize_model(
         return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=True)
     # atomic_dir gives the folder and manifest.json the umask's permissions (mkdtemp's would be private).
     with _removing_new_folders(artifact_dir.parent, stop_at=artifacts_root.parent), atomic_dir(artifact_dir) as staging:
-        quantize_s, smoothing = run_oneshot(inputs, staging)
-        manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started, smoothing)
+        backend_run = _run_subprocess_backend(inputs, staging) if inputs.backend_plan is not None else None
+        quantize_s, smoothing = (backend_run.seconds, None) if backend_run is not None else run_oneshot(inputs, staging)
+        manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started, smoothing, backend_run)
         write_json_atomic(staging / MANIFEST_NAME, manifest.model_dump(mode="json"))
     progress(f"artifact {artifact_dir}")
     return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=False)
@@ -123,7 +138,10 @@ def gather_inputs(
     check_model_dir(model_dir)
     progress(f"checking recipe {recipe_obj.name} against {model_dir}")
     target = target or installed_target()
-    compiled = compile_recipe(recipe_obj, layout_from_model_dir(model_dir), loaded.path, target)
+    layout = layout_from_model_dir(model_dir)
+    check_backend_served(loaded, layout, target)  # vLLM's own refusal of the backend's format comes first
+    compiled = compile_recipe(recipe_obj, layout, loaded.path, target)
+    plan = compile_for_backend(recipe_obj, compiled.plan, loaded.path) if recipe_obj.backend != DEFAULT.name else None
     progress(f"hashing {model_dir}")
     source_files = file_hashes(model_dir)
     if calibration is not None and not recipe_obj.needs_calibration:
@@ -140,8 +158,9 @@ def gather_inputs(
         texts=texts,
         calibration=record,
         source_files=source_files,
-        versions=library_versions(),
+        versions=library_versions() if plan is None else pinned_versions(BACKENDS[recipe_obj.backend]),
         target=str(target),
+        backend_plan=plan,
     )
 
 
@@ -206,6 +225,13 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord 
     return time.perf_counter() - started, smoothing
 
 
+def _run_subprocess_backend(inputs: _Inputs, out_dir: Path) -> BackendRun:
+    assert inputs.backend_plan is not None
+    calibration = inputs.calibration
+    return run_backend(inputs.backend, inputs.backend_plan, inputs.model_dir, out_dir, texts=inputs.texts,
+                       max_seq_length=calibration.max_seq_length if calibration else 0, seed=calibration.seed if calibration else 0)
+
+
 def copy_model_files(model_dir: Path, out_dir: Path) -> None:
     """The model folder's own files (weights, config, tokenizer), byte for byte; never a manifest it may hold."""
     for relative in file_hashes(model_dir, exclude=(MANIFEST_NAME,)):
@@ -251,7 +277,8 @@ def _removing_new_folders(folder: Path, *, stop_at: Path) -> Iterator[None]:
         raise
 
 
-def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: float, smoothing: SmoothingRecord | None = None) -> Manifest:
+def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: float, smoothing: SmoothingRecord | None = None,
+              backend_run: BackendRun | None = None) -> Manifest:
     before, after = tensor_bytes(inputs.model_dir), tensor_bytes(artifact_dir)
     return Manifest(
         recipe=inputs.recipe.name,
@@ -260,7 +287,7 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         input_key=inputs.key,
         recipe_file=str(inputs.recipe.path),
         recipe_text=inputs.recipe.text,
-        compiled_recipe=_recipe_run(inputs, smoothing),
+        compiled_recipe=_recipe_run(inputs, smoothing) if inputs.backend_plan is None else json.dumps(inputs.backend_plan.config, sort_keys=True),
         calibration=inputs.calibration,
         versions=inputs.versions,
         source_files=inputs.source_files,
@@ -268,7 +295,7 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         layers=inputs.compiled.layers,
         weight_bytes=WeightBytes(before=before, after=after, ratio=round(after / before, 4) if before else 0.0),
         wall_time_s=round(wall_s, 3),
-        peak_memory=PeakMemory(bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        peak_memory=_peak_memory(backend_run),
         stages={"quantize_s": round(quantize_s, 3)},
         compute=compute_description(),
         smoothing=smoothing,
@@ -276,7 +303,24 @@ def _manifest(inputs: _Inputs, artifact_dir: Path, quantize_s: float, wall_s: fl
         host=host_record(),
         kv_cache=KvCacheRecord(dtype=inputs.compiled.kv_cache.dtype, scales=inputs.compiled.kv_cache.scales,
                                served_as=inputs.compiled.kv_cache.vllm_dtype),
+        backend=_backend_record(inputs, backend_run),
     )
+
+
+def _peak_memory(backend_run: BackendRun | None) -> PeakMemory:
+    if backend_run is None:
+        return PeakMemory(bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return PeakMemory(bytes=backend_run.peak_bytes, note="the backend process's peak RSS (resource.getrusage ru_maxrss, in its environment)")
+
+
+def _backend_record(inputs: _Inputs, backend_run: BackendRun | None) -> BackendRecord:
+    spec = inputs.backend
+    if backend_run is None or inputs.backend_plan is None:
+        return BackendRecord(name=spec.name, version=inputs.versions.get(spec.package, ""), checkpoint_format=spec.checkpoint_format,
+                             quant_method=spec.quant_method)
+    return BackendRecord(name=spec.name, version=backend_run.versions.get(spec.package, ""), checkpoint_format=spec.checkpoint_format,
+                         quant_method=spec.quant_method, versions=backend_run.versions, config=inputs.backend_plan.config,
+                         notes=inputs.backend_plan.notes)
 
 
 def compute_description() -> str:

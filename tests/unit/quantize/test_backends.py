@@ -1,0 +1,165 @@
+"""Quantize backends: each recipe compiled into GPTQModel's and bitsandbytes' own configuration or refused naming the
+field; the backend tool's contract (imports nothing of ours; stage lines; a death reported by its cause and log)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.errors import InputError, QuantizeError
+from pipelines.hardware.targets import parse_target
+from pipelines.quantize.backends import BACKENDS, BackendPlan
+from pipelines.quantize.backends import process as backend_process
+from pipelines.quantize.backends.compile import compile_for_backend
+from pipelines.quantize.backends.environment import backend_process_env, pinned_versions
+from pipelines.quantize.compiler import compile_recipe
+from pipelines.quantize.layout import ModelLayout, layout_from_config
+from pipelines.recipe import load_recipe, parse_recipe, with_backend
+
+FILE = "recipes/t.yaml"
+CALIBRATION = {"dataset": "calibration", "num_samples": 8, "max_seq_length": 64, "seed": 0}
+W4_GPTQ = {"weights": {"bits": 4, "granularity": "group", "group_size": 128}}
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_llama_config: dict) -> ModelLayout:
+    return layout_from_config(tiny_llama_config)
+
+
+def backend_plan(data: dict, layout: ModelLayout, target: str = "cpu:avx512bf16") -> BackendPlan:
+    recipe = parse_recipe(yaml.safe_dump(data), FILE)
+    return compile_for_backend(recipe, compile_recipe(recipe, layout, FILE, parse_target(target)).plan, FILE)
+
+
+def refusal(data: dict, layout: ModelLayout, target: str = "cpu:avx512bf16") -> InputError:
+    with pytest.raises(InputError) as caught:
+        backend_plan(data, layout, target)
+    assert caught.value.file == FILE and "cannot express" in caught.value.message
+    return caught.value
+
+
+def gptq(**top) -> dict:
+    return {"name": "t", "backend": "gptqmodel", "algorithm": {"method": "gptq", "actorder": "weight"}, "calibration": CALIBRATION,
+            "groups": {"attention": W4_GPTQ, "mlp": W4_GPTQ}, **top}
+
+
+def test_a_gptq_recipe_becomes_one_gptqmodel_config_with_its_settings(layout: ModelLayout) -> None:
+    plan = backend_plan(gptq(), layout)
+    assert plan.config == {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "act_group_aware": True,
+                           "damp_percent": 0.01, "dynamic": None, "offload_to_disk": False}
+
+
+def test_the_shipped_gptq_recipe_compiles_for_gptqmodel_with_its_auto_group_sizes(layout: ModelLayout) -> None:
+    loaded = with_backend(load_recipe("gptq"), "gptqmodel")
+    plan = compile_for_backend(loaded.recipe, compile_recipe(loaded.recipe, layout, loaded.path).plan, loaded.path)
+    sizes = {info.in_features for info in layout.linears}
+    expected = {size: max(g for g in (2 ** k for k in range(1, 8)) if size % g == 0) for size in sizes}
+    groups = {plan.config["group_size"], *(entry["group_size"] for entry in (plan.config["dynamic"] or {}).values())}
+    assert groups == set(expected.values())
+
+
+def test_kept_and_differing_modules_become_gptqmodel_dynamic_overrides(layout: ModelLayout) -> None:
+    overrides = [{"layers": [0], "keep": True}, {"layers": [1], "mlp": {"weights": {"bits": 4, "granularity": "channel"}}}]
+    dynamic = backend_plan(gptq(overrides=overrides), layout).config["dynamic"]
+    assert dynamic[r"-:^model\.layers\.0\.self_attn\.q_proj$"] == {}
+    assert dynamic[r"+:^model\.layers\.1\.mlp\.down_proj$"] == {"bits": 4, "group_size": -1, "sym": True}
+    assert not any(r"layers\.1\.self_attn" in key for key in dynamic)  # layer 1's attention is the base scheme
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"algorithm": {"method": "rtn"}, "calibration": None}, "algorithm.method"),
+    ({"groups": {"attention": {**W4_GPTQ, "activations": {"dynamic": True}}, "mlp": W4_GPTQ}}, "groups.attention.activations"),
+    ({"algorithm": {"method": "gptq", "actorder": "static"}}, "algorithm.actorder"),
+    ({"kv_cache": "fp8"}, "kv_cache"),
+    ({"groups": {"attention": W4_GPTQ, "mlp": {**W4_GPTQ, "algorithm": "rtn"}}}, "groups.mlp.algorithm"),
+])
+def test_what_gptqmodel_cannot_express_is_refused_naming_the_field(layout: ModelLayout, change: dict, field: str) -> None:
+    data = {key: value for key, value in {**gptq(), **change}.items() if value is not None}
+    assert refusal(data, layout).field == field
+
+
+def bnb(weights: dict, **top) -> dict:
+    return {"name": "t", "backend": "bitsandbytes", "groups": {"attention": {"weights": weights}, "mlp": {"weights": weights}}, **top}
+
+
+# bitsandbytes checkpoints serve on CUDA only (vLLM's CPU build has no such method): compiled for a GPU target
+GPU = "cuda:8.0"
+
+
+def test_bitsandbytes_takes_int8_per_channel_and_4_bit_groups_of_64(layout: ModelLayout) -> None:
+    int8 = backend_plan(bnb({"bits": 8, "granularity": "channel"}), layout, GPU).config
+    assert int8 == {"load_in_8bit": True, "skip_modules": ["lm_head"]}
+    nf4 = backend_plan(bnb({"bits": 4, "granularity": "group", "group_size": 64}), layout, GPU).config
+    assert nf4["load_in_4bit"] and nf4["bnb_4bit_quant_type"] == "nf4"
+
+
+def test_bitsandbytes_refuses_gptq_other_groups_and_mixed_schemes(layout: ModelLayout) -> None:
+    assert refusal({**gptq(), "backend": "bitsandbytes"}, layout, GPU).field == "algorithm.method"
+    assert refusal(bnb({"bits": 4, "granularity": "group", "group_size": 128}), layout, GPU).field == "groups.attention.weights"
+    mixed = bnb({"bits": 8, "granularity": "channel"}, overrides=[{"layers": [0], "mlp": {"weights": {"bits": 4, "granularity": "channel"}}}])
+    assert refusal(mixed, layout, GPU).field == "overrides"
+
+
+def test_an_unknown_backend_is_refused_naming_the_field() -> None:
+    with pytest.raises(InputError) as caught:
+        parse_recipe(yaml.safe_dump({"name": "t", "backend": "autogptq", "groups": {"mlp": W4_GPTQ}}), FILE)
+    assert caught.value.field == "backend"
+
+
+def test_with_backend_renames_and_keeps_the_policy_base() -> None:
+    loaded = with_backend(load_recipe("gptq"), "gptqmodel")
+    assert (loaded.name, loaded.recipe.base, loaded.recipe.backend) == ("gptq-gptqmodel", "gptq", "gptqmodel")
+    assert loaded.recipe.groups == load_recipe("gptq").recipe.groups
+    assert with_backend(load_recipe("gptq"), "llm-compressor") == load_recipe("gptq")
+
+
+def test_the_backend_tool_imports_nothing_of_ours() -> None:
+    tree = ast.parse(backend_process.TOOL_SCRIPT.read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert names and not [name for name in names if name.split(".")[0] == "pipelines"]
+    assert backend_process.MARKER == "QUANTGATE-BACKEND "
+    assert f'MARKER = "{backend_process.MARKER}"' in backend_process.TOOL_SCRIPT.read_text()
+
+
+def test_the_gptqmodel_environment_is_pinned_and_told_its_worker_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pins = pinned_versions(BACKENDS["gptqmodel"])
+    assert set(pins) == {"gptqmodel", "torch", "transformers"} and pins["gptqmodel"] == "7.7.0"
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    env = backend_process_env(BACKENDS["gptqmodel"], tmp_path)
+    assert env["GPTQMODEL_CPU_WORKERS"] == "2" and env["HF_HUB_OFFLINE"] == "1" and env["TMPDIR"] == str(tmp_path)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert "GPTQMODEL_CPU_WORKERS" not in backend_process_env(BACKENDS["gptqmodel"], tmp_path)
+
+
+def fake_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """The process contract driven by a stand-in tool on this Python (the real GPTQModel runs in the integration tests)."""
+    script = tmp_path / "tool.py"
+    script.write_text(f"import json, sys\nMARKER = {backend_process.MARKER!r}\n{body}\n")
+    monkeypatch.setattr(backend_process, "TOOL_SCRIPT", script)
+    monkeypatch.setattr(backend_process, "ensure_environment", lambda spec, log: Path(sys.executable))
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+
+
+def test_a_backend_run_reports_its_stages_and_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    fake_tool(tmp_path, monkeypatch, "job = json.load(open(sys.argv[1]))\n"
+              "print(MARKER + json.dumps({'stage': 'quantizing', 'samples': len(open(job['calibration']['texts_file']).readlines())}))\n"
+              "print(MARKER + json.dumps({'stage': 'done', 'seconds': 1.5, 'versions': {'gptqmodel': '7.7.0'}, 'peak_bytes': 123}))")
+    run = backend_process.run_backend(BACKENDS["gptqmodel"], BackendPlan(backend="gptqmodel", config={}), tmp_path, tmp_path / "out",
+                                      texts=["a", "b", "c"], max_seq_length=16, seed=0)
+    assert (run.seconds, run.versions, run.peak_bytes) == (1.5, {"gptqmodel": "7.7.0"}, 123)
+    assert "gptqmodel: quantizing (3 calibration samples)" in capsys.readouterr().err
+    assert not list((tmp_path / "artifacts" / "logs").glob("gptqmodel-*/"))  # its scratch folder is gone
+
+
+def test_a_backend_that_dies_is_reported_by_its_cause_and_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_tool(tmp_path, monkeypatch, "print('loading...')\nraise RuntimeError(\"Virtual pool 'model_loader:cpu' requests 2 workers\")")
+    with pytest.raises(QuantizeError) as caught:
+        backend_process.run_backend(BACKENDS["gptqmodel"], BackendPlan(backend="gptqmodel", config={}), tmp_path, tmp_path / "out",
+                                    texts=[], max_seq_length=0, seed=0)
+    assert "gptqmodel failed (exit code 1): RuntimeError: Virtual pool 'model_loader:cpu' requests 2 workers" in caught.value.message
+    assert caught.value.file is not None and Path(caught.value.file).is_file()
