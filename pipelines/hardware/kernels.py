@@ -6,6 +6,8 @@ in the serve environment under the servers' own shim, builds each case's Linear 
 layer, runs it, and times it at a decode-like and a prefill-like row count against the 16-bit Linear of the same
 shape at the host's serve dtype. Results are cached per host fingerprint, serve dtype and probe version; a case
 not yet probed is probed with the standard set (the schemes of the shipped recipes and ladders) in one run.
+A format case is another quantize backend's checkpoint (GPTQ, bitsandbytes): vLLM's own verdict on its
+`quantization_config` and the kernel it picks, cached the same way (pipelines/hardware/formats.py asks).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipelines.console.output import progress
 from pipelines.hardware.host import PROBE_SCRIPT, HostProfile, _store, cache_dir, run_probe
@@ -128,13 +130,45 @@ class KvCase(FrozenModel):
         return {"key": self.key, "kv_cache_dtype": self.kv_cache_dtype, "head_size": self.head_size}
 
 
+class FormatCase(FrozenModel):
+    """A checkpoint another quantize backend writes (GPTQ, bitsandbytes), as vLLM meets it: the config.json
+    `quantization_config` of method `method` and one Linear's shape. vLLM's verdict on it is probed here (its config
+    classes, then the layer it builds), not assumed."""
+
+    method: str = Field(min_length=1)
+    config: dict[str, Any]
+    in_features: int = Field(gt=0)
+    out_features: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _one_method(self) -> FormatCase:
+        written = self.config.get("quant_method")
+        if written is not None and written != self.method:
+            raise ValueError(f"the config's quant_method is {written!r}, not {self.method!r}")
+        return self
+
+    @property
+    def key(self) -> str:
+        """Stable across runs and processes: the method and a hash of the config and the shape."""
+        text = json.dumps([self.method, self.config, self.in_features, self.out_features], sort_keys=True, default=str)
+        return f"format-{self.method}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+    @property
+    def label(self) -> str:
+        return f"a {self.method} checkpoint's {self.in_features} -> {self.out_features} Linear"
+
+    def probe_request(self) -> dict:
+        return {"key": self.key, "method": self.method, "config": {"quant_method": self.method, **self.config},
+                "in_features": self.in_features, "out_features": self.out_features}
+
+
 class KernelFact(BaseModel):
     """What the probe found for one case on one host."""
 
     model_config = ConfigDict(extra="ignore")
 
     key: str
-    scheme: str | None = None  # vLLM's compressed-tensors scheme class
+    scheme: str | None = None  # vLLM's compressed-tensors scheme class (a format case: its linear method class)
     kernel: str | None = None  # the linear kernel vLLM chose for it
     error: str | None = None  # why no kernel could serve it (None: served)
     quant_ms: dict[str, float] = {}
@@ -184,7 +218,7 @@ STANDARD_CASES: tuple[KernelCase, ...] = (
 )
 # The KV caches of the shipped recipes at the head size of the demo model and SmolLM2.
 STANDARD_KV_CASES: tuple[KvCase, ...] = (KvCase(kv_cache_dtype="fp8", head_size=64),)
-Case = KernelCase | KvCase
+Case = KernelCase | KvCase | FormatCase
 
 
 def probe_version() -> str:
@@ -198,7 +232,8 @@ def _cache_path(profile: HostProfile, dtype: str) -> Path:
 def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | None = None) -> dict[str, KernelFact]:
     """The probe's facts for `cases` and the standard set on this host at `dtype` (default: the host's serve
     dtype); only cases never probed here are probed, all in one run of the serve environment. A KV case's fact
-    names the attention kernel ISA vLLM picks (`kernel`) or why it refuses (`error`)."""
+    names the attention kernel ISA vLLM picks (`kernel`) or why it refuses (`error`); a format case's, vLLM's linear
+    method class (`scheme`) and kernel, or its refusal."""
     dtype = dtype or profile.serve_dtype
     path = _cache_path(profile, dtype)
     known = dict(_cached(path))
@@ -210,9 +245,10 @@ def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | 
                  f"about {10 + len(missing)} s)")
         result = run_probe({"dtype": dtype, "rows": [DECODE_ROWS, PREFILL_ROWS], "budget_s": PROBE_BUDGET_S,
                             "cases": [case.probe_request() for case in missing if isinstance(case, KernelCase)],
-                            "kv_cases": [case.probe_request() for case in missing if isinstance(case, KvCase)]},
+                            "kv_cases": [case.probe_request() for case in missing if isinstance(case, KvCase)],
+                            "format_cases": [case.probe_request() for case in missing if isinstance(case, FormatCase)]},
                            timeout_s=PROBE_TIMEOUT_S)
-        for key, found in result["cases"].items():
+        for key, found in (*result["cases"].items(), *result.get("format_cases", {}).items()):
             known[key] = KernelFact.model_validate({**found, "key": key})
         kv_found = result.get("kv_cases", {})
         for case in (case for case in missing if isinstance(case, KvCase)):

@@ -28,9 +28,22 @@ number of threads vLLM's worker computes with (torch.set_num_threads). Then the 
 at `fresh_rows` row counts never seen before (odd counts above the probed ones, distinct per case): vLLM's oneDNN
 handlers build a primitive per row count, a cost a server pays at every new prompt-batch size.
 
+A format case (`"format_cases": [{"key", "method", "config", "in_features", "out_features"}]`) asks for vLLM's own
+verdict on a checkpoint another quantize backend writes (`config` is its config.json `quantization_config`, e.g.
+GPTQ's or bitsandbytes'), met the way a server meets it, by vLLM's own config classes in vLLM's order: a ModelConfig
+of a one-layer Llama whose config.json carries that `quantization_config` (config/model.py `_verify_quantization`:
+the method's override detection, `Unknown quantization method` for a method this build lacks, then
+`current_platform.verify_quantization`), a VllmConfig over it (config/vllm.py `_get_quantization_config`:
+`get_quantization_config(method).from_config(...)`, the GPU capability and the activation dtype the method takes,
+at the request's dtype), then a `ReplicatedLinear(in, out, quant_config=...)` filled, loaded
+(`process_weights_after_loading`) and run once. A refusal is vLLM's exception text (a pydantic config class's
+ValidationError is unwrapped to the ValueError vLLM raised inside it).
+
 stdout: one line `QUANTGATE-PROBE <json>`: {"host": {...}, "cases": {key: {"scheme", "kernel", "error",
 "quant_ms", "base_ms"}}, "kv_cases": {key: {"isa", "error"}}, "shape_cases": {key: {"scheme", "kernel", "error",
-"quant_ms", "base_ms", "rounds", "fresh_ms", "seconds"}}, "threads": n}. vLLM's own logging goes to stderr.
+"quant_ms", "base_ms", "rounds", "fresh_ms", "seconds"}}, "format_cases": {key: {"scheme", "kernel", "error"}},
+"threads": n}. A format case's `scheme` is vLLM's linear method class (AutoGPTQLinearMethod) and `kernel` the
+kernel it chose (CPUWNA16LinearKernel). vLLM's own logging goes to stderr.
 """
 
 from __future__ import annotations
@@ -145,6 +158,18 @@ def _error(error: BaseException) -> str:
     return " ".join(text.split())[:600]
 
 
+def _raised(error: BaseException) -> BaseException:
+    """The exception vLLM raised: its config classes are pydantic dataclasses, which wrap a ValueError raised in
+    their checks in a ValidationError (the original is the first error's `ctx["error"]`)."""
+    errors = getattr(error, "errors", None)
+    try:
+        details = errors() if callable(errors) else []
+    except Exception:  # not pydantic's
+        return error
+    inner = (details[0].get("ctx") or {}).get("error") if details and isinstance(details[0], dict) else None
+    return inner if isinstance(inner, BaseException) else error
+
+
 def _base_layer(ReplicatedLinear, k: int, n: int, dtype, bias: bool = False):
     """The 16-bit Linear vLLM builds for an unquantized layer of this shape, loaded."""
     base = ReplicatedLinear(k, n, bias=bias, params_dtype=dtype)
@@ -169,12 +194,14 @@ def _load(torch, layer, k: int, n: int):
 
 
 def _names(layer) -> tuple[str, str]:
-    """(scheme, kernel): vLLM's compressed-tensors scheme class and the linear kernel it chose for the layer."""
+    """(scheme, kernel): vLLM's compressed-tensors scheme class (or, for another method, its linear method class:
+    AutoGPTQLinearMethod) and the linear kernel it chose for the layer."""
     scheme = getattr(layer, "scheme", None)
-    scheme_name = type(scheme).__name__ if scheme is not None else type(layer.quant_method).__name__
-    # int and mixed-precision schemes keep their kernel as `kernel`, W8A8 FP8 as `fp8_linear`, W8A16 FP8 as `linear_kernel`
-    kernel = next((k for k in (getattr(scheme, name, None) for name in ("kernel", "fp8_linear", "linear_kernel")) if k is not None), None)
-    return scheme_name, type(kernel).__name__ if kernel is not None else scheme_name
+    holder = scheme if scheme is not None else layer.quant_method
+    # int and mixed-precision schemes (and GPTQ's linear method) keep their kernel as `kernel`, W8A8 FP8 as
+    # `fp8_linear`, W8A16 FP8 as `linear_kernel`
+    kernel = next((k for k in (getattr(holder, name, None) for name in ("kernel", "fp8_linear", "linear_kernel")) if k is not None), None)
+    return type(holder).__name__, type(kernel).__name__ if kernel is not None else type(holder).__name__
 
 
 def probe_case(torch, modules, case: dict, dtype, rows: list[int], budget_s: float) -> dict:
@@ -279,16 +306,42 @@ def probe_kv_case(torch, case: dict, dtype) -> dict:
     return result
 
 
-def _model_config(dtype_name: str):
-    """A ModelConfig for a one-layer Llama (config.json only): the FP8 schemes read the model dtype from it."""
+def _model_config(dtype_name: str, quantization_config: dict | None = None):
+    """A ModelConfig for a one-layer Llama (config.json only): the FP8 schemes read the model dtype from it. With
+    `quantization_config`, vLLM checks the checkpoint's method as it does a server's (raises when it refuses it)."""
     from vllm.config import ModelConfig
 
     folder = tempfile.mkdtemp(prefix="probe-model-")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1024,
+              "max_position_embeddings": 512, "torch_dtype": dtype_name}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1024,
-                   "max_position_embeddings": 512, "torch_dtype": dtype_name}, handle)
+        json.dump(config, handle)
     return ModelConfig(model=folder, dtype=dtype_name, skip_tokenizer_init=True)
+
+
+def probe_format_case(torch, ReplicatedLinear, case: dict, dtype_name: str) -> dict:
+    """vLLM's own verdict on one checkpoint format: its config classes (the method, the platform, the quant config,
+    the dtype), then the Linear it builds for a layer of the case's shape, loaded and run once."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    k, n = int(case["in_features"]), int(case["out_features"])
+    result: dict = {"scheme": None, "kernel": None, "error": None}
+    try:
+        config = VllmConfig(model_config=_model_config(dtype_name, {"quant_method": case["method"], **case["config"]}))
+        with set_current_vllm_config(config):
+            layer = ReplicatedLinear(k, n, bias=False, params_dtype=getattr(torch, dtype_name), quant_config=config.quant_config,
+                                     prefix="model.layers.0.mlp.down_proj")
+            result["scheme"] = _names(layer)[0]
+            _load(torch, layer, k, n)
+            result["scheme"], result["kernel"] = _names(layer)
+            with torch.no_grad():
+                layer(torch.randn(4, k, dtype=getattr(torch, dtype_name)))
+    except Exception as error:  # vLLM's refusal is the finding
+        result["error"] = _error(_raised(error))
+    return result
 
 
 def _shape_cases(torch, modules, request: dict, dtype, output: dict) -> None:
@@ -316,7 +369,7 @@ def main() -> int:
         kv_dtype = getattr(torch, request.get("dtype") or "bfloat16")
         for case in request["kv_cases"]:
             output["kv_cases"][case["key"]] = probe_kv_case(torch, case, kv_dtype)
-    if request.get("cases") or request.get("shape_cases"):
+    if request.get("cases") or request.get("shape_cases") or request.get("format_cases"):
         from vllm.config import VllmConfig, set_current_vllm_config  # heavy: imported when used
         from vllm.distributed import init_distributed_environment, initialize_model_parallel  # heavy: imported when used
         from vllm.model_executor.layers.linear import ReplicatedLinear  # heavy: imported when used
@@ -340,6 +393,9 @@ def main() -> int:
                 )
             if request.get("shape_cases"):
                 _shape_cases(torch, modules, request, dtype, output)
+            if request.get("format_cases"):
+                output["format_cases"] = {case["key"]: probe_format_case(torch, ReplicatedLinear, case, request.get("dtype") or "bfloat16")
+                                          for case in request["format_cases"]}
     sys.stdout.write(MARKER + json.dumps(output) + "\n")
     sys.stdout.flush()
     return 0

@@ -46,6 +46,15 @@ own list names only auto and FP8: the CPU platform does not enforce it) or FP8 (
 x86 with AVX-512 or AMX and with a head size that is a multiple of 32 (`_get_attn_isa`); on CUDA Triton attention
 stores 16-bit and FP8 on every capability (FlashAttention / FlashInfer natively on newer GPUs).
 
+Checkpoints of the other quantize backends (config.json `quant_method`; `checkpoint_format_problem`): GPTQ resolves
+to vLLM's AutoGPTQConfig on every platform (auto_gptq.py: symmetric 4- or 8-bit weights, no group activation
+ordering, float16/bfloat16 activations), whose Linear verifies Marlin's types even on CPU (4-bit only there) and
+then takes the same mixed-precision kernels as compressed-tensors WNA16 (choose_mp_linear_kernel). bitsandbytes is
+not in vLLM 0.32's CPU package at all: neither in QUANTIZATION_METHODS ("Unknown quantization method: bitsandbytes")
+nor as a load format. On CUDA it is written as served from compute capability 7.0 (BitsAndBytesConfig), with RFC
+vllm#39583 proposing its deprecation; not checked against a CUDA 0.32 install (the CPU package lacks the method by
+its list, not by a platform check): on a CUDA host of its own the probe asks vLLM.
+
 What the recipe schema cannot express yet, for the record: NVFP4 (Blackwell, sm100), MXFP4/8, W4A8 int with FP8
 activations (sm90), 2-4-bit KV caches (turboquant, per-token-head).
 """
@@ -54,9 +63,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError, ServeError
 from pipelines.hardware.host import CpuIsa, cpuinfo_class, gpu_capability, host_profile, serve_dtype_for
@@ -83,6 +93,10 @@ FP8_COMPUTE_CAPABILITY = 89  # CompressedTensorsW8A8Fp8.get_min_capability: Ada 
 FP8_MARLIN_CAPABILITY = 75  # is_fp8_marlin_supported: FP8 weights with 16-bit activations
 CPU_FP8_KV_HEAD_MULTIPLE = 32  # cpu_attn.py _get_attn_isa: "FP8 KV cache requires head_size divisible by 32 on CPU"
 CPU_FP8_KV_CLASSES = ("avx512", "avx512bf16")  # x86 with AVX-512 (AMX hosts are cpu:avx512bf16)
+GPTQ_TYPES = ((4, True), (8, True))  # AutoGPTQConfig.TYPE_MAP: (bits, sym)
+GPTQ_ACT_DTYPES = ("float16", "bfloat16")  # AutoGPTQConfig.get_supported_act_dtypes
+BITSANDBYTES_MIN_CAPABILITY = 70  # BitsAndBytesConfig.get_min_capability
+BITSANDBYTES_RFC = "vLLM's RFC #39583 (github.com/vllm-project/vllm/issues/39583) proposes deprecating bitsandbytes support"
 # The vLLM library each CPU class loads (vllm/platforms/cpu.py import_kernels).
 CPU_LIBRARY: dict[str, str] = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "arm": "_C"}
 
@@ -393,6 +407,58 @@ def _w8a8_problem(weights: WeightScheme, activations: ActivationScheme, w4a8: st
             "vLLM serves dynamic activation scales per token and static ones per tensor, not dynamic per tensor",
         )
     return None
+
+
+def checkpoint_format_problem(method: str, config: Mapping[str, Any], target: ServeTarget, layer: Layer | None = None) -> Problem | None:
+    """The written rule for a checkpoint another quantize backend writes (config.json `quant_method` and its
+    `quantization_config`) on `target`, with `layer`: also its shape. Problem fields are the config's keys."""
+    if method == "bitsandbytes":
+        return _bitsandbytes_problem(target)
+    if method == "gptq":
+        return _gptq_problem(config, target, layer)
+    return Problem("quant_method", f"the written rules know quant_method gptq and bitsandbytes (compressed-tensors through the recipe's "
+                                   f"schemes); {method!r} is judged only on a {target} host itself, by the kernel probe")
+
+
+def _bitsandbytes_problem(target: ServeTarget) -> Problem | None:
+    if target.kind == "cpu":
+        return Problem("quant_method", f"the written rule for {target}: vLLM 0.32's CPU build refuses quant_method bitsandbytes (its own "
+                                       "message: \"Unknown quantization method: bitsandbytes\"; neither the method nor its load format is in "
+                                       "the CPU package). Quantize with the gptq or llm-compressor backend for a CPU target")
+    if target.sm < BITSANDBYTES_MIN_CAPABILITY:
+        return Problem("quant_method", f"vLLM's bitsandbytes method needs compute capability 7.0 or newer; {target} is older")
+    return None
+
+
+def _gptq_problem(config: Mapping[str, Any], target: ServeTarget, layer: Layer | None) -> Problem | None:
+    """vLLM's order: AutoGPTQConfig (types, activation ordering), the activation dtype, the Linear's Marlin type check
+    (on CPU too), then the mixed-precision kernel, judged by the rules of the same weights written by compressed-tensors."""
+    bits, sym, group = config.get("bits"), config.get("sym", True), config.get("group_size", -1)
+    if (bits, sym) not in GPTQ_TYPES:
+        return Problem("bits" if sym else "sym", f"vLLM serves GPTQ with symmetric 4- or 8-bit weights only (AutoGPTQConfig); got "
+                                                 f"bits={bits}, sym={sym}")
+    if config.get("desc_act") and group != -1:
+        return Problem("desc_act", "vLLM no longer serves GPTQ with group activation ordering (desc_act: true with groups); write "
+                                   "desc_act: false")
+    if target.kind == "cuda" and target.sm < CT_MIN_CAPABILITY:
+        return Problem("", f"vLLM's GPTQ layers need Marlin-class kernels, compute capability 7.5 (Turing) or newer; {target} is older")
+    dtype = serve_dtype_for(str(target))[0]
+    if dtype not in GPTQ_ACT_DTYPES:
+        return Problem("", f"vLLM serves {target}'s models in {dtype}, and its GPTQ method takes float16 or bfloat16 activations only "
+                           f"(\"torch.{dtype} is not supported for quantization method auto_gptq\"). Use llm-compressor's schemes there")
+    if target.kind == "cpu" and bits != 4:
+        return Problem("bits", "vLLM's CPU build serves GPTQ at 4 bits only: its GPTQ layer checks Marlin's types there too "
+                               "(\"Marlin does not support weight_bits = uint8b128\", probed)")
+    try:
+        weights = WeightScheme(bits=bits, granularity="channel" if group == -1 else "group", group_size=None if group == -1 else group)
+    except ValidationError:
+        return Problem("group_size", f"vLLM's kernels take even GPTQ group sizes (or -1, per channel); got {group!r}")
+    scheme = GroupScheme(weights=weights)
+    found = cpu_rules(scheme, target, layer) if target.kind == "cpu" else cuda_rules(scheme, target, layer)
+    return Problem(_GPTQ_FIELDS.get(found.field, ""), found.why) if found else None
+
+
+_GPTQ_FIELDS = {"weights.bits": "bits", "weights.group_size": "group_size", "weights.symmetric": "sym"}
 
 
 _PER_TENSOR_WEIGHT_ONLY = Problem(
