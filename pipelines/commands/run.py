@@ -9,8 +9,9 @@ from pipelines.commands.common import add_gate_options, gate_settings, library_o
 from pipelines.commands.repair import add_repair_options, check_repair_inputs, repair_after
 from pipelines.errors import InputError
 from pipelines.paths import DEMO_MODEL_DIR
+from pipelines.quantize.backends.specs import BACKENDS
 from pipelines.quantize.calibration import check_calibration_source
-from pipelines.recipe import FROM_EVAL_SETS, load_recipe
+from pipelines.recipe import FROM_EVAL_SETS, load_recipe, with_backend
 from pipelines.runs.runner import quantize_and_gate
 
 
@@ -25,11 +26,14 @@ def handle(args: argparse.Namespace) -> int:
 
         check_calibration_source(args.calibration, settings.eval_sets)  # a bad --calibration fails before quantizing too
         extra["calibration"] = args.calibration
+    recipe = load_recipe(args.recipe)
+    if args.backend is not None:
+        recipe = with_backend(recipe, args.backend)
     if args.repair:  # a bad ladder, budget or objective fails before quantizing too
 
-        check_repair_inputs(args, load_recipe(args.recipe).recipe, settings)
+        check_repair_inputs(args, recipe.recipe, settings)
     with library_output_on_stderr():
-        outcome = quantize_and_gate(args.recipe, model, settings, force=args.force, **extra)
+        outcome = quantize_and_gate(recipe, model, settings, force=args.force, **extra)
     if args.repair and outcome.verdict == "rejected":
         return repair_after(outcome, settings, args)
     return print_outcome(outcome, args.json)
@@ -44,6 +48,8 @@ def register(subparsers) -> None:
         help="calibration data instead of the recipe's: a folder with data.jsonl, a JSONL file of {\"text\": ...} lines, "
              f"or {FROM_EVAL_SETS} (the prompts of each scored set's held-out calibration.jsonl; docs/calibration.md)",
     )
+    parser.add_argument("--backend", choices=list(BACKENDS),
+                        help="the toolkit that quantizes, instead of the recipe's own (default llm-compressor; docs/backends.md)")
     parser.add_argument("--force", action="store_true", help="re-quantize even if an identical artifact exists")
     parser.add_argument("--repair", action="store_true",
                         help="when the gate rejects, search for the smallest artifact that passes (docs/repair.md; exit 0 found, 1 not)")

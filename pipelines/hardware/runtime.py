@@ -18,8 +18,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from pipelines.artifact import CONFIG_NAME
+from pipelines.artifact import CONFIG_NAME, read_config_json
 from pipelines.errors import InputError
+from pipelines.hardware.formats import format_kernel
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.kernels import KernelFact, kernel_facts
 from pipelines.hardware.speed import group_case, read_quantization_config
@@ -69,12 +70,25 @@ def group_kernels(model_dir: Path) -> dict[str, str]:
     """The kernel vLLM's probe found for each quantized layer group of the checkpoint at `model_dir` on this host
     (its compressed-tensors config groups, named by their targets); {} for a 16-bit model or a remote target."""
     config = model_dir / CONFIG_NAME
-    groups = read_quantization_config(config).get("config_groups", {})
+    quantization = read_quantization_config(config)
+    method = quantization.get("quant_method")
+    if isinstance(method, str) and method != "compressed-tensors" and installed_target().local:
+        return _format_kernel(config, method, quantization)
+    groups = quantization.get("config_groups", {})
     if not isinstance(groups, dict) or not groups or not installed_target().local:
         return {}
     cases = {_group_label(name, group): group_case(group) for name, group in groups.items()}
     facts = kernel_facts(host_profile(), [case for case in cases.values() if case is not None])
     return {label: _kernel_words(facts[case.key]) if case is not None else UNQUANTIZED for label, case in cases.items()}
+
+
+def _format_kernel(config: Path, method: str, quantization: dict[str, Any]) -> dict[str, str]:
+    """Another backend's checkpoint (GPTQ, bitsandbytes): one configuration for every quantized Linear, probed on a
+    hidden x hidden Linear."""
+    size = read_config_json(config).get("hidden_size")
+    if not isinstance(size, int) or size <= 0:
+        return {}
+    return {f"{method} (every quantized Linear)": _kernel_words(format_kernel(method, quantization, size, size))}
 
 
 def _group_label(name: str, group: object) -> str:

@@ -44,11 +44,11 @@ from pipelines.files.atomic import atomic_dir, write_json_atomic
 from pipelines.files.hashing import file_hashes, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.hardware.targets import ServeTarget, host_record, installed_target
-from pipelines.quantize.backends import BACKENDS, DEFAULT, BackendPlan, BackendSpec
 from pipelines.quantize.backends.compile import compile_for_backend
 from pipelines.quantize.backends.environment import pinned_versions
 from pipelines.quantize.backends.process import BackendRun, run_backend
 from pipelines.quantize.backends.serving import check_backend_served
+from pipelines.quantize.backends.specs import BACKENDS, DEFAULT, BackendPlan, BackendSpec
 from pipelines.quantize.calibration import calibration_dataset, calibration_inputs
 from pipelines.quantize.compiler import CompiledRecipe, compile_recipe
 from pipelines.quantize.layout import layout_from_model_dir
@@ -121,7 +121,7 @@ def quantize_model(
         return QuantizeResult(artifact_dir=artifact_dir, manifest=manifest, reused=True)
     # atomic_dir gives the folder and manifest.json the umask's permissions (mkdtemp's would be private).
     with _removing_new_folders(artifact_dir.parent, stop_at=artifacts_root.parent), atomic_dir(artifact_dir) as staging:
-        backend_run = _run_subprocess_backend(inputs, staging) if inputs.backend_plan is not None else None
+        backend_run = _run_subprocess_backend(inputs, staging, artifact_dir.name) if inputs.backend_plan is not None else None
         quantize_s, smoothing = (backend_run.seconds, None) if backend_run is not None else run_oneshot(inputs, staging)
         manifest = _manifest(inputs, staging, quantize_s, time.perf_counter() - started, smoothing, backend_run)
         write_json_atomic(staging / MANIFEST_NAME, manifest.model_dump(mode="json"))
@@ -225,10 +225,10 @@ def run_oneshot(inputs: _Inputs, out_dir: Path) -> tuple[float, SmoothingRecord 
     return time.perf_counter() - started, smoothing
 
 
-def _run_subprocess_backend(inputs: _Inputs, out_dir: Path) -> BackendRun:
+def _run_subprocess_backend(inputs: _Inputs, out_dir: Path, label: str) -> BackendRun:
     assert inputs.backend_plan is not None
     calibration = inputs.calibration
-    return run_backend(inputs.backend, inputs.backend_plan, inputs.model_dir, out_dir, texts=inputs.texts,
+    return run_backend(inputs.backend, inputs.backend_plan, inputs.model_dir, out_dir, texts=inputs.texts, label=label,
                        max_seq_length=calibration.max_seq_length if calibration else 0, seed=calibration.seed if calibration else 0)
 
 

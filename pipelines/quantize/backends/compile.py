@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipelines.errors import InputError
-from pipelines.quantize.backends import BackendPlan
+from pipelines.quantize.backends.specs import BackendPlan
 from pipelines.quantize.compiler import ModuleScheme
 from pipelines.recipe import Recipe, WeightScheme
 

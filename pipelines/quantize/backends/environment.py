@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipelines.console.output import progress
 from pipelines.errors import InputError
-from pipelines.quantize.backends import BackendSpec
+from pipelines.quantize.backends.specs import BackendSpec
 from pipelines.settings import current as current_settings
 
 SETUP_TIMEOUT_S = 3600.0

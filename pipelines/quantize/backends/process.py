@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from pipelines.console.output import progress
 from pipelines.errors import QuantizeError
-from pipelines.quantize.backends import BackendPlan, BackendSpec
 from pipelines.quantize.backends.environment import backend_process_env, ensure_environment
+from pipelines.quantize.backends.specs import BackendPlan, BackendSpec
 from pipelines.serve.reclaim import exit_description
 from pipelines.serve.serving import start_process_group, stop_process_group
 from pipelines.settings import current as current_settings
@@ -38,10 +38,12 @@ class BackendRun(BaseModel):
 
 def run_backend(
     spec: BackendSpec, plan: BackendPlan, model_dir: Path, out_dir: Path, *, texts: list[str], max_seq_length: int, seed: int,
+    label: str = "",
 ) -> BackendRun:
-    """Quantize `model_dir` into `out_dir` with the backend's own tool; its figures, or a QuantizeError."""
+    """Quantize `model_dir` into `out_dir` with the backend's own tool; its figures, or a QuantizeError. `label` names
+    its log (the artifact's folder name; `out_dir` is a staging folder)."""
     logs = current_settings().logs_dir
-    log_path = logs / f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{out_dir.name}.log"
+    log_path = logs / f"{spec.name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{label or out_dir.name}.log"
     logs.mkdir(parents=True, exist_ok=True)
     python = ensure_environment(spec, logs / f"setup-{spec.environment}.log")
     with tempfile.TemporaryDirectory(prefix=f"{spec.name}-", dir=logs) as scratch_name:

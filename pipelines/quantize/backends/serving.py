@@ -12,7 +12,7 @@ from __future__ import annotations
 from pipelines.errors import InputError
 from pipelines.hardware.formats import format_problem
 from pipelines.hardware.targets import ServeTarget
-from pipelines.quantize.backends import BACKENDS
+from pipelines.quantize.backends.specs import BACKENDS
 from pipelines.quantize.layout import ModelLayout
 from pipelines.recipe import LoadedRecipe
 

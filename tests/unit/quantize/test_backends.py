@@ -12,10 +12,10 @@ import yaml
 
 from pipelines.errors import InputError, QuantizeError
 from pipelines.hardware.targets import parse_target
-from pipelines.quantize.backends import BACKENDS, BackendPlan
 from pipelines.quantize.backends import process as backend_process
 from pipelines.quantize.backends.compile import compile_for_backend
 from pipelines.quantize.backends.environment import backend_process_env, pinned_versions
+from pipelines.quantize.backends.specs import BACKENDS, BackendPlan
 from pipelines.quantize.compiler import compile_recipe
 from pipelines.quantize.layout import ModelLayout, layout_from_config
 from pipelines.recipe import load_recipe, parse_recipe, with_backend
