@@ -1,7 +1,7 @@
 """A quantize backend's own step, run by that backend's environment's Python (.venv-gptqmodel, .venv-bitsandbytes),
 never by the project's: it imports the backend, torch and transformers only, nothing from `pipelines`.
 
-argv[1]: a JSON file {"backend": "gptqmodel"|"bitsandbytes", "model_dir", "out_dir", "config": {...}, "calibration": null |
+argv[1]: a JSON file {"backend": "gptqmodel"|"bitsandbytes", "model_dir", "out_dir", "workdir", "config": {...}, "calibration": null |
 {"texts_file", "max_seq_length", "seed"}}. `config` is what pipelines.quantize.backends compiled from the recipe:
 GPTQModel's QuantizeConfig arguments, or transformers' BitsAndBytesConfig arguments plus `skip_modules`.
 
@@ -14,6 +14,7 @@ its traceback: the caller reports the last exception line with the log's path.
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import sys
@@ -84,6 +85,7 @@ def run_bitsandbytes(job: dict) -> None:
 def main() -> int:
     with open(sys.argv[1], encoding="utf-8") as handle:
         job = json.load(handle)
+    os.chdir(job["workdir"])  # libraries that write into the working folder (GPTQModel's ./logs) write into the caller's
     started = time.perf_counter()
     seeded(int((job.get("calibration") or {}).get("seed", 0)))
     {"gptqmodel": run_gptqmodel, "bitsandbytes": run_bitsandbytes}[job["backend"]](job)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ def run_backend(
         finally:
             stop_process_group(process)
             watchdog.stop()
+            _keep_library_logs(scratch, log_path)
     if process.returncode != 0 or done is None:
         raise QuantizeError(f"{spec.name} failed ({exit_description(process.returncode)}): {_cause(log_path)}", file=log_path)
     return BackendRun(seconds=float(done["seconds"]), versions=dict(done["versions"]), peak_bytes=int(done["peak_bytes"]), log=log_path)
@@ -71,7 +73,14 @@ def _job(spec: BackendSpec, plan: BackendPlan, model_dir: Path, out_dir: Path, s
         texts_file = scratch / "calibration.jsonl"
         texts_file.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
         calibration = {"texts_file": str(texts_file), "max_seq_length": max_seq_length, "seed": seed}
-    return {"backend": spec.name, "model_dir": str(model_dir), "out_dir": str(out_dir), "config": plan.config, "calibration": calibration}
+    return {"backend": spec.name, "model_dir": str(model_dir), "out_dir": str(out_dir), "workdir": str(scratch), "config": plan.config,
+            "calibration": calibration}
+
+
+def _keep_library_logs(scratch: Path, log_path: Path) -> None:
+    """Logs a library wrote into its working folder (GPTQModel's per-layer losses in ./logs) kept beside the run's log."""
+    for extra in sorted((scratch / "logs").glob("*.log")):
+        shutil.move(extra, log_path.with_name(f"{log_path.stem}-{extra.name}"))
 
 
 def _follow(process, log_path: Path, name: str) -> dict | None:
