@@ -54,6 +54,7 @@ COMMANDS: dict[str, Command] = {
     "eval-sets": Command("pipelines.commands.eval_sets", "list, validate and size (power) the business eval sets"),
     "plan": Command("pipelines.commands.plan", "memory plan: weights, KV cache, activations, overhead; does it fit the GPU?"),
     "job": Command("pipelines.commands.job", "run a job file: many models x recipes, continue past failures, one summary"),
+    "bakeoff": Command("pipelines.commands.bakeoff", "one intent through every quantize backend: a table and plot of bytes, speed, quality, verdict"),
     "registry": Command("pipelines.commands.registry", "the model registry: versions, status, aliases, history"),
     "models": Command("pipelines.commands.models", "add a real pretrained model (from a GGUF) under models/, list them"),
     "loadtest": Command("pipelines.commands.loadtest", "load-test a model (and a candidate against it) with vLLM bench serve"),

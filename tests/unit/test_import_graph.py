@@ -166,6 +166,7 @@ FLOORS: list[set[str]] = [
     {"repair"},
     {"benchmarks"},  # figures of whole stages: the repair's sensitivity pass among them (cuda_check)
     {"jobs"},
+    {"bakeoff"},  # one intent through every quantize backend: its rows run through the runner
     {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
     {"fleet"},
     {"commands", "cli"},
