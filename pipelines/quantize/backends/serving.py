@@ -29,7 +29,9 @@ def check_backend_served(loaded: LoadedRecipe, layout: ModelLayout, target: Serv
     spec = BACKENDS[loaded.recipe.backend]
     if spec.environment is None or not layout.linears:
         return  # llm-compressor's compressed-tensors schemes are checked scheme by scheme by the compiler
-    shape = min(layout.linears, key=lambda info: info.in_features * info.out_features)  # the cheapest to probe
+    # a hidden x hidden Linear (the attention's query or output projection): the shape gate.json's runtime probes too
+    square = [info for info in layout.linears if info.in_features == info.out_features]
+    shape = min(square or layout.linears, key=lambda info: info.in_features * info.out_features)
     problem = format_problem(spec.quant_method, TYPICAL_CONFIG[spec.name], shape.in_features, shape.out_features, target)
     if problem:
         raise InputError(f"backend {spec.name} writes {spec.checkpoint_format} checkpoints, which vLLM cannot serve here: {problem}",
