@@ -3,7 +3,7 @@
 
     bakeoff.json   every row (pipelines.bakeoff.records.Bakeoff)
     bakeoff.md     the table, then "smallest passing: ..." and "fastest passing: ..."
-    bakeoff.png    weight bytes against the measured throughput ratio (when any row has bytes)
+    bakeoff.png    weight bytes against the measured throughput ratio
     recipes/       each gated row's recipe as it ran (NAME-BACKEND.yaml on another backend): `quantize --recipe` the winner
 """
 
@@ -56,7 +56,7 @@ def write_bakeoff(plan: BakeoffPlan, rows: list[BakeoffRow], *, created: datetim
     with atomic_dir(final) as staging:
         for name, text in texts.items():
             write_text_atomic(staging / RECIPES_DIR / f"{name}.yaml", text)
-        plotted = write_plot(rows, staging / PLOT_FILE, plan.model_dir.name)
+        write_plot(rows, staging / PLOT_FILE, plan.model_dir.name)
         write_text_atomic(staging / JSON_FILE, bakeoff.model_dump_json(indent=2) + "\n")
-        write_text_atomic(staging / MARKDOWN_FILE, markdown(bakeoff, PLOT_FILE if plotted else None))
+        write_text_atomic(staging / MARKDOWN_FILE, markdown(bakeoff, PLOT_FILE))
     return bakeoff

@@ -1,7 +1,7 @@
 """bakeoff.png: each gated row's weight bytes against its measured throughput ratio (95% interval as an error bar), one
 marker per verdict, the 16-bit model at (its bytes, 1). Rows the load test did not measure (a rejection is not
 load-tested) lie on the x axis, their verdict's marker hollow; refused and failed rows have nothing to draw and are counted in
-the title. matplotlib Agg, as the other plots (pipelines/loadtest/plots.py, pipelines/repair/frontier.py)."""
+the title (with none gated, the axes say so). matplotlib Agg, as the other plots (pipelines/loadtest/plots.py, pipelines/repair/frontier.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ UNMEASURED = ("grey", "x")  # a status the plot has no style for
 BASELINE = ("black", "D")
 
 
-def write_plot(rows: list[BakeoffRow], path: Path, title: str) -> bool:
-    """The PNG at `path`; False (nothing written) when no row has weight bytes to draw."""
-    drawn = [row for row in rows if row.weight_bytes is not None]
-    if not drawn:
-        return False
+def write_plot(rows: list[BakeoffRow], path: Path, title: str) -> None:
+    """The PNG at `path` (with no row to draw, the axes say so: the folder always holds its plot)."""
     import matplotlib  # heavy: imported when used
 
     matplotlib.use("Agg")
     from matplotlib import pyplot  # heavy: imported when used
 
+    drawn = [row for row in rows if row.weight_bytes is not None]
     figure, axes = pyplot.subplots(figsize=(7, 4.5), dpi=100)
+    if not drawn:
+        axes.text(0.5, 0.5, "no row was gated: nothing to draw", ha="center", va="center", transform=axes.transAxes, color="grey")
     labelled: set[str] = set()
     for row in drawn:
         _point(axes, row, labelled)
@@ -40,11 +40,11 @@ def write_plot(rows: list[BakeoffRow], path: Path, title: str) -> bool:
     undrawn = len(rows) - len(drawn)
     axes.set_title(f"bake-off: {title}" + (f" ({undrawn} refused or failed row(s) not drawn)" if undrawn else ""), fontsize=9)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=7)
+    if drawn:
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path)
     pyplot.close(figure)
-    return True
 
 
 def _point(axes, row: BakeoffRow, labelled: set[str]) -> None:

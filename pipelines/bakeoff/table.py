@@ -11,6 +11,7 @@ from pipelines.bakeoff.records import Bakeoff, BakeoffRow, SetBound, SpeedRecord
 from pipelines.bounds import MiB
 from pipelines.gate.report import md_table
 
+# `reason` last: the terminal's table leaves it out (vLLM's refusals run to hundreds of characters) and says each under it.
 COLUMNS = ["#", "recipe", "backend (version, format)", "verdict", "weight MiB (x 16-bit)", "throughput ratio [95% CI]", "speed",
            "quality bound / tolerance per set", "quantize s", "peak MiB", "reason"]
 NOTES = (
@@ -111,7 +112,7 @@ def _overlap(one: SpeedRecord, other: SpeedRecord) -> bool:
 # --- bakeoff.md --------------------------------------------------------------------------------------------------------
 
 
-def markdown(bakeoff: Bakeoff, plot_file: str | None) -> str:
+def markdown(bakeoff: Bakeoff, plot_file: str) -> str:
     parts = [
         f"# Bake-off: {bakeoff.model}",
         f"Recipes {', '.join(bakeoff.recipes)} on backends {', '.join(bakeoff.backends)}; eval sets {', '.join(bakeoff.eval_sets)}; "
@@ -120,9 +121,8 @@ def markdown(bakeoff: Bakeoff, plot_file: str | None) -> str:
         md_table(COLUMNS, [cells(row) for row in bakeoff.rows]),
         *bakeoff.conclusions,
         NOTES,
+        f"![bytes vs throughput ratio]({plot_file})",
     ]
-    if plot_file is not None:
-        parts.append(f"![bytes vs throughput ratio]({plot_file})")
     recipes = [row for row in bakeoff.rows if row.recipe_file]
     if recipes:
         parts.append("Each row's recipe as it ran is in recipes/ here: `quantize --recipe FILE --model MODEL` gates and registers "

@@ -41,8 +41,11 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def _render(bakeoff: Bakeoff) -> None:
-    console.print(table(f"bake-off: {bakeoff.model}: {len(bakeoff.rows)} row(s) in {bakeoff.wall_s:.0f} s", COLUMNS,
-                        [cells(row) for row in bakeoff.rows]))
+    console.print(table(f"bake-off: {bakeoff.model}: {len(bakeoff.rows)} row(s) in {bakeoff.wall_s:.0f} s", COLUMNS[:-1],
+                        [cells(row)[:-1] for row in bakeoff.rows]))
+    for row in bakeoff.rows:  # the reason column, one line each: vLLM's refusals are too long for a cell
+        if row.reason:
+            say(f"row {row.index} ({row.label}): {row.status}: {row.reason}")
     for line in bakeoff.conclusions:
         say(line)
     say(f"bakeoff.json, bakeoff.md, bakeoff.png and each gated row's recipe in {bakeoff.folder} (exit {bakeoff.exit_code})")

@@ -68,6 +68,7 @@ def test_a_bakeoff_prints_its_table_conclusions_and_folder(quantize, runner, bak
     assert code == 0 and len(runner.calls) == 2
     assert "bake-off: 2 row(s): gptq on llm-compressor, gptq on bitsandbytes" in err
     assert "bake-off: row 2/2: gptq on bitsandbytes: refused (backend: Unknown quantization method: bitsandbytes)" in err
+    assert "row 2 (gptq on bitsandbytes): refused: backend: Unknown quantization method: bitsandbytes" in out
     assert "smallest passing: gptq on llm-compressor" in out and "fastest passing: gptq on llm-compressor" in out
     [folder] = bake.bakeoffs.iterdir()
     assert f"in {folder} (exit 0)" in " ".join(out.split())

@@ -128,3 +128,10 @@ def test_a_peak_the_process_had_reached_before_an_in_process_row_is_an_upper_bou
     assert [row.peak_memory_upper_bound for row in own_peak] == [False, False]
     reused = run_rows(plan, fake_runner({"gptq": {"reused": True}}), process_peak=lambda: 2000 * MiB)
     assert reused[0].quantize_reused is True and not reused[0].peak_memory_upper_bound  # recorded when it was made
+
+
+def test_a_bakeoff_with_no_gated_row_still_writes_its_plot(bake, fake_runner) -> None:
+    bakeoff = run_bakeoff(bake.plan(["gptq"], ["bitsandbytes"]), fake_runner({"gptq-bitsandbytes": BNB_REFUSAL}), bakeoffs_dir=bake.bakeoffs)
+    assert bakeoff.exit_code == EXIT_ERROR
+    folder = bake.bakeoffs / bakeoff.folder.rsplit("/", 1)[1]
+    assert (folder / "bakeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (folder / "recipes").exists()
