@@ -54,8 +54,9 @@ def recorded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list:
     calls: list = []
 
     def fake_run(recipe, model_dir, settings, *, force=False):
-        calls.append(("run", recipe, model_dir, settings, force))
-        return outcome(tmp_path, "rejected" if recipe == "aggressive" else "promoted")
+        name = recipe.name  # the command loads the recipe once and passes it on
+        calls.append(("run", name, model_dir, settings, force))
+        return outcome(tmp_path, "rejected" if name == "aggressive" else "promoted")
 
     def fake_gate(job):
         calls.append(("gate", job))
@@ -166,6 +167,13 @@ def test_the_library_log_path_is_printed_whole_on_one_line(tmp_path):
 def error_lines(err: str) -> list[str]:
     """What stderr holds besides the product's progress lines ("> ...", e.g. where library output goes)."""
     return [line for line in err.strip().splitlines() if not line.startswith("> ")]
+
+
+def test_backend_runs_the_recipe_on_another_toolkit_under_its_own_name(capsys, recorded):
+    code, _, _ = run_cli(capsys, "--recipe", "gptq", "--backend", "gptqmodel", "--no-registry", "--json")
+    assert code == 0 and recorded[0][1] == "gptq-gptqmodel"
+    code, _, err = run_cli(capsys, "--recipe", "gptq", "--backend", "autogptq", "--no-registry")
+    assert code == 2 and "--backend" in err and "autogptq" in err
 
 
 def test_a_rejected_run_exits_1_and_reports_its_reasons_as_json(capsys, recorded, tmp_path):

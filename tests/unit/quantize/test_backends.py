@@ -14,7 +14,7 @@ from pipelines.errors import InputError, QuantizeError
 from pipelines.hardware.targets import parse_target
 from pipelines.quantize.backends import process as backend_process
 from pipelines.quantize.backends.compile import compile_for_backend
-from pipelines.quantize.backends.environment import backend_process_env, pinned_versions
+from pipelines.quantize.backends.environment import backend_process_env, ensure_environment, pinned_versions
 from pipelines.quantize.backends.specs import BACKENDS, BackendPlan
 from pipelines.quantize.compiler import compile_recipe
 from pipelines.quantize.layout import ModelLayout, layout_from_config
@@ -163,3 +163,14 @@ def test_a_backend_that_dies_is_reported_by_its_cause_and_log(tmp_path: Path, mo
                                     texts=[], max_seq_length=0, seed=0)
     assert "gptqmodel failed (exit code 1): RuntimeError: Virtual pool 'model_loader:cpu' requests 2 workers" in caught.value.message
     assert caught.value.file is not None and Path(caught.value.file).is_file()
+
+
+def test_an_environment_that_fails_to_build_is_one_line_naming_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup_env.sh").write_text("echo 'ERROR: No matching distribution found for gptqmodel==7.7.0'\nexit 2\n")
+    monkeypatch.setenv("QUANTGATE_ROOT", str(tmp_path))
+    log = tmp_path / "setup.log"
+    with pytest.raises(InputError) as caught:
+        ensure_environment(BACKENDS["gptqmodel"], log)
+    assert caught.value.field == "backend" and caught.value.file == str(log)
+    assert "exit code 2" in caught.value.message and "No matching distribution found for gptqmodel==7.7.0" in caught.value.message
