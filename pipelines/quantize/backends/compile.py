@@ -15,6 +15,7 @@ from pathlib import Path
 from pipelines.errors import InputError
 from pipelines.quantize.backends.specs import BackendPlan
 from pipelines.quantize.compiler import ModuleScheme
+from pipelines.quantize.layout import CHECKPOINT_FUSED, FUSED_SHARDS, LinearInfo
 from pipelines.recipe import Recipe, WeightScheme
 
 # bitsandbytes' 4-bit block (absmax per 64 weights); NF4 is its 4-bit grid (normal-float levels, not uniform integers).
@@ -81,15 +82,25 @@ def _gptqmodel_scheme(recipe: Recipe, entry: ModuleScheme, recipe_file: Path | s
     return weights.bits, group, weights.symmetric
 
 
+def _module_pattern(info: LinearInfo) -> str:
+    """A `dynamic` regex for one module under both names it goes by: GPTQModel matches the checkpoint's module
+    (`...self_attn.q_proj`), vLLM the Linear it fuses the shards into (`...self_attn.qkv_proj`, gptq_utils
+    get_dynamic_override on its layer prefix). Fused shards share one scheme (the compiler checked), so either matches."""
+    if info.kind is not None and info.shard in FUSED_SHARDS[info.kind]:
+        prefix = info.name.rsplit(".", 1)[0]
+        return rf"^{re.escape(prefix)}\.(?:{info.shard}|{CHECKPOINT_FUSED[info.kind]})$"
+    return f"^{re.escape(info.name)}$"
+
+
 def _gptqmodel(recipe: Recipe, plan: dict[str, ModuleScheme], recipe_file: Path | str) -> BackendPlan:
     schemes = {name: _gptqmodel_scheme(recipe, entry, recipe_file) for name, entry in plan.items() if entry.scheme is not None}
     (bits, group, sym), _ = Counter(schemes.values()).most_common(1)[0]
     # GPTQModel's per-module overrides: `+:regex` gives a module other settings, `-:regex` leaves it unquantized.
     dynamic: dict[str, dict[str, int | bool]] = {
-        f"+:^{re.escape(name)}$": {"bits": scheme[0], "group_size": scheme[1], "sym": scheme[2]}
+        f"+:{_module_pattern(plan[name].module)}": {"bits": scheme[0], "group_size": scheme[1], "sym": scheme[2]}
         for name, scheme in schemes.items() if scheme != (bits, group, sym)
     }
-    dynamic.update({f"-:^{re.escape(name)}$": {} for name, entry in plan.items() if entry.scheme is None})
+    dynamic.update({f"-:{_module_pattern(entry.module)}": {} for entry in plan.values() if entry.scheme is None})
     algorithm = recipe.algorithm
     if algorithm.actorder == "static":
         raise _refuse(recipe, recipe_file, "algorithm.actorder",

@@ -4,6 +4,7 @@ field; the backend tool's contract (imports nothing of ours; stage lines; a deat
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -62,12 +63,37 @@ def test_the_shipped_gptq_recipe_compiles_for_gptqmodel_with_its_auto_group_size
     assert groups == set(expected.values())
 
 
+def dynamic_override(dynamic: dict, layer_name: str) -> dict | bool | None:
+    """How both GPTQModel and vLLM read `dynamic` (vllm gptq_utils.get_dynamic_override): the first pattern that
+    re.match-es the module's name; `-:` False (left 16-bit), `+:` its settings, None: the base scheme."""
+    for pattern, settings in dynamic.items():
+        if re.match(pattern[2:] if pattern[:2] in ("-:", "+:") else pattern, layer_name):
+            return False if pattern.startswith("-:") else settings
+    return None
+
+
 def test_kept_and_differing_modules_become_gptqmodel_dynamic_overrides(layout: ModelLayout) -> None:
     overrides = [{"layers": [0], "keep": True}, {"layers": [1], "mlp": {"weights": {"bits": 4, "granularity": "channel"}}}]
     dynamic = backend_plan(gptq(overrides=overrides), layout).config["dynamic"]
-    assert dynamic[r"-:^model\.layers\.0\.self_attn\.q_proj$"] == {}
-    assert dynamic[r"+:^model\.layers\.1\.mlp\.down_proj$"] == {"bits": 4, "group_size": -1, "sym": True}
-    assert not any(r"layers\.1\.self_attn" in key for key in dynamic)  # layer 1's attention is the base scheme
+    assert dynamic_override(dynamic, "model.layers.0.self_attn.q_proj") is False
+    assert dynamic_override(dynamic, "model.layers.0.self_attn.o_proj") is False
+    assert dynamic_override(dynamic, "model.layers.1.mlp.down_proj") == {"bits": 4, "group_size": -1, "sym": True}
+    assert dynamic_override(dynamic, "model.layers.1.self_attn.q_proj") is None  # layer 1's attention is the base scheme
+    assert dynamic_override(dynamic, "model.layers.10.self_attn.q_proj") is None
+
+
+def test_gptqmodel_overrides_also_match_the_layers_vllm_fuses(layout: ModelLayout) -> None:
+    """GPTQModel names q_proj, k_proj, v_proj (gate_proj, up_proj); vLLM matches `dynamic` against the one Linear it
+    fuses them into, qkv_proj (gate_up_proj): an override only the first matched would be served with the base scheme."""
+    overrides = [{"layers": [0], "keep": True}, {"layers": [1], "mlp": {"weights": {"bits": 4, "granularity": "channel"}}}]
+    dynamic = backend_plan(gptq(overrides=overrides), layout).config["dynamic"]
+    assert dynamic_override(dynamic, "model.layers.0.self_attn.qkv_proj") is False
+    assert dynamic_override(dynamic, "model.layers.0.mlp.gate_up_proj") is False
+    assert dynamic_override(dynamic, "model.layers.1.mlp.gate_up_proj") == {"bits": 4, "group_size": -1, "sym": True}
+    assert dynamic_override(dynamic, "model.layers.1.self_attn.qkv_proj") is None
+    mlp_only = backend_plan({**gptq(), "groups": {"mlp": W4_GPTQ}}, layout).config["dynamic"]
+    assert dynamic_override(mlp_only, "model.layers.2.self_attn.qkv_proj") is False
+    assert dynamic_override(mlp_only, "model.layers.2.mlp.gate_up_proj") is None
 
 
 @pytest.mark.parametrize(("change", "field"), [
