@@ -25,6 +25,8 @@ BNB_4BIT_BLOCK = 64
 def compile_for_backend(recipe: Recipe, plan: dict[str, ModuleScheme], recipe_file: Path | str) -> BackendPlan:
     """`recipe` (already checked into `plan`) as its backend's configuration; an InputError naming the field it cannot take."""
     _refuse_recipe_level(recipe, recipe_file)
+    if not _quantized(plan):
+        raise _refuse(recipe, recipe_file, "overrides", "they keep every Linear 16-bit: nothing is left for it to quantize")
     if recipe.backend == "gptqmodel":
         return _gptqmodel(recipe, plan, recipe_file)
     if recipe.backend == "bitsandbytes":

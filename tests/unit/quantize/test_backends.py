@@ -108,6 +108,15 @@ def test_what_gptqmodel_cannot_express_is_refused_naming_the_field(layout: Model
     assert refusal(data, layout).field == field
 
 
+@pytest.mark.parametrize("target", ["cpu:avx512bf16", "cuda:8.0"])
+def test_overrides_that_keep_every_linear_are_refused_not_a_crash(layout: ModelLayout, target: str) -> None:
+    keep_all = [{"layers": list(range(layout.num_layers)), "keep": True}]
+    assert refusal(gptq(overrides=keep_all), layout, target).field == "overrides"
+    w8 = {"bits": 8, "granularity": "channel"}
+    rtn = {"name": "t", "backend": "bitsandbytes", "groups": {"attention": {"weights": w8}, "mlp": {"weights": w8}}, "overrides": keep_all}
+    assert refusal(rtn, layout, target).field == "overrides"
+
+
 def bnb(weights: dict, **top) -> dict:
     return {"name": "t", "backend": "bitsandbytes", "groups": {"attention": {"weights": weights}, "mlp": {"weights": weights}}, **top}
 
