@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipelines.errors import InputError
+from pipelines.hardware.targets import GPTQ_TYPES
 from pipelines.quantize.backends.specs import BackendPlan
 from pipelines.quantize.compiler import ModuleScheme
 from pipelines.quantize.layout import CHECKPOINT_FUSED, FUSED_SHARDS, LinearInfo
@@ -77,6 +78,10 @@ def _gptqmodel_scheme(recipe: Recipe, entry: ModuleScheme, recipe_file: Path | s
     if _method(recipe, entry) != "gptq":
         field = "algorithm.method" if recipe.algorithm.method != "gptq" else f"{entry.source}.algorithm"
         raise _refuse(recipe, recipe_file, field, "GPTQModel runs GPTQ; round-to-nearest needs backend llm-compressor")
+    if (weights.bits, weights.symmetric) not in GPTQ_TYPES:  # the kernel rules pass asymmetric int4 (compressed-tensors has zero points)
+        raise _refuse(recipe, recipe_file, f"{entry.source}.weights.{'bits' if weights.symmetric else 'symmetric'}",
+                      "vLLM serves GPTQ checkpoints with symmetric 4- or 8-bit weights only (AutoGPTQConfig); asymmetric weights need "
+                      "backend llm-compressor")
     if weights.granularity not in ("group", "channel"):
         raise _refuse(recipe, recipe_file, f"{entry.source}.weights.granularity", "GPTQ scales weights per group or per channel")
     group = weights.group_size_for(entry.module.in_features) if weights.granularity == "group" else -1

@@ -102,6 +102,10 @@ def test_gptqmodel_overrides_also_match_the_layers_vllm_fuses(layout: ModelLayou
     ({"algorithm": {"method": "gptq", "actorder": "static"}}, "algorithm.actorder"),
     ({"kv_cache": "fp8"}, "kv_cache"),
     ({"groups": {"attention": W4_GPTQ, "mlp": {**W4_GPTQ, "algorithm": "rtn"}}}, "groups.mlp.algorithm"),
+    # vLLM's AutoGPTQConfig serves (4, sym) and (8, sym) only, while the compressed-tensors kernel rules pass asymmetric int4
+    ({"groups": {"attention": W4_GPTQ, "mlp": {"weights": {**W4_GPTQ["weights"], "symmetric": False}}}}, "groups.mlp.weights.symmetric"),
+    ({"overrides": [{"layers": [1], "attention": {"weights": {**W4_GPTQ["weights"], "symmetric": False}}}]},
+     "overrides.0.attention.weights.symmetric"),
 ])
 def test_what_gptqmodel_cannot_express_is_refused_naming_the_field(layout: ModelLayout, change: dict, field: str) -> None:
     data = {key: value for key, value in {**gptq(), **change}.items() if value is not None}
