@@ -58,6 +58,11 @@ def _method(recipe: Recipe, entry: ModuleScheme) -> str:
     return entry.scheme.algorithm or recipe.algorithm.method
 
 
+def _method_field(recipe: Recipe, entry: ModuleScheme, wanted: str) -> str:
+    """The field that chose an entry's other algorithm: the recipe's own, or the group's `algorithm:`."""
+    return "algorithm.method" if recipe.algorithm.method != wanted else f"{entry.source}.algorithm"
+
+
 def _weight_only_int(recipe: Recipe, entry: ModuleScheme, recipe_file: Path | str) -> WeightScheme:
     """The entry's weights, refused unless integer and weight-only (what both subprocess backends write)."""
     assert entry.scheme is not None
@@ -76,8 +81,8 @@ def _gptqmodel_scheme(recipe: Recipe, entry: ModuleScheme, recipe_file: Path | s
     """(bits, group_size, sym) of one module; GPTQ's per-channel scale is group_size -1."""
     weights = _weight_only_int(recipe, entry, recipe_file)
     if _method(recipe, entry) != "gptq":
-        field = "algorithm.method" if recipe.algorithm.method != "gptq" else f"{entry.source}.algorithm"
-        raise _refuse(recipe, recipe_file, field, "GPTQModel runs GPTQ; round-to-nearest needs backend llm-compressor")
+        raise _refuse(recipe, recipe_file, _method_field(recipe, entry, "gptq"),
+                      "GPTQModel runs GPTQ; round-to-nearest needs backend llm-compressor")
     if (weights.bits, weights.symmetric) not in GPTQ_TYPES:  # the kernel rules pass asymmetric int4 (compressed-tensors has zero points)
         raise _refuse(recipe, recipe_file, f"{entry.source}.weights.{'bits' if weights.symmetric else 'symmetric'}",
                       "vLLM serves GPTQ checkpoints with symmetric 4- or 8-bit weights only (AutoGPTQConfig); asymmetric weights need "
@@ -133,7 +138,7 @@ def _bitsandbytes(recipe: Recipe, plan: dict[str, ModuleScheme], recipe_file: Pa
     for entry in quantized:
         _weight_only_int(recipe, entry, recipe_file)
         if _method(recipe, entry) != "rtn":
-            raise _refuse(recipe, recipe_file, "algorithm.method", "bitsandbytes is data-free (round-to-nearest): no GPTQ")
+            raise _refuse(recipe, recipe_file, _method_field(recipe, entry, "rtn"), "bitsandbytes is data-free (round-to-nearest): no GPTQ")
     distinct = {entry.scheme.weights.model_dump_json() for entry in quantized if entry.scheme is not None}
     if len(distinct) > 1:
         raise _refuse(recipe, recipe_file, "overrides", "it quantizes every Linear alike (one scheme; modules can only be kept 16-bit)")

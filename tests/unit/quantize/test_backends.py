@@ -138,6 +138,9 @@ def test_bitsandbytes_takes_int8_per_channel_and_4_bit_groups_of_64(layout: Mode
 
 def test_bitsandbytes_refuses_gptq_other_groups_and_mixed_schemes(layout: ModelLayout) -> None:
     assert refusal({**gptq(), "backend": "bitsandbytes"}, layout, GPU).field == "algorithm.method"
+    w4 = {"bits": 4, "granularity": "group", "group_size": 64}
+    one_group_gptq = {**bnb(w4), "calibration": CALIBRATION, "groups": {"attention": {"weights": w4}, "mlp": {"weights": w4, "algorithm": "gptq"}}}
+    assert refusal(one_group_gptq, layout, GPU).field == "groups.mlp.algorithm"  # the recipe's own method is rtn
     assert refusal(bnb({"bits": 4, "granularity": "group", "group_size": 128}), layout, GPU).field == "groups.attention.weights"
     mixed = bnb({"bits": 8, "granularity": "channel"}, overrides=[{"layers": [0], "mlp": {"weights": {"bits": 4, "granularity": "channel"}}}])
     assert refusal(mixed, layout, GPU).field == "overrides"
