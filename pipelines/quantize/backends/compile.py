@@ -114,15 +114,13 @@ def _gptqmodel(recipe: Recipe, plan: dict[str, ModuleScheme], recipe_file: Path 
     }
     dynamic.update({f"-:{_module_pattern(entry.module)}": {} for entry in plan.values() if entry.scheme is None})
     algorithm = recipe.algorithm
-    if algorithm.actorder == "static":
-        raise _refuse(recipe, recipe_file, "algorithm.actorder",
-                      "'static' writes a g_idx permutation (desc_act), which vLLM's CPU 4-bit kernel cannot use; use 'weight' or none")
     if algorithm.dampening_frac <= 0:
         raise _refuse(recipe, recipe_file, "algorithm.dampening_frac", "GPTQModel needs a dampening fraction above 0")
     config = {
         "bits": bits, "group_size": group, "sym": sym, "desc_act": False,
-        # 'weight' orders columns by activation size within fixed groups (no g_idx): GPTQModel's act_group_aware
-        "act_group_aware": algorithm.actorder == "weight", "damp_percent": algorithm.dampening_frac,
+        # 'weight' (and its alias 'static', as in compressed-tensors) orders columns by activation size within fixed groups,
+        # no g_idx: GPTQModel's act_group_aware
+        "act_group_aware": algorithm.actorder is not None, "damp_percent": algorithm.dampening_frac,
         "dynamic": dynamic or None, "offload_to_disk": False,
     }
     notes = [f"algorithm.block_size {algorithm.block_size}: GPTQModel sets its own lazy-batch width (the same result up to rounding)",

@@ -54,6 +54,14 @@ def test_a_gptq_recipe_becomes_one_gptqmodel_config_with_its_settings(layout: Mo
                            "damp_percent": 0.01, "dynamic": None, "offload_to_disk": False}
 
 
+@pytest.mark.parametrize(("actorder", "aware"), [("weight", True), ("static", True), (None, False)])
+def test_actorder_static_is_weight_as_in_the_recipe_vocabulary(layout: ModelLayout, actorder: str | None, aware: bool) -> None:
+    """compressed-tensors (and so the llm-compressor backend) reads 'static' as an alias of 'weight': no g_idx either way."""
+    algorithm = {"method": "gptq", **({"actorder": actorder} if actorder else {})}
+    config = backend_plan(gptq(algorithm=algorithm), layout).config
+    assert config["act_group_aware"] is aware and config["desc_act"] is False
+
+
 def test_the_shipped_gptq_recipe_compiles_for_gptqmodel_with_its_auto_group_sizes(layout: ModelLayout) -> None:
     loaded = with_backend(load_recipe("gptq"), "gptqmodel")
     plan = compile_for_backend(loaded.recipe, compile_recipe(loaded.recipe, layout, loaded.path).plan, loaded.path)
@@ -99,7 +107,6 @@ def test_gptqmodel_overrides_also_match_the_layers_vllm_fuses(layout: ModelLayou
 @pytest.mark.parametrize(("change", "field"), [
     ({"algorithm": {"method": "rtn"}, "calibration": None}, "algorithm.method"),
     ({"groups": {"attention": {**W4_GPTQ, "activations": {"dynamic": True}}, "mlp": W4_GPTQ}}, "groups.attention.activations"),
-    ({"algorithm": {"method": "gptq", "actorder": "static"}}, "algorithm.actorder"),
     ({"kv_cache": "fp8"}, "kv_cache"),
     ({"groups": {"attention": W4_GPTQ, "mlp": {**W4_GPTQ, "algorithm": "rtn"}}}, "groups.mlp.algorithm"),
     # vLLM's AutoGPTQConfig serves (4, sym) and (8, sym) only, while the compressed-tensors kernel rules pass asymmetric int4
