@@ -92,12 +92,12 @@ def _on(name: str, recipe: LoadedRecipe, backend: str) -> PlannedRow:
 
 
 def _distinct(rows: list[PlannedRow]) -> list[PlannedRow]:
-    """One row per (recipe run, backend): `gptq` and `recipes/gptq.yaml` are the same row."""
-    seen: set[tuple[str, str]] = set()
-    kept = []
+    """One row per (recipe run, backend): `gptq` and `recipes/gptq.yaml` are the same row. Two different recipes that would
+    run under one name are refused: a row, its run and its recipes/NAME.yaml are told apart by that name alone."""
+    kept: dict[tuple[str, str], PlannedRow] = {}
     for row in rows:
-        key = (row.loaded.name if row.loaded is not None else row.recipe, row.backend)
-        if key not in seen:
-            seen.add(key)
-            kept.append(row)
-    return kept
+        first = kept.setdefault((row.loaded.name if row.loaded is not None else row.recipe, row.backend), row)
+        if first.loaded is not None and row.loaded is not None and first.loaded.recipe != row.loaded.recipe:
+            raise InputError(f"{first.recipe} and {row.recipe} are different recipes that would both run as {row.loaded.name!r}: "
+                             "give one another `name:`", field="--recipes")
+    return list(kept.values())

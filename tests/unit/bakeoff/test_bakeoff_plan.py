@@ -40,6 +40,17 @@ def test_the_same_recipe_named_twice_is_one_row_per_backend(bake) -> None:
     assert len(plan.rows) == 1
 
 
+def test_two_different_recipes_under_one_name_are_refused_not_one_dropped(bake, tmp_path: Path) -> None:
+    text = (RECIPES_DIR / "gptq.yaml").read_text().replace("name: gptq", "name: same")
+    (tmp_path / "a.yaml").write_text(text)
+    (tmp_path / "b.yaml").write_text(text.replace("bits: 4", "bits: 8"))
+    with pytest.raises(InputError) as raised:
+        bake.plan([str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml")], ["llm-compressor"])
+    assert raised.value.field == "--recipes" and "'same'" in raised.value.message and "b.yaml" in raised.value.message
+    (tmp_path / "c.yaml").write_text("# the same recipe, written with a comment\n" + text)
+    assert len(bake.plan([str(tmp_path / "a.yaml"), str(tmp_path / "c.yaml")], ["llm-compressor"]).rows) == 1
+
+
 def test_an_unknown_backend_names_the_option_and_the_choices() -> None:
     with pytest.raises(InputError) as raised:
         parse_backends(["gptqmodel", "autogptq"])
