@@ -1,8 +1,9 @@
 """The bake-off's table (the same cells on the terminal and in bakeoff.md) and its two conclusions.
 
 smallest passing: the passing row with the fewest weight bytes. fastest passing: named only when the load test decided
-it: its throughput interval lies wholly above the 16-bit model's (outcome `faster`) and above every other such row's
-interval; otherwise the sentence says that none is proven faster, or which rows it cannot tell apart.
+it: its throughput interval lies wholly above the 16-bit model's (outcome `faster`) and above every other passing row's
+interval (an inconclusive one's too); otherwise the sentence says that none is proven faster, or which rows it cannot
+tell apart.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def smallest_passing(rows: list[BakeoffRow]) -> tuple[str | None, str]:
 
 
 def fastest_passing(rows: list[BakeoffRow]) -> tuple[str | None, str]:
-    """The passing row proven faster than the 16-bit model and than every other such row, and its sentence."""
+    """The passing row proven faster than the 16-bit model whose interval no other passing row's reaches, and its sentence."""
     passing = [row for row in rows if row.passed]
     if not passing:
         return None, "fastest passing: none (no row passed the quality gate)"
@@ -96,11 +97,13 @@ def fastest_passing(rows: list[BakeoffRow]) -> tuple[str | None, str]:
         measured = "; ".join(f"{row.label}: {row.speed.outcome} {ratio_text(row.speed)}" for row in passing)
         return None, f"fastest passing: none is proven faster than the 16-bit model ({measured})"
     best = max(proven, key=lambda row: row.speed.throughput_ratio or 0.0)
-    tied = [row for row in proven if row is not best and _overlap(row.speed, best.speed)]
+    # any other passing row whose interval reaches best's may be as fast or faster, an inconclusive one too
+    tied = [row for row in passing if row is not best and row.speed.interval is not None and _overlap(row.speed, best.speed)]
     if tied:
         names = ", ".join(row.label for row in [best, *tied])
-        return None, (f"fastest passing: not decided between {names}: each is proven faster than the 16-bit model, but their "
-                      "95% intervals overlap")
+        faster = ", ".join(row.label for row in [best, *tied] if row in proven)
+        return None, (f"fastest passing: not decided between {names}: their 95% throughput intervals overlap (proven faster than "
+                      f"the 16-bit model: {faster})")
     return best.label, f"fastest passing: {best.label} (throughput {ratio_text(best.speed)} x the 16-bit model's, faster)"
 
 

@@ -48,6 +48,15 @@ def test_overlapping_faster_rows_are_not_told_apart() -> None:
     assert name is None and sentence.startswith("fastest passing: not decided between r2 on gptqmodel, r1 on gptqmodel")
 
 
+def test_an_inconclusive_row_whose_interval_reaches_the_best_leaves_the_fastest_undecided() -> None:
+    wide = SpeedRecord(throughput_ratio=1.3, interval=[0.9, 1.9], outcome="inconclusive", pairs=4)
+    name, sentence = fastest_passing([row(1, speed=faster(1.6, 1.4, 1.8)), row(2, speed=wide)])
+    assert name is None and sentence.startswith("fastest passing: not decided between r1 on gptqmodel, r2 on gptqmodel")
+    assert "proven faster than the 16-bit model: r1 on gptqmodel)" in sentence
+    below = SpeedRecord(throughput_ratio=1.0, interval=[0.9, 1.1], outcome="inconclusive", pairs=4)
+    assert fastest_passing([row(1, speed=faster(1.6, 1.4, 1.8)), row(2, speed=below)])[0] == "r1 on gptqmodel"
+
+
 def test_nothing_passed_names_no_winner() -> None:
     rows = [row(1, "rejected"), row(2, "refused", weight=None)]
     assert smallest_passing(rows) == (None, "smallest passing: none (no row passed the quality gate)")
