@@ -1,15 +1,21 @@
-"""`quantize recipe list|show|validate`: the recipes and what they compile to for llm-compressor."""
+"""`quantize recipe list|show|validate`: the recipes and what they compile to for their backend (llm-compressor's
+recipe, or another backend's configuration: docs/backends.md)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import yaml
+
 from pipelines.console.output import console, emit, say, table
 from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 from pipelines.paths import DEMO_MODEL_DIR
-from pipelines.quantize.compiler import CompiledRecipe, compile_file, kv_summary
-from pipelines.recipe import load_recipe, shipped_recipes
+from pipelines.quantize.backends.compile import compile_checked
+from pipelines.quantize.backends.specs import BackendPlan
+from pipelines.quantize.compiler import CompiledRecipe, kv_summary
+from pipelines.quantize.layout import layout_from_model_dir
+from pipelines.recipe import DEFAULT_BACKEND, load_recipe, shipped_recipes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.set_defaults(handler=list_recipes)
 
     for name, handler, text in (
-        ("show", show_recipe, "print the llm-compressor recipe a recipe compiles to for a model"),
+        ("show", show_recipe, "print what a recipe compiles to for a model: llm-compressor's recipe, or its backend's configuration"),
         ("validate", validate_recipe, "check a recipe against a model and vLLM's kernels (exit 0 ok, 2 not)"),
     ):
         sub = actions.add_parser(name, help=text)
@@ -52,24 +58,30 @@ def _render_list(rows: list[dict]) -> None:
 
 
 def show_recipe(args: argparse.Namespace) -> int:
-    compiled = _compile(args)
-    emit(compiled, as_json=args.json, render=lambda c: console.print(c.yaml, end="", markup=False))
+    compiled, plan = _compile(args)
+    if plan is None:
+        emit(compiled, as_json=args.json, render=lambda c: console.print(c.yaml, end="", markup=False))
+    else:
+        emit(plan, as_json=args.json, render=lambda p: console.print(yaml.safe_dump(p.model_dump(), sort_keys=False), end="", markup=False))
     return 0
 
 
 def validate_recipe(args: argparse.Namespace) -> int:
-    target = _target(args)
-    compiled = compile_file(args.recipe, args.model, target)  # bad input is named before the target is looked up
+    compiled, plan = _compile(args)
     result = {
-        "recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "target": str(target or installed_target()),
-        "valid": True, "layers": compiled.layers, "kv_cache": {**compiled.kv_cache.model_dump(), "summary": kv_summary(compiled.kv_cache)},
+        "recipe": compiled.recipe, "file": compiled.recipe_file, "model": str(args.model), "target": str(_target(args) or installed_target()),
+        "valid": True, "backend": plan.backend if plan else DEFAULT_BACKEND, "backend_config": plan.config if plan else None,
+        "layers": compiled.layers, "kv_cache": {**compiled.kv_cache.model_dump(), "summary": kv_summary(compiled.kv_cache)},
     }
     emit(result, as_json=args.json, render=_render_layers)
     return 0
 
 
-def _compile(args: argparse.Namespace) -> CompiledRecipe:
-    return compile_file(args.recipe, args.model, _target(args))
+def _compile(args: argparse.Namespace) -> tuple[CompiledRecipe, BackendPlan | None]:
+    """Every check `quantize` makes before heavy work; bad input is named before the target is looked up."""
+    loaded = load_recipe(args.recipe)
+    layout = layout_from_model_dir(args.model)
+    return compile_checked(loaded, layout, _target(args) or installed_target())
 
 
 def _target(args: argparse.Namespace) -> ServeTarget | None:
@@ -78,6 +90,6 @@ def _target(args: argparse.Namespace) -> ServeTarget | None:
 
 
 def _render_layers(result: dict) -> None:
-    say(f"{result['file']}: valid for {result['model']} on {result['target']}")
+    say(f"{result['file']}: valid for {result['model']} on {result['target']} (backend {result['backend']})")
     say(table(None, ["module", "scheme"], [[name, scheme] for name, scheme in result["layers"].items()]))
     say(f"KV cache: {result['kv_cache']['summary']}")

@@ -44,13 +44,12 @@ from pipelines.files.atomic import atomic_dir, write_json_atomic
 from pipelines.files.hashing import file_hashes, sha256_json
 from pipelines.files.safepath import ensure_inside, safe_component
 from pipelines.hardware.targets import ServeTarget, host_record, installed_target
-from pipelines.quantize.backends.compile import compile_for_backend
+from pipelines.quantize.backends.compile import compile_checked
 from pipelines.quantize.backends.environment import pinned_versions
 from pipelines.quantize.backends.process import BackendRun, run_backend
-from pipelines.quantize.backends.serving import check_backend_served
-from pipelines.quantize.backends.specs import BACKENDS, DEFAULT, BackendPlan, BackendSpec
+from pipelines.quantize.backends.specs import BACKENDS, BackendPlan, BackendSpec
 from pipelines.quantize.calibration import calibration_dataset, calibration_inputs
-from pipelines.quantize.compiler import CompiledRecipe, compile_recipe
+from pipelines.quantize.compiler import CompiledRecipe
 from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.quantize.progress import following_llmcompressor
 from pipelines.quantize.smoothing import checked_smoothing, with_mappings
@@ -138,10 +137,7 @@ def gather_inputs(
     check_model_dir(model_dir)
     progress(f"checking recipe {recipe_obj.name} against {model_dir}")
     target = target or installed_target()
-    layout = layout_from_model_dir(model_dir)
-    check_backend_served(loaded, layout, target)  # vLLM's own refusal of the backend's format comes first
-    compiled = compile_recipe(recipe_obj, layout, loaded.path, target)
-    plan = compile_for_backend(recipe_obj, compiled.plan, loaded.path) if recipe_obj.backend != DEFAULT.name else None
+    compiled, plan = compile_checked(loaded, layout_from_model_dir(model_dir), target)
     progress(f"hashing {model_dir}")
     source_files = file_hashes(model_dir)
     if calibration is not None and not recipe_obj.needs_calibration:

@@ -13,14 +13,26 @@ from collections import Counter
 from pathlib import Path
 
 from pipelines.errors import InputError
-from pipelines.hardware.targets import GPTQ_TYPES
-from pipelines.quantize.backends.specs import BackendPlan
-from pipelines.quantize.compiler import ModuleScheme
-from pipelines.quantize.layout import CHECKPOINT_FUSED, FUSED_SHARDS, LinearInfo
-from pipelines.recipe import Recipe, WeightScheme
+from pipelines.hardware.targets import GPTQ_TYPES, ServeTarget
+from pipelines.quantize.backends.serving import check_backend_served
+from pipelines.quantize.backends.specs import DEFAULT, BackendPlan
+from pipelines.quantize.compiler import CompiledRecipe, ModuleScheme, compile_recipe
+from pipelines.quantize.layout import CHECKPOINT_FUSED, FUSED_SHARDS, LinearInfo, ModelLayout
+from pipelines.recipe import LoadedRecipe, Recipe, WeightScheme
 
 # bitsandbytes' 4-bit block (absmax per 64 weights); NF4 is its 4-bit grid (normal-float levels, not uniform integers).
 BNB_4BIT_BLOCK = 64
+
+
+def compile_checked(loaded: LoadedRecipe, layout: ModelLayout, target: ServeTarget) -> tuple[CompiledRecipe, BackendPlan | None]:
+    """Every check `quantize` makes before heavy work, in its order (what `quantize recipe validate` reports too): vLLM's
+    verdict on the backend's format, the recipe against the model and vLLM's kernels, then the backend's compilation
+    (None for llm-compressor, which runs the compiled recipe itself)."""
+    check_backend_served(loaded, layout, target)
+    compiled = compile_recipe(loaded.recipe, layout, loaded.path, target)
+    if loaded.recipe.backend == DEFAULT.name:
+        return compiled, None
+    return compiled, compile_for_backend(loaded.recipe, compiled.plan, loaded.path)
 
 
 def compile_for_backend(recipe: Recipe, plan: dict[str, ModuleScheme], recipe_file: Path | str) -> BackendPlan:

@@ -8,9 +8,12 @@ has 1", measured on 2 cores); GPTQMODEL_CPU_WORKERS=2 gives the pool the 2 it ne
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipelines.console.output import progress
@@ -51,7 +54,8 @@ def ensure_environment(spec: BackendSpec, log_path: Path) -> Path:
                  f"requirements/{spec.environment}.lock: a few minutes, several GB)")
     started = time.monotonic()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("a") as log:
+    # One build at a time: two first uses (a bake-off beside a run, Ray workers) would run pip into one folder at once.
+    with _locked(environment_dir(spec).with_name(f"{environment_dir(spec).name}.lock")), log_path.open("a") as log:
         try:
             root = current_settings().root
             result = subprocess.run(["bash", str(root / "scripts" / "setup_env.sh"), str(spec.environment)], stdout=log,
@@ -71,9 +75,19 @@ def backend_process_env(spec: BackendSpec, scratch: Path) -> dict[str, str]:
     env = {name: os.environ[name] for name in _KEPT if name in os.environ}
     env.update(PYTHONUNBUFFERED="1", PYTHONNOUSERSITE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(scratch), HOME=os.environ.get("HOME", str(scratch)))
-    if spec.name == "gptqmodel" and (os.cpu_count() or 1) <= 3:
+    if spec.name == "gptqmodel" and len(os.sched_getaffinity(0)) <= 3:  # the cores this process may run on
         env["GPTQMODEL_CPU_WORKERS"] = str(_GPTQMODEL_MIN_WORKERS)
     return env
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _last_line(log_path: Path) -> str:

@@ -4,6 +4,7 @@ field; the backend tool's contract (imports nothing of ours; stage lines; a deat
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -178,10 +179,10 @@ def test_the_backend_tool_imports_nothing_of_ours() -> None:
 def test_the_gptqmodel_environment_is_pinned_and_told_its_worker_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pins = pinned_versions(BACKENDS["gptqmodel"])
     assert set(pins) == {"gptqmodel", "torch", "transformers"} and pins["gptqmodel"] == "7.7.0"
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     env = backend_process_env(BACKENDS["gptqmodel"], tmp_path)
     assert env["GPTQMODEL_CPU_WORKERS"] == "2" and env["HF_HUB_OFFLINE"] == "1" and env["TMPDIR"] == str(tmp_path)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert "GPTQMODEL_CPU_WORKERS" not in backend_process_env(BACKENDS["gptqmodel"], tmp_path)
 
 
@@ -223,3 +224,19 @@ def test_an_environment_that_fails_to_build_is_one_line_naming_its_log(tmp_path:
         ensure_environment(BACKENDS["gptqmodel"], log)
     assert caught.value.field == "backend" and caught.value.file == str(log)
     assert "exit code 2" in caught.value.message and "No matching distribution found for gptqmodel==7.7.0" in caught.value.message
+
+
+def test_recipe_validate_makes_the_backend_checks_quantize_makes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from pipelines.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**gptq(), "kv_cache": "fp8"}))
+    assert main(["recipe", "validate", str(recipe), "--target", "cpu:avx512bf16"]) == 2
+    assert "kv_cache: backend gptqmodel cannot express this" in capsys.readouterr().err
+    recipe.write_text(yaml.safe_dump(bnb({"bits": 4, "granularity": "group", "group_size": 64})))
+    assert main(["recipe", "validate", str(recipe), "--target", "cpu:avx512bf16"]) == 2
+    assert "backend: backend bitsandbytes writes bitsandbytes checkpoints, which vLLM cannot serve here" in capsys.readouterr().err
+    recipe.write_text(yaml.safe_dump(gptq()))
+    assert main(["recipe", "validate", str(recipe), "--target", "cpu:avx512bf16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "gptqmodel" and result["backend_config"]["bits"] == 4
