@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from pipelines.gate.policy import DEFAULT_POLICY
 from pipelines.hardware.targets import installed_target
 from pipelines.paths import DEMO_EVAL_SETS, EVAL_SETS_DIR, REPO_ROOT
 from pipelines.registry.store import Registry
@@ -152,3 +153,13 @@ def first_items_eval_sets(root: Path, eval_set: str, items: int, *also: str) -> 
     data = sets / eval_set / "data.jsonl"
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:items]))
     return sets
+
+
+def one_baseline_scoring(folder: Path) -> Path:
+    """The default policy with the noise floor off: one scoring of the baseline (CI's budget, for the files with models of
+    their own; the floor's second pass is exercised on the demo model by test_pipeline.py)."""
+    text = DEFAULT_POLICY.read_text()
+    assert "\n  noise_floor: auto\n" in text, "policies/default.yaml no longer sets noise_floor: auto; update this test"
+    policy = folder / "policy.yaml"
+    policy.write_text(text.replace("\n  noise_floor: auto\n", "\n  noise_floor: false\n"))
+    return policy

@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 from families import FAMILIES, make_family_model
-from helpers import QUANTIZE, CommandRun, Workspace, first_items_eval_sets
+from helpers import QUANTIZE, CommandRun, Workspace, first_items_eval_sets, one_baseline_scoring
 
 from pipelines.fleet.cores import allowed_cores, plan_cores
-from pipelines.gate.policy import DEFAULT_POLICY
 from pipelines.paths import RECIPES_DIR
 from pipelines.planner import GiB, load_config, model_shape
 from pipelines.planner.kv import CPU_BLOCK_SIZE, kv_element_bytes, vllm_kv_cache
@@ -39,16 +38,6 @@ CALIBRATION_SAMPLES = 16
 OTHER_FAMILIES = tuple(family for family in FAMILIES if family not in ("llama", "mistral"))
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens")
 _GROUPS_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")  # logged only when there is more than one group
-
-
-def one_baseline_scoring(folder: Path) -> Path:
-    """The default policy with the noise floor off: one scoring of each family's baseline (CI's budget; the floor's
-    second pass is exercised on the demo model by test_pipeline.py)."""
-    text = DEFAULT_POLICY.read_text()
-    assert "\n  noise_floor: auto\n" in text, "policies/default.yaml no longer sets noise_floor: auto; update this test"
-    policy = folder / "policy.yaml"
-    policy.write_text(text.replace("\n  noise_floor: auto\n", "\n  noise_floor: false\n"))
-    return policy
 
 
 def calibrated_on_fewer_samples(folder: Path) -> Path:
