@@ -91,8 +91,7 @@ def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The end-to-end files with models, runs and servers of their own (no session fixture of the demo model's runs): one work unit.
-OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_formats_e2e.py", "tests/integration/test_real_model.py",
-              "tests/integration/test_bakeoff_e2e.py")
+OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_formats_e2e.py", "tests/integration/test_real_model.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called

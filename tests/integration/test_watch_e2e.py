@@ -119,7 +119,12 @@ def start_watch(workspace: Workspace, *args: str, env: dict[str, str] | None = N
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finished(process: subprocess.Popen, argv: str, timeout_s: float = 300) -> CommandRun:
+# A watch window also waits for its canary probe (up to the probe's 60 s per request on an overloaded server): four windows
+# under the induced breach took over 300 s on a 2-core CI host while the other worker started a server (7 December).
+WATCH_TIMEOUT_S = 600
+
+
+def finished(process: subprocess.Popen, argv: str, timeout_s: float = WATCH_TIMEOUT_S) -> CommandRun:
     out, err = process.communicate(timeout=timeout_s)
     return CommandRun(argv=[argv], code=process.returncode, stdout=out, stderr=err, wall_s=0.0, marker="")
 
