@@ -19,6 +19,7 @@ from pathlib import Path
 from pipelines.console.output import progress
 from pipelines.errors import InputError
 from pipelines.quantize.backends.specs import BackendSpec
+from pipelines.serve.serving import log_tail
 from pipelines.settings import current as current_settings
 
 SETUP_TIMEOUT_S = 3600.0
@@ -64,7 +65,7 @@ def ensure_environment(spec: BackendSpec, log_path: Path) -> Path:
             raise InputError(f"building the {spec.name} environment took over {SETUP_TIMEOUT_S:.0f} s", file=log_path) from None
     if result.returncode != 0 or not python.exists():
         raise InputError(f"the {spec.name} environment could not be built (scripts/setup_env.sh {spec.environment} exit code "
-                         f"{result.returncode}): {_last_line(log_path)}", file=log_path, field="backend")
+                         f"{result.returncode}): {log_tail(log_path, 1)}", file=log_path, field="backend")
     if time.monotonic() - started > 5:
         progress(f"{environment_dir(spec).name} ready in {time.monotonic() - started:.0f} s")
     return python
@@ -88,8 +89,3 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _last_line(log_path: Path) -> str:
-    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
