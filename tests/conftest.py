@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from postgres_cluster import PostgresCluster, postgres_available, postgres_cluster
 
 from pipelines.paths import DEMO_MODEL_DIR
 
@@ -88,6 +90,15 @@ def demo_or_tiny_model(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def calibration_set_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_calibration_set(tmp_path_factory.mktemp("eval_sets") / "calibration")
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresCluster]:
+    """A throwaway PostgreSQL cluster for the session (tests/postgres_cluster.py); each test creates its own database."""
+    if not postgres_available():
+        pytest.fail("PostgreSQL's binaries are missing (scripts/setup_system.sh installs Debian's postgresql)")
+    with postgres_cluster(tmp_path_factory.mktemp("postgres")) as cluster:
+        yield cluster
 
 
 # The end-to-end files with models, runs and servers of their own (no session fixture of the demo model's runs): one work unit.
