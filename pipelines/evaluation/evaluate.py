@@ -495,12 +495,15 @@ SAMPLES_FILE_BYTES = 16 * 1024 * MiB
 
 
 def read_items(eval_set: EvalSet, samples_file: Path) -> list[ItemScore]:
-    """The first filter's record of every item, in set order."""
+    """The first filter's record of every item, in set order. A NaN or infinite value (lm-eval writes them as the bare
+    literals `NaN` / `-Infinity`) is read as that number: a candidate's is the gate's to reject naming the items, a
+    baseline's is an error (pipelines.gate.pairing)."""
     if not samples_file.is_file():
         raise EvalError(f"lm-eval wrote no per-sample file for task {eval_set.task_name}", file=samples_file)
     items = [
         _item(record, eval_set.metric.name, samples_file, number)
-        for number, record in iter_jsonl(samples_file, max_line_bytes=SAMPLE_LINE_BYTES, max_file_bytes=SAMPLES_FILE_BYTES)
+        for number, record in iter_jsonl(samples_file, max_line_bytes=SAMPLE_LINE_BYTES, max_file_bytes=SAMPLES_FILE_BYTES,
+                                         non_finite=True)
         if record.get("filter") == eval_set.filter_name
     ]
     return sorted(items, key=lambda item: item.doc_id)

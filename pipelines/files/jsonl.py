@@ -60,10 +60,13 @@ def _open_bounded(path: Path, where: str, max_file_bytes: int) -> int:
 
 def iter_jsonl(
     path: Path, *, max_line_bytes: int = MAX_LINE_BYTES, max_file_bytes: int = MAX_FILE_BYTES, max_lines: int = MAX_LINES,
+    non_finite: bool = False,
 ) -> Iterator[tuple[int, dict]]:
     """(line number, object) for every non-blank line; a line that is not a JSON object is an InputError.
 
-    Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused, as is
+    Lines are UTF-8 (a byte-order mark on the first is accepted); NaN and Infinity are refused (unless `non_finite`:
+    lm-eval's per-sample files, written by Python's json.dumps, carry a model's NaN or infinite value as the bare
+    literals `NaN` / `Infinity` / `-Infinity`, which the gate must see as a value to reject), as is
     nesting too deep for the JSON parser, and a lone surrogate (`"\\ud800"`: not a character, it cannot be
     written back as UTF-8). The file is checked to be a regular file no larger than `max_file_bytes` once open,
     and no line is read past `max_line_bytes`, nor more than `max_lines` lines (nor the file past its limit,
@@ -82,7 +85,7 @@ def iter_jsonl(
                 raise InputError(f"line longer than {max_line_bytes} bytes", file=where, field=f"line {number}")
             if read > max_file_bytes:
                 raise InputError(f"more than {max_file_bytes} bytes: data files are limited to that", file=where, field=f"line {number}")
-            value = _parse_line(raw, number, where)
+            value = _parse_line(raw, number, where, non_finite)
             if value is not None:
                 yield number, value
 
@@ -104,7 +107,7 @@ def _too_many_lines(max_lines: int, where: str, number: int) -> InputError:
     return InputError(f"more than {max_lines:,} lines (blank ones included): data files are limited to that", file=where, field=f"line {number}")
 
 
-def _parse_line(raw: bytes, number: int, where: str) -> dict | None:
+def _parse_line(raw: bytes, number: int, where: str, non_finite: bool = False) -> dict | None:
     """The object on one line, None for a blank line."""
     field = f"line {number}"
     try:
@@ -115,7 +118,7 @@ def _parse_line(raw: bytes, number: int, where: str) -> dict | None:
     if not line.strip():
         return None
     try:
-        value = json.loads(line, parse_constant=refuse_constant)
+        value = json.loads(line, parse_constant=float if non_finite else refuse_constant)
     except json.JSONDecodeError as error:
         raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=where, field=field) from None
     except ValueError as error:

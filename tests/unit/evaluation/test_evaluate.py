@@ -377,3 +377,38 @@ def test_a_chat_set_for_a_model_without_a_chat_template_is_refused(tmp_path: Pat
     with pytest.raises(InputError) as caught:
         load_prompts(eval_set, materialize_tasks([eval_set], tmp_path / "tasks"), DEMO_MODEL_DIR)
     assert caught.value.field == "chat_template" and "chatty" in caught.value.message
+
+
+def test_lm_eval_s_nan_and_infinity_literals_reach_the_gate_as_a_rejection_naming_the_items(tmp_path: Path) -> None:
+    # lm-eval 0.4.13 writes the per-sample file with json.dumps: a model's NaN score is the bare literal NaN, a -inf
+    # loglikelihood -Infinity. The reader takes them there (only there) and the gate rejects the candidate naming the
+    # items, instead of a tooling error (exit 2).
+    from pipelines.gate.policy import DEFAULT_POLICY, load_policy
+    from pipelines.gate.verdict import decide
+
+    docs = references(120)
+    eval_set = make_set(tmp_path / "sets", "payment", docs)
+    baseline = [sample(i, doc, {"exact_match": 1.0}) for i, doc in enumerate(docs)]
+    candidate = [sample(i, doc, {"exact_match": float("nan") if i in (4, 9) else 1.0}) for i, doc in enumerate(docs)]
+    write_run(tmp_path / "base", {"payment": {"exact_match,none": 1.0}}, {"payment": baseline})
+    folder = write_run(tmp_path / "cand", {"payment": {"exact_match,none": float("nan")}}, {"payment": candidate})
+    assert b"NaN" in (folder / f"samples_payment_{DATE_ID}.jsonl").read_bytes()
+    base_score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "base"), 1.0)
+    cand_score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "cand"), 1.0)
+    assert [i for i, item in enumerate(cand_score.items) if item.value != item.value] == [4, 9]
+    verdict = decide([pair_set(eval_set, base_score, cand_score, {}, None)], load_policy(DEFAULT_POLICY), "w8a8").sets[0]
+    assert not verdict.passed
+    assert "exact_match is not finite (NaN or infinite) on 2 of 120 items: 4:" in verdict.reasons[0]
+    assert ", 9:" in verdict.reasons[0]
+
+
+def test_a_negative_infinity_loglikelihood_is_read_from_a_rolling_set(tmp_path: Path) -> None:
+    docs = [{"text": "hello world foo"}, {"text": "bar baz"}]
+    eval_set = make_set(
+        tmp_path / "sets", "notes", docs, output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+        metric_list=[{"metric": "word_perplexity"}], generation_kwargs=None,
+    )
+    records = [sample(0, docs[0], {"word_perplexity": [float("-inf"), 3]}), sample(1, docs[1], {"word_perplexity": [-0.676, 2]})]
+    write_run(tmp_path / "out", {"notes": {"word_perplexity,none": float("inf")}}, {"notes": records})
+    score = read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0)
+    assert score.items[0].value == [float("-inf"), 3]
