@@ -26,21 +26,19 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import re
 import shutil
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-import jinja2
-import jinja2.meta
-import jinja2.sandbox
 from pydantic import ValidationError
 
 from pipelines.console.output import progress
 from pipelines.errors import InputError, from_validation_error
-from pipelines.evaluation.metrics import CORPUS_AGGREGATIONS, DEFAULT_METRIC, MetricSpec, make_spec
-from pipelines.evaluation.templates import SANDBOX, CommandBudgetError, RenderBudget, TemplateBudgetError, compile_template, render_template
+from pipelines.evaluation.item_render import CommandRenderStopped, compile_templates, render_item, template_fields
+from pipelines.evaluation.metrics import MetricSpec
+from pipelines.evaluation.set_metric import ROLLING, metric_spec
+from pipelines.evaluation.templates import RenderBudget, render_template
 from pipelines.files.hashing import sha256_file, sha256_json
 from pipelines.files.jsonl import display_path, iter_jsonl
 from pipelines.files.yamlio import FunctionRef, dump_yaml, load_yaml_file
@@ -51,18 +49,8 @@ from pipelines.settings import current as current_settings
 __all__ = ["FunctionRef", "display_path", "iter_jsonl", "render_template"]
 
 OUTPUT_TYPES = ("generate_until", "multiple_choice", "loglikelihood", "loglikelihood_rolling")
-ROLLING = "loglikelihood_rolling"
 # Checked in this order, before the output type's own keys: the most fundamental problem is reported first.
 SET_KEYS = ("task", "dataset_path", "dataset_kwargs", "test_split", "output_type")
-# The per-item metrics lm-eval's ConfigurableTask.process_results (lm_eval/api/task.py) logs for each output
-# type; a task with its own `process_results` logs whatever that function returns. `likelihood` is left
-# out: lm-eval logs it as (gold, loglikelihoods) yet averages it, which fails.
-PRODUCED_METRICS = {
-    "generate_until": frozenset({"exact_match", "bleu", "chrf", "chrf++", "ter"}),
-    "multiple_choice": frozenset({"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match", "f1", "mcc", "brier_score"}),
-    "loglikelihood": frozenset({"perplexity", "acc"}),
-    ROLLING: frozenset({"word_perplexity", "byte_perplexity", "bits_per_byte"}),
-}
 NO_FILTER = "none"  # the filter name lm-eval gives a task without filter_list
 SET_FILE = "set.yaml"
 DATA_FILE = "data.jsonl"
@@ -74,15 +62,6 @@ LEGACY_SET_DATA_LOADERS = ("pipelines.evalsets.set_data",)
 # Keys of the task's `metadata` the product reads (anything else there is lm-eval's or the author's).
 CHAT_TEMPLATE_KEY = "chat_template"
 SYSTEM_INSTRUCTION_KEY = "system_instruction"
-
-# The keys lm-eval renders as Jinja templates against each item (lm_eval/api/task.py: doc_to_*, resolve_field).
-TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "gen_prefix", "description", "doc_to_decontamination_query")
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class CommandRenderStopped(InputError):
-    """The command's rendering budget ran out on this set: an error of the command, not of the set (never skipped)."""
-
 
 class EvalSet(FrozenModel):
     name: str
@@ -200,79 +179,6 @@ def _inside(folder: Path, relative: str, where: str, field: str) -> Path:
     return resolved
 
 
-def _template_fields(value: Any, *, bare_is_field: bool, where: str = "", key: str = "") -> set[str]:
-    """Item fields a doc_to_* value reads: Jinja variables, or a bare name lm-eval looks up in the item."""
-    if isinstance(value, FunctionRef) or not isinstance(value, (str, list)):
-        return set()
-    if isinstance(value, list):
-        return set().union(*(_template_fields(v, bare_is_field=False, where=where, key=key) for v in value)) if value else set()
-    if "{{" in value or "{%" in value or "{#" in value:
-        return set(jinja2.meta.find_undeclared_variables(_parse_template(value, where, key)))
-    return {value} if bare_is_field and _IDENTIFIER.match(value) else set()
-
-
-def _parse_template(template: str, where: str, key: str):
-    try:
-        return SANDBOX.parse(template)
-    except jinja2.TemplateSyntaxError as error:
-        raise InputError(f"Jinja syntax error: {error.message} (line {error.lineno} of the template)", file=where, field=key) from None
-    except (RecursionError, MemoryError):
-        raise InputError("Jinja template nested too deep", file=where, field=key) from None
-
-
-def _compile_templates(config: dict, where: str) -> dict[str, jinja2.Template]:
-    """Every templated key that is a plain string, compiled in the sandbox; a syntax error names the key."""
-    compiled = {}
-    for key in TEMPLATE_KEYS:
-        value = config.get(key)
-        if isinstance(value, str) and not isinstance(value, FunctionRef):
-            _parse_template(value, where, key)
-            try:
-                compiled[key] = compile_template(value)
-            except jinja2.TemplateError as error:
-                raise InputError(f"Jinja template refused: {error}", file=where, field=key) from None
-    return compiled
-
-
-def _render_item(
-    compiled: dict[str, jinja2.Template], config: dict, item: dict, where: str, data: Path, number: int, budget: RenderBudget,
-) -> dict[str, str]:
-    """Render every template against one item as lm-eval will (a bare field name is a lookup), in the sandbox
-    under the set's budget; returns what each rendered."""
-    rendered = {}
-    for key, template in compiled.items():
-        if config[key] in item:
-            continue  # lm-eval reads the field, it renders nothing
-        try:
-            text = budget.render(template, item)
-        except CommandBudgetError as error:
-            raise CommandRenderStopped(f"stopped: {error} (rendering {display_path(data)} line {number})", file=where, field=key) from None
-        except TemplateBudgetError as error:
-            problem = f"stopped: {error}"
-        except jinja2.sandbox.SecurityError as error:
-            problem = f"refused by the template sandbox: {error}"
-        except jinja2.UndefinedError as error:
-            problem = f"undefined in the template: {error.message}"
-        except Exception as error:  # whatever a template raises is the template's fault (MemoryError and RecursionError too)
-            problem = f"the template fails: {type(error).__name__}: {error}"
-        else:
-            if key == "doc_to_choice" and not _is_choice_list(text):
-                problem = f"must render a Python list literal of choices (got {text[:80]!r})"
-            else:
-                rendered[key] = text
-                continue
-        raise InputError(f"{problem} (rendering {display_path(data)} line {number})", file=where, field=key)
-    return rendered
-
-
-def _is_choice_list(text: str) -> bool:
-    """lm-eval reads a rendered doc_to_choice with ast.literal_eval and expects a list."""
-    try:
-        return isinstance(ast.literal_eval(text.strip()), (list, tuple))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return False
-
-
 def _check_config(config: dict, yaml_path: Path) -> None:
     where = display_path(yaml_path)
     unknown = sorted(set(config) - task_config_keys())
@@ -357,90 +263,6 @@ def _check_filters(filters: Any, where: str) -> None:
         names.add(name)
 
 
-# ---------------------------------------------------------------- the primary metric
-
-FIRST_METRIC = "metric_list[0]"
-JUDGED_AGGREGATIONS = CORPUS_AGGREGATIONS | {"mean"}
-
-
-def _metric_spec(config: dict, where: str) -> MetricSpec:
-    """The first metric_list entry, with lm-eval's defaults for what it leaves out; refused if the gate cannot judge it."""
-    entries = config.get("metric_list")
-    if entries is None:
-        return make_spec(*DEFAULT_METRIC[config["output_type"]])
-    entry = _first_metric(entries, where)
-    name = _metric_name(entry["metric"])
-    _check_produced(name, entry["metric"], config, where)
-    default_aggregation, default_direction = lm_eval_metric_defaults(name)
-    aggregation = entry.get("aggregation", default_aggregation)
-    higher_is_better = entry.get("higher_is_better", default_direction)
-    aggregation = _check_aggregation(name, aggregation, default_aggregation, where)
-    if not isinstance(higher_is_better, bool):
-        got = f"lm-eval has no default for {name!r}" if higher_is_better is None else f"got {higher_is_better!r}"
-        raise InputError(f"must be true or false ({got})", file=where, field=f"{FIRST_METRIC}.higher_is_better")
-    return make_spec(name, aggregation, higher_is_better)
-
-
-def _first_metric(entries: Any, where: str) -> dict:
-    if not isinstance(entries, list) or not entries:
-        raise InputError("a list of {metric: ...} entries, the first one judged", file=where, field="metric_list")
-    entry = entries[0]
-    if not isinstance(entry, dict) or not isinstance(entry.get("metric"), str) or not entry["metric"]:
-        raise InputError("needs a metric name", file=where, field=f"{FIRST_METRIC}.metric")
-    return entry
-
-
-def _metric_name(metric: str) -> str:
-    """lm-eval names a `!function` metric by the function's __name__ (lm_eval/api/task.py)."""
-    return metric.rsplit(".", 1)[-1] if isinstance(metric, FunctionRef) else metric
-
-
-def _check_produced(name: str, metric: str, config: dict, where: str) -> None:
-    output_type = config["output_type"]
-    if isinstance(config.get("process_results"), FunctionRef):
-        return  # the task's own function decides what is logged
-    if isinstance(metric, FunctionRef) and output_type == "generate_until":
-        return  # called on each (reference, prediction) pair
-    produced = PRODUCED_METRICS[output_type]
-    if name not in produced:
-        raise InputError(
-            f"lm-eval logs no per-item {name!r} for {output_type} (it logs {', '.join(sorted(produced))}; "
-            "a task's own process_results may log others)",
-            file=where, field=f"{FIRST_METRIC}.metric",
-        )
-
-
-def _check_aggregation(name: str, aggregation: Any, default: str | None, where: str) -> str:
-    """The aggregation, refused unless the gate can judge it and it can aggregate the metric's per-item values."""
-    field = f"{FIRST_METRIC}.aggregation"
-    if aggregation is None:
-        raise InputError(f"lm-eval has no default aggregation for {name!r}: give one", file=where, field=field)
-    if isinstance(aggregation, FunctionRef) or not isinstance(aggregation, str) or aggregation not in JUDGED_AGGREGATIONS:
-        raise InputError(
-            f"the gate cannot judge aggregation {aggregation!r}: use mean or one of {', '.join(sorted(CORPUS_AGGREGATIONS))}",
-            file=where, field=field,
-        )
-    # A registered metric is logged per item as a number (mean) or as a list (corpus): the other kind fails in lm-eval.
-    if default is not None and (aggregation == "mean") != (default == "mean"):
-        raise InputError(f"{aggregation!r} cannot aggregate {name!r}; lm-eval's own aggregation for it is {default!r}", file=where, field=field)
-    return aggregation
-
-
-def lm_eval_metric_defaults(name: str) -> tuple[str | None, bool | None]:
-    """The aggregation name and direction lm-eval registers for a metric (lm_eval/api/metrics.py); None if unregistered."""
-    import lm_eval.api.metrics  # noqa: F401 - registers lm-eval's metrics and aggregations
-
-    # heavy: imported when used
-    from lm_eval.api.registry import (
-        AGGREGATION_REGISTRY,
-        HIGHER_IS_BETTER_REGISTRY,
-        METRIC_AGGREGATION_REGISTRY,
-    )
-
-    aggregation_names = {function: key for key, function in AGGREGATION_REGISTRY.items()}
-    return aggregation_names.get(METRIC_AGGREGATION_REGISTRY.get(name, None)), HIGHER_IS_BETTER_REGISTRY.get(name, None)
-
-
 # ---------------------------------------------------------------- data items
 
 
@@ -448,11 +270,11 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
     """The number of items (every one checked) and of the requests lm-eval sends for them."""
     where = display_path(yaml_path)
     needs: dict[str, set[str]] = {
-        "doc_to_text": _template_fields(config["doc_to_text"], bare_is_field=False, where=where, key="doc_to_text"),
-        "doc_to_target": _template_fields(config["doc_to_target"], bare_is_field=True, where=where, key="doc_to_target"),
-        "doc_to_choice": _template_fields(config.get("doc_to_choice"), bare_is_field=True, where=where, key="doc_to_choice"),
+        "doc_to_text": template_fields(config["doc_to_text"], bare_is_field=False, where=where, key="doc_to_text"),
+        "doc_to_target": template_fields(config["doc_to_target"], bare_is_field=True, where=where, key="doc_to_target"),
+        "doc_to_choice": template_fields(config.get("doc_to_choice"), bare_is_field=True, where=where, key="doc_to_choice"),
     }
-    compiled = _compile_templates(config, where)
+    compiled = compile_templates(config, where)
     static_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
     target_field = config["doc_to_target"] if config["doc_to_target"] in needs["doc_to_target"] else None
     count = 0
@@ -465,7 +287,7 @@ def _check_items(config: dict, data: Path, yaml_path: Path) -> tuple[int, int | 
             if missing:
                 raise InputError(f"item has no field {missing[0]!r}, which {key} needs", file=display_path(data), field=f"line {number}")
         _check_target(item, target_field, needs["doc_to_target"], display_path(data), number)
-        rendered = _render_item(compiled, config, item, where, data, number, budget)
+        rendered = render_item(compiled, config, item, where, data, number, budget)
         requests = None if requests is None else _add_requests(requests, config, rendered, item)
         label = item.get(target_field) if target_field else None
         if static_choices and isinstance(label, int) and not 0 <= label < len(static_choices):
@@ -549,7 +371,7 @@ def validate_eval_set(folder: Path) -> EvalSet:
     config = load_task_config(yaml_path)
     _check_config(config, yaml_path)
     data = _data_file(config, folder, yaml_path)
-    metric = _metric_spec(config, display_path(yaml_path))
+    metric = metric_spec(config, display_path(yaml_path))
     if not data.is_file():
         raise InputError(f"data file {display_path(data)} not found", file=display_path(yaml_path), field="dataset_kwargs.data_files")
     chat_template, system_instruction = _chat_options(config, display_path(yaml_path))
