@@ -16,7 +16,8 @@ from pydantic import Field
 
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
-from pipelines.registry.store import Registry, verify_version
+from pipelines.registry.mirror import mirror_after
+from pipelines.registry.store import Registry
 from pipelines.schema import StrictModel
 
 
@@ -47,13 +48,19 @@ def roll_back(registry: Registry, spec: ServedSpec, windows: list[dict[str, Any]
     current = stack[0]
     skipped: list[Skipped] = []
     for number in _earlier(stack):
-        why = _why_not(registry, spec.model, number)
-        if why is not None:
-            skipped.append(Skipped(version=number, why=why))
-            continue
         evidence = {"by": "quantize watch", "url": url, "watched_version": spec.version, "breached_windows": windows,
                     "skipped": [item.model_dump() for item in skipped]}
-        target = registry.rollback(spec.model, spec.alias, reason, to_version=number, evidence=evidence, require_signature=True)
+        target = None
+        try:  # the registry's rollback is the one check: promoted, artifact, signed bundle (each hashed once)
+            why = _status_why_not(registry, spec.model, number)
+            target = registry.rollback(spec.model, spec.alias, reason, to_version=number, evidence=evidence,
+                                       require_signature=True) if why is None else None
+        except InputError as error:
+            why = error.one_line()
+        if target is None:
+            skipped.append(Skipped(version=number, why=why or "not verified"))
+            continue
+        mirror_after(registry, spec.model)  # after the move: a mirror failure never undoes it
         return RollbackResult(moved=True, model=spec.model, alias=spec.alias, from_version=current, to_version=target.version, reason=reason,
                               skipped=skipped, breached_windows=indexes)
     return RollbackResult(moved=False, model=spec.model, alias=spec.alias, from_version=current, reason=reason + "; no earlier version "
@@ -71,14 +78,7 @@ def _earlier(stack: list[int]) -> list[int]:
     return ordered
 
 
-def _why_not(registry: Registry, model: str, number: int) -> str | None:
-    """Why version `number` cannot be rolled back to (None: it verifies in full)."""
-    try:
-        version = registry.show(model, number)
-        if version.status != "promoted":
-            return f"its status is {version.status}"
-        verify_version(version)
-        registry.verify_signature(version, required=True)
-    except InputError as error:
-        return error.one_line()
-    return None
+def _status_why_not(registry: Registry, model: str, number: int) -> str | None:
+    """Why version `number` cannot be rolled back to by its status alone (None: promoted; its files are the rollback's to check)."""
+    version = registry.show(model, number)
+    return f"its status is {version.status}" if version.status != "promoted" else None

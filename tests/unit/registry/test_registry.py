@@ -428,12 +428,12 @@ V1_VERSIONS = """CREATE TABLE versions (
 
 def make_v1_registry(path: Path, artifact: Path) -> None:
     """A registry file as schema 1 wrote it (no manifest_hash / fingerprint), with one candidate row."""
-    from pipelines.registry import store as registry_module
+    from pipelines.registry import sqlite_db
 
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode = WAL")
     db.execute(V1_VERSIONS)
-    for statement in registry_module._SCHEMA[1:]:
+    for statement in sqlite_db.SCHEMA[1:]:
         db.execute(statement)
     db.execute(
         "INSERT INTO versions (model, version, source_hash, artifact_path, artifact_hash, recipe_name, recipe_hash,"
@@ -499,13 +499,13 @@ def test_a_registry_on_a_read_only_disk_can_be_listed_not_changed(read_only_regi
 
 
 def test_a_registry_opened_read_only_uses_a_read_only_connection(registry: Registry, tmp_path: Path, monkeypatch) -> None:
-    from pipelines.registry import store as registry_module
+    from pipelines.registry import sqlite_db
 
     promoted(registry, tmp_path, "a")
-    monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # as for a file the user may not write
+    monkeypatch.setattr(sqlite_db, "_writable", lambda path: False)  # as for a file the user may not write
     opened: list[str] = []
     real_connect = sqlite3.connect
-    monkeypatch.setattr(registry_module.sqlite3, "connect", lambda target, *a, **k: opened.append(str(target)) or real_connect(target, *a, **k))
+    monkeypatch.setattr(sqlite_db.sqlite3, "connect", lambda target, *a, **k: opened.append(str(target)) or real_connect(target, *a, **k))
     readonly = Registry(registry.path)
     assert readonly.read_only and [v.version for v in readonly.list()] == [1]
     assert opened and all(target.startswith("file:") and "mode=ro" in target for target in opened)
