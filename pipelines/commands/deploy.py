@@ -8,10 +8,10 @@ from pathlib import Path
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
 from pipelines.deploy.files import DeploySettings, write_deployment
+from pipelines.deploy.limits import limits
 from pipelines.deploy.slo import slos
 from pipelines.deploy.spec import served_spec
 from pipelines.registry.store import open_registry
-from pipelines.watch.verdict import limits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

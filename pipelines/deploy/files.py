@@ -4,7 +4,7 @@
 - prometheus.yml: a scrape config for the server (its job named after the model) that loads the alert rules;
 - alert-rules.yml: multiwindow burn-rate alerts (page, ticket) on the SLOs, errors and latency over the same limits
   `quantize watch` holds the version to (pipelines/deploy/slo.py), a page on any corrupted request (NaN logits), a ticket on
-  overload (admission rejections), a ticket per capacity figure outside the envelope over one window (pipelines/watch/verdict.py:
+  overload (admission rejections), a ticket per capacity figure outside the envelope over one window (pipelines/deploy/limits.py:
   the tighter of the policy's production SLO and the load test's own figure x tolerance), a page when the target is down;
 - alert-rules.test.yml: `promtool test rules` input that must fire each alert and must not (pipelines/deploy/rule_tests.py);
 - grafana-dashboard.json: a dashboard of the same figures, each panel with its limit as a threshold line;
@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, duration, error_rates, job_name, selector
+from pipelines.deploy.limits import FigureLimit, limits
+from pipelines.deploy.promql import duration, error_rates, job_name, selector
 from pipelines.deploy.rule_tests import rule_tests
 from pipelines.deploy.slo import HEALTH_FIGURES, SLO_FIGURES, health_rules, slo_rules, slos
 from pipelines.deploy.spec import ServedSpec
@@ -32,7 +33,15 @@ from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir, folder_mode
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import VLLM_SERVER_MODULE
-from pipelines.watch.verdict import FigureLimit, limits
+from pipelines.serve.vllm_series import (
+    ADMISSION_REJECTIONS,
+    CORRUPTED_REQUESTS,
+    COUNTERS,
+    GAUGES,
+    GROUPED_COUNTERS,
+    HISTOGRAMS,
+    RESIDENT_MEMORY,
+)
 
 SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, ALERT_TESTS, DASHBOARD, SPEC_FILE = (
     "serve.sh", "prometheus.yml", "alert-rules.yml", "alert-rules.test.yml", "grafana-dashboard.json", "spec.json")
@@ -54,17 +63,23 @@ def figure_queries(spec: ServedSpec, window_s: int) -> dict[str, str]:
     """PromQL for each watched figure but the error rate (error_rates) over one window, as `quantize watch` computes it."""
     w, sel = duration(window_s), selector(spec)
 
-    def quantile(q: float, base: str) -> str:
-        return f"histogram_quantile({q}, sum by (le) (rate({base}_bucket{sel}[{w}])))"
-
     return {
-        "ttft_p95_s": quantile(0.95, "vllm:time_to_first_token_seconds"),
-        "itl_p95_s": quantile(0.95, "vllm:inter_token_latency_seconds"),
-        "kv_cache_usage": f"max(max_over_time(vllm:kv_cache_usage_perc{sel}[{w}]))",
-        "preemptions": f"sum(increase(vllm:num_preemptions_total{sel}[{w}]))",
-        "waiting_p95": f"max(quantile_over_time(0.95, vllm:num_requests_waiting{sel}[{w}]))",
-        "memory_bytes": f"max(max_over_time(process_resident_memory_bytes{sel}[{w}]))",
+        "ttft_p95_s": quantile(0.95, "ttft", sel, w),
+        "itl_p95_s": quantile(0.95, "itl", sel, w),
+        "kv_cache_usage": f"max(max_over_time({GAUGES['kv_cache_usage']}{sel}[{w}]))",
+        "preemptions": f"sum(increase({COUNTERS['preemptions']}{sel}[{w}]))",
+        "waiting_p95": f"max(quantile_over_time(0.95, {GAUGES['waiting']}{sel}[{w}]))",
+        "memory_bytes": f"max(max_over_time({RESIDENT_MEMORY}{sel}[{w}]))",
     }
+
+
+def quantile(q: float, histogram: str, sel: str, w: str) -> str:
+    """The `q` quantile of one of vLLM's histograms (HISTOGRAMS key) over a window, its series summed."""
+    return f"histogram_quantile({q}, sum by (le) (rate({HISTOGRAMS[histogram]}_bucket{sel}[{w}])))"
+
+
+def _rate(counter: str, sel: str, w: str, by: str = "") -> str:
+    return f"sum{f' by ({by}) ' if by else ''}(rate({counter}{sel}[{w}]))"
 
 
 _ALERT_NAMES = {  # the envelope's capacity figures; the SLO figures have burn-rate rules (pipelines/deploy/slo.py)
@@ -139,27 +154,25 @@ def dashboard(spec: ServedSpec, settings: DeploySettings) -> dict[str, Any]:
     found = {limit.figure: limit for limit in limits(spec.require_envelope())}
     queries = figure_queries(spec, settings.window_s)
     sel, w = selector(spec), duration(settings.window_s)
+    finished, reason = GROUPED_COUNTERS["finished"]
     panels = [
-        _panel("TTFT p50 / p95 / p99 (s)", "s", [f"histogram_quantile({q}, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{sel}[{w}])))"
-                                                 for q in (0.5, 0.95, 0.99)], found.get("ttft_p95_s")),
+        _panel("TTFT p50 / p95 / p99 (s)", "s", [quantile(q, "ttft", sel, w) for q in (0.5, 0.95, 0.99)], found.get("ttft_p95_s")),
         _panel("ITL p95 (s)", "s", [queries["itl_p95_s"]], found.get("itl_p95_s")),
-        _panel("End-to-end latency p95 (s)", "s",
-               [f"histogram_quantile(0.95, sum by (le) (rate(vllm:e2e_request_latency_seconds_bucket{sel}[{w}])))"], None),
-        _panel("Generation tokens / s", "short", [f"sum(rate(vllm:generation_tokens_total{sel}[{w}]))"], None),
-        _panel("Requests / s by finish reason", "reqps", [f"sum by (finished_reason) (rate(vllm:request_success_total{sel}[{w}]))"], None),
+        _panel("End-to-end latency p95 (s)", "s", [quantile(0.95, "e2e", sel, w)], None),
+        _panel("Generation tokens / s", "short", [_rate(COUNTERS["generation_tokens"], sel, w)], None),
+        _panel("Requests / s by finish reason", "reqps", [_rate(finished, sel, w, by=reason)], None),
         _panel("Error rate: engine (error, abort) and HTTP (5xx)", "percentunit", list(error_rates(spec, settings.window_s)),
                found.get("error_rate")),
         _panel("Corrupted requests (NaN logits) and admission rejections (overload) per window", "short",
                [f"sum(increase({CORRUPTED_REQUESTS}{sel}[{w}]))", f"sum(increase({ADMISSION_REJECTIONS}{sel}[{w}]))"], None),
-        _panel("KV cache usage", "percentunit", [f"sum(vllm:kv_cache_usage_perc{sel})"], found.get("kv_cache_usage")),
+        _panel("KV cache usage", "percentunit", [f"sum({GAUGES['kv_cache_usage']}{sel})"], found.get("kv_cache_usage")),
         _panel("Preemptions per window", "short", [queries["preemptions"]], found.get("preemptions")),
-        _panel("Running / waiting requests", "short", [f"sum(vllm:num_requests_running{sel})", f"sum(vllm:num_requests_waiting{sel})"],
+        _panel("Running / waiting requests", "short", [f"sum({GAUGES['running']}{sel})", f"sum({GAUGES['waiting']}{sel})"],
                found.get("waiting_p95")),
-        _panel("Batch size (tokens per step) p50 / p95", "short",
-               [f"histogram_quantile({q}, sum by (le) (rate(vllm:iteration_tokens_total_bucket{sel}[{w}])))" for q in (0.5, 0.95)], None),
+        _panel("Batch size (tokens per step) p50 / p95", "short", [quantile(q, "batch_tokens", sel, w) for q in (0.5, 0.95)], None),
         _panel("Prefix cache hit rate", "percentunit",
-               [f"sum(rate(vllm:prefix_cache_hits_total{sel}[{w}])) / sum(rate(vllm:prefix_cache_queries_total{sel}[{w}]))"], None),
-        _panel("API server memory (RSS)", "bytes", [f"sum(process_resident_memory_bytes{sel})"], found.get("memory_bytes")),
+               [f"{_rate(COUNTERS['prefix_cache_hits'], sel, w)} / {_rate(COUNTERS['prefix_cache_queries'], sel, w)}"], None),
+        _panel("API server memory (RSS)", "bytes", [f"sum({RESIDENT_MEMORY}{sel})"], found.get("memory_bytes")),
     ]
     for index, panel in enumerate(panels):
         panel.update(id=index + 1, gridPos={"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)})

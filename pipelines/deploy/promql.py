@@ -1,19 +1,13 @@
 """PromQL over one deployment's series: its scrape job's selector, windows as Prometheus durations, the error ratio.
 
-Series names are vLLM 0.32's (vllm/v1/metrics/loggers.py of the serve environment) and the HTTP layer's
-(prometheus-fastapi-instrumentator: `http_requests_total` by handler and grouped status, 2xx ... 5xx).
+Every series is named in pipelines/serve/vllm_series.py (vLLM's and the HTTP layer's); nothing here spells one out.
 """
 
 from __future__ import annotations
 
 from pipelines.deploy.spec import ServedSpec
-from pipelines.watch.series import API_HANDLER_PREFIX
+from pipelines.serve.vllm_series import ADMISSION_REJECTIONS, API_HANDLER_PREFIX, HTTP_REQUESTS, REQUEST_SUCCESS
 
-# Admissions refused by a queue limit (--max-num-queued-reqs / --max-num-queued-tokens), by `reason`: vLLM answers them
-# HTTP 503 (QueueOverflowError, MaxQueuedTokensError in vllm/exceptions.py), so the HTTP layer's 5xx count holds them too.
-ADMISSION_REJECTIONS = "vllm:admission_rejections_total"
-# Requests with a NaN in their logits; the series exists only on a server started with VLLM_COMPUTE_NANS_IN_LOGITS=1.
-CORRUPTED_REQUESTS = "vllm:corrupted_requests_total"
 _UNITS = (("d", 86_400), ("h", 3600), ("m", 60))
 
 
@@ -22,8 +16,9 @@ def job_name(spec: ServedSpec) -> str:
 
 
 def duration(seconds: float) -> str:
-    """A Prometheus duration in the largest unit that divides it: 300 -> 5m, 86400 -> 1d, 90 -> 90s."""
-    whole = int(seconds)
+    """A Prometheus duration (whole seconds, in the largest unit that divides them): 300 -> 5m, 86400 -> 1d, 90 -> 90s; a
+    positive duration under a second is 1s (a range or step of 0 is refused by Prometheus)."""
+    whole = max(round(seconds), 1 if seconds > 0 else 0)
     for unit, size in _UNITS:
         if whole >= size and whole % size == 0:
             return f"{whole // size}{unit}"
@@ -41,10 +36,10 @@ def error_rates(spec: ServedSpec, window_s: int) -> tuple[str, str]:
     api = f'handler=~"{API_HANDLER_PREFIX}.*"'
     failed, server_error, not_client_error = 'finished_reason=~"error|abort"', f'{api},status="5xx"', f'{api},status!="4xx"'
     rejected = f"(sum(rate({ADMISSION_REJECTIONS}{sel}[{w}])) or vector(0))"
-    engine = (f"sum(rate(vllm:request_success_total{selector(spec, failed)}[{w}]))"
-              f" / sum(rate(vllm:request_success_total{sel}[{w}]))")
-    http = (f"clamp_min(sum(rate(http_requests_total{selector(spec, server_error)}[{w}])) - {rejected}, 0)"
-            f" / (sum(rate(http_requests_total{selector(spec, not_client_error)}[{w}])) - {rejected})")
+    engine = (f"sum(rate({REQUEST_SUCCESS}{selector(spec, failed)}[{w}]))"
+              f" / sum(rate({REQUEST_SUCCESS}{sel}[{w}]))")
+    http = (f"clamp_min(sum(rate({HTTP_REQUESTS}{selector(spec, server_error)}[{w}])) - {rejected}, 0)"
+            f" / (sum(rate({HTTP_REQUESTS}{selector(spec, not_client_error)}[{w}])) - {rejected})")
     return engine, http
 
 

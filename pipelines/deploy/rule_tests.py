@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.deploy.promql import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, duration, job_name
+from pipelines.deploy.promql import duration, job_name
 from pipelines.deploy.slo import BURN_SUFFIX, Slo, slos
 from pipelines.deploy.spec import ServedSpec
+from pipelines.serve.vllm_series import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, HTTP_REQUESTS, REQUEST_SUCCESS
 
 PER_MINUTE = 1000  # requests a minute in every case
 DAY_MIN = 1440
@@ -43,8 +44,8 @@ def counter(segments: Segments) -> str:
 def _engine(job: str, failing: Segments) -> list[dict[str, str]]:
     """The engine's finished requests: `failing` gives the failures a minute, the rest of PER_MINUTE finish with `stop`."""
     ok = [(minutes, PER_MINUTE - bad) for minutes, bad in failing]
-    return [{"series": f'vllm:request_success_total{{job="{job}",finished_reason="stop"}}', "values": counter(ok)},
-            {"series": f'vllm:request_success_total{{job="{job}",finished_reason="error"}}', "values": counter(failing)}]
+    return [{"series": f'{REQUEST_SUCCESS}{{job="{job}",finished_reason="stop"}}', "values": counter(ok)},
+            {"series": f'{REQUEST_SUCCESS}{{job="{job}",finished_reason="error"}}', "values": counter(failing)}]
 
 
 class Expected:
@@ -125,11 +126,11 @@ def _corruption_and_overload(job: str, served_name: str, error_alert: str, expec
               expected.at("VllmCorruptedRequests", duration(corrupted_at), ["page"]),
               expected.at("VllmNanCheckOff", duration(corrupted_at), [])]),
         case("must fire: the overload ticket; must not fire: the error SLO's alerts on overload alone (503s that are rejections)",
-             [{"series": f'vllm:request_success_total{{job="{job}",finished_reason="stop"}}', "values": counter(answered)},
+             [{"series": f'{REQUEST_SUCCESS}{{job="{job}",finished_reason="stop"}}', "values": counter(answered)},
               {"series": f'{ADMISSION_REJECTIONS}{{job="{job}",model_name="{served_name}",reason="max_num_queued_reqs"}}',
                "values": counter(rejected)},
-              {"series": f'http_requests_total{{{http},status="2xx"}}', "values": counter(answered)},
-              {"series": f'http_requests_total{{{http},status="5xx"}}', "values": counter(rejected)}],
+              {"series": f'{HTTP_REQUESTS}{{{http},status="2xx"}}', "values": counter(answered)},
+              {"series": f'{HTTP_REQUESTS}{{{http},status="5xx"}}', "values": counter(rejected)}],
              [expected.at("VllmOverloaded", duration(overloaded_at), ["ticket"]), expected.at(error_alert, duration(overloaded_at), [])]),
         case("must fire: a server scraped without the NaN check (no corrupted-requests series)",
              [{"series": f'up{{job="{job}"}}', "values": f"1x{unchecked_at // step}"}],

@@ -5,7 +5,7 @@ The SLOs:
 - errors: requests that ended in an engine error or abort, or answered HTTP 5xx other than an admission rejection (overload
   is not failure: pipelines/deploy/promql.py), over the requests answered; objective 1 - production.max_error_rate (99%);
 - latency: TTFT, ITL and, when the policy sets production.e2e_p95_ms, end-to-end: the share of requests (ITL: of token gaps,
-  which is what vLLM's histogram counts) over the limit `quantize watch` holds (pipelines/watch/verdict.py), objective
+  which is what vLLM's histogram counts) over the limit `quantize watch` holds (pipelines/deploy/limits.py), objective
   production.latency_slo_target (95%: what a p95 limit means). vLLM's histograms only count per bucket, so the share is read
   at the first bucket bound at or above the limit: a request between the limit and that bound counts as within (each rule's
   description names the bound). A limit above the last finite bound gets no rule: nothing can be counted over it.
@@ -22,21 +22,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipelines.deploy.promql import (
-    ADMISSION_REJECTIONS,
-    CORRUPTED_REQUESTS,
-    duration,
-    error_ratio,
-    job_name,
-    over_limit_ratio,
-    selector,
-)
-from pipelines.deploy.spec import Envelope, ServedSpec
+from pipelines.deploy.envelope import Envelope
+from pipelines.deploy.limits import limits
+from pipelines.deploy.promql import duration, error_ratio, job_name, over_limit_ratio, selector
+from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import NAN_CHECK_ENV
-from pipelines.watch.series import HISTOGRAMS, LATENCY_BUCKETS_S
-from pipelines.watch.verdict import limits
+from pipelines.serve.vllm_series import ADMISSION_REJECTIONS, CORRUPTED_REQUESTS, HISTOGRAMS, LATENCY_BUCKETS_S
 
 Severity = Literal["page", "ticket"]
 
@@ -67,7 +60,7 @@ BURN_SUFFIX = "BudgetBurn"
 class Slo(FrozenModel):
     """One SLO of a deployment: what is bad, the share of it the objective allows (the budget), and where both came from."""
 
-    figure: str = Field(description="the watched figure it stands for (pipelines/watch/verdict.py)")
+    figure: str = Field(description="the watched figure it stands for (pipelines/deploy/limits.py)")
     name: str = Field(description="in the alert's name: Vllm<name>BudgetBurn")
     sli: str = Field(description="the recording rules' prefix: <sli>:ratio_rate<window>")
     budget: float = Field(ge=0, lt=1, description="1 - objective: the share of bad requests the SLO allows")

@@ -10,10 +10,10 @@ gate.json once:
   (`performance.tuning.measured_max_num_seqs`), --max-model-len and the KV space from the servers the load test ran
   (`inputs.serve`: VLLM_CPU_KVCACHE_SPACE on a CPU, --gpu-memory-utilization re-planned by the planner on a GPU), and
   --dtype as this host serves (ServeSettings.served_dtype); each with the evidence it came from (`ServeArgs.sources`);
-- the envelope: the load test's own figures for the version at the deployed concurrency (TTFT / ITL / TPOT
-  percentiles, throughput, failures, KV capacity, memory watermark) and the policy's SLOs, which `quantize watch` and
-  the deployed alert rules hold production to. A version promoted without a load test has no envelope
-  (`ServedSpec.require_envelope` names it).
+- the envelope (pipelines/deploy/envelope.py): the load test's own figures for the version at the deployed concurrency
+  (TTFT / ITL / TPOT percentiles, throughput, failures, KV capacity, memory watermark) and the policy's SLOs, from which
+  the limits `quantize watch` and the deployed alert rules hold production to are derived (pipelines/deploy/limits.py).
+  A version promoted without a load test has no envelope (`ServedSpec.require_envelope` names it).
 
 Used by `quantize deploy`, `quantize watch` and `quantize serve` (pipelines/fleet). Nothing here starts a process.
 """
@@ -25,17 +25,15 @@ from pathlib import Path
 
 from pydantic import Field
 
+from pipelines.deploy.envelope import Envelope, envelope_of
 from pipelines.errors import InputError
 from pipelines.hardware.targets import installed_target
-from pipelines.loadtest.config import PerformancePolicy, ProductionSlo, SloTargets
-from pipelines.loadtest.results import LevelFigures, ModelFigures, Percentiles, PerformanceReport
+from pipelines.loadtest.results import PerformanceReport
 from pipelines.registry.reference import split_reference
 from pipelines.registry.regates import require_gated_runtime
 from pipelines.registry.store import Registry, Version, verify_version
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import MONITORING_ENVIRONMENT, ServeSettings
-
-BURST_FACTOR = 10.0  # an ITL p95 this many times below the median TPOT is a client that read the stream in bursts
 
 
 class ServeArgs(FrozenModel):
@@ -72,67 +70,6 @@ class ServeArgs(FrozenModel):
         """vLLM's environment variables: the KV space on a CPU, the NaN check the alert rules read (MONITORING_ENVIRONMENT)."""
         kv = {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)} if self.cpu_kv_cache_gib is not None else {}
         return {**kv, **MONITORING_ENVIRONMENT}
-
-
-class Envelope(FrozenModel):
-    """What the version showed under the load test at the concurrency it is deployed with, and the policy's SLOs."""
-
-    measured_on: str = Field(description="the serve target the load test ran on")
-    concurrency: int = Field(ge=1, description="the swept level these figures are from")
-    measured_max_num_seqs: int | None
-    requests: int = Field(ge=0)
-    failed: int = Field(ge=0)
-    request_throughput: float = Field(ge=0, description="requests/s")
-    output_throughput: float = Field(ge=0, description="output tokens/s")
-    ttft_ms: Percentiles
-    itl_ms: Percentiles
-    tpot_ms: Percentiles
-    good_fraction: float | None = None
-    kv_capacity_tokens: int | None = None
-    kv_max_concurrency: float | None = None
-    peak_memory_bytes: int | None = None
-    memory_method: str | None = None
-    slo: SloTargets
-    production: ProductionSlo
-    gate_path: str | None = Field(default=None, description="the gate.json the figures come from")
-
-    @property
-    def ttft_p95_limit_ms(self) -> float:
-        """The tighter of the production SLO (default: the load test's per-request TTFT target) and the envelope."""
-        return _tighter(self.production.ttft_p95_ms or self.slo.ttft_ms, self.ttft_ms.p95 * self.production.envelope_tolerance)
-
-    @property
-    def itl_bursty(self) -> bool:
-        """The load test's ITL p95 is a tenth of its own median TPOT or less: 95% of the gaps between tokens hold almost
-        none of a request's time: its client read the stream in bursts (a read of several tokens makes gaps of about 0;
-        measured: ITL p95 2.6 us beside a TPOT of milliseconds, on 2 loaded cores), and its ITL figures measure the client."""
-        return self.itl_ms.p95 * BURST_FACTOR < self.tpot_ms.p50
-
-    @property
-    def itl_basis_ms(self) -> float:
-        """The load test's figure an ITL limit is derived from: its ITL p95, or its TPOT p95 (per request: the time
-        between its first and last token over its tokens, which no read pattern changes) where the ITL is bursty."""
-        return self.tpot_ms.p95 if self.itl_bursty else self.itl_ms.p95
-
-    @property
-    def itl_p95_limit_ms(self) -> float:
-        return _tighter(self.production.itl_p95_ms or self.slo.tpot_ms, self.itl_basis_ms * self.production.envelope_tolerance)
-
-    @property
-    def max_waiting(self) -> int:
-        return self.production.max_waiting if self.production.max_waiting is not None else (self.measured_max_num_seqs or self.concurrency)
-
-    @property
-    def memory_limit_bytes(self) -> int | None:
-        return int(self.peak_memory_bytes * self.production.envelope_tolerance) if self.peak_memory_bytes else None
-
-
-def _tighter(slo: float | None, envelope: float) -> float:
-    # A load test on an idle machine can measure an ITL p95 of a few ms: the SLO, when set, is a floor for the envelope's
-    # tolerance only where the envelope is the looser (min); an envelope of 0 ms (no gaps measured) leaves the SLO alone.
-    if envelope <= 0:
-        return slo if slo is not None else float("inf")
-    return min(slo, envelope) if slo is not None else envelope
 
 
 class ServedSpec(FrozenModel):
@@ -245,29 +182,6 @@ def _batched_tokens(vllm_args: str | None) -> int | None:
         if flag == "--max-num-batched-tokens" and value.isdigit():
             return int(value)
     return None
-
-
-def envelope_of(performance: PerformanceReport, concurrency: int, gate_path: str | None) -> Envelope | None:
-    """The candidate's figures at `concurrency` (else at the highest swept level below it); None without candidate figures."""
-    model = performance.figures("candidate") or performance.figures("baseline")
-    level = _level_at(model, concurrency) if model is not None else None
-    if model is None or level is None:
-        return None
-    policy: PerformancePolicy = performance.policy
-    return Envelope(
-        measured_on=performance.target, concurrency=level.concurrency,
-        measured_max_num_seqs=performance.tuning.measured_max_num_seqs if performance.tuning else None,
-        requests=level.requests, failed=level.failed, request_throughput=level.request_throughput,
-        output_throughput=level.output_throughput, ttft_ms=level.ttft_ms, itl_ms=level.itl_ms, tpot_ms=level.tpot_ms,
-        good_fraction=level.good_fraction, kv_capacity_tokens=model.kv_capacity_tokens, kv_max_concurrency=model.kv_max_concurrency,
-        peak_memory_bytes=model.peak_memory_bytes, memory_method=model.memory_method, slo=policy.slo, production=policy.production,
-        gate_path=gate_path,
-    )
-
-
-def _level_at(model: ModelFigures, concurrency: int) -> LevelFigures | None:
-    below = [level for level in model.levels if level.concurrency <= concurrency]
-    return max(below, key=lambda level: level.concurrency) if below else None
 
 
 def _host_notes(performance: PerformanceReport | None, target: str) -> list[str]:

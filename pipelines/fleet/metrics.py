@@ -33,14 +33,14 @@ from prometheus_client.registry import Collector
 
 from pipelines.errors import InputError
 from pipelines.fleet.state import ServeState
+from pipelines.serve.bounded_http import get_bounded
 from pipelines.serve.serving import LOOPBACK
-from pipelines.watch.http import get_bounded
+from pipelines.serve.vllm_series import VLLM_PREFIX
 
 METRICS_FILE = "metrics.prom"
 RESCRAPE_S = 5.0
 MAX_ROUTE_PAGE = 4 * 2**20  # vLLM's own page is about 50 KB
 ROUTE_SCRAPE_TIMEOUT_S = 1.0
-VLLM_PREFIX = "vllm:"
 
 
 def live_route(state: ServeState) -> str | None:

@@ -187,7 +187,7 @@ def latency_of(gate: GateReport | None, spec: ServedSpec, role: Literal["candida
     longest = performance.workload.get("output_tokens")
     answer = longest.get("max") if isinstance(longest, dict) else None
     tokens = int(answer) if isinstance(answer, (int, float)) and answer >= 1 else 1
-    ttft, tpot = envelope.ttft_ms.p99, envelope.tpot_ms.p99
+    ttft, tpot = envelope.level.ttft_ms.p99, envelope.level.tpot_ms.p99
     return Latency(concurrency=envelope.concurrency, ttft_p99_ms=ttft, tpot_p99_ms=tpot, longest_answer_tokens=tokens,
                    e2e_p99_ms=ttft + tpot * (tokens - 1))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from pipelines.console.progress import duration
 from pipelines.hardware.host import HostProfile
 from pipelines.hardware.kernels import SLOW_RATIO, KernelCase, kernel_facts
 from pipelines.recipe import ActivationScheme, WeightScheme
@@ -110,9 +111,3 @@ def estimate_scoring(items: int, baseline_seconds: float, speed: ProbedSpeed) ->
         return None
     return ScoringEstimate(host_class=speed.host_class, items=items, baseline_seconds=baseline_seconds, slowdown=speed.slowdown,
                            seconds=baseline_seconds * speed.slowdown)
-
-
-def duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min" if hours else (f"{minutes} min {secs:02d} s" if minutes else f"{secs} s")

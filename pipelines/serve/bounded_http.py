@@ -1,5 +1,6 @@
 """One bounded HTTP GET: a deadline over the whole read (a server that trickles bytes is cut off), a size limit, and every
-failure as one InputError naming the URL and the option it came from."""
+failure as one InputError naming the URL and the option it came from. Used for vLLM's /metrics pages (`quantize watch`,
+the fleet's proxy) and Prometheus' HTTP API."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import httpx
 
+from pipelines.bounds import MiB
 from pipelines.errors import InputError
 
 _DETAIL_CHARS = 160
@@ -30,7 +32,7 @@ def get_bounded(client: httpx.Client, url: str, *, field: str, max_bytes: int, t
             for chunk in response.iter_bytes():
                 size += len(chunk)
                 if size > max_bytes:
-                    raise InputError(f"the {what} is larger than {max_bytes / 2**20:g} MiB", file=url, field=field)
+                    raise InputError(f"the {what} is larger than {max_bytes / MiB:g} MiB", file=url, field=field)
                 if time.monotonic() > deadline:
                     raise InputError(f"the {what} took longer than {timeout_s:g} s to read", file=url, field=field)
                 chunks.append(chunk)

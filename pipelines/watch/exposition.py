@@ -23,21 +23,10 @@ from pydantic import Field
 
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-from pipelines.watch.http import get_bounded
-from pipelines.watch.http import short as _short
-from pipelines.watch.series import (
-    API_HANDLER_PREFIX,
-    CACHE_INFO,
-    COUNTERS,
-    GAUGES,
-    GROUPED_COUNTERS,
-    HISTOGRAMS,
-    VLLM_PREFIX,
-    Histogram,
-    KvCacheInfo,
-    WindowData,
-    counter_key,
-)
+from pipelines.serve.bounded_http import get_bounded
+from pipelines.serve.bounded_http import short as _short
+from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
+from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
 
 MAX_PAGE_BYTES = 32 * 2**20  # vLLM's own page is about 50 KB
 MAX_LINE_CHARS = 64 * 1024
@@ -129,7 +118,7 @@ def _kept_lines(lines: list[str], source: str) -> list[str]:
                 raise InputError(f"the metrics page has more than {MAX_SERIES} series of the metrics watched (a label that "
                                  f"takes unbounded values?)", file=source, field="--url")
     if not vllm:
-        raise InputError("no vllm:* series: not a vLLM server's /metrics page (a vLLM started with --disable-log-stats exports "
+        raise InputError(f"no {VLLM_PREFIX}* series: not a vLLM server's /metrics page (a vLLM started with --disable-log-stats exports "
                          "none of them)", file=source, field="--url")
     return kept
 

@@ -18,21 +18,12 @@ from urllib.parse import urlparse
 
 import httpx
 
+from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
+from pipelines.serve.bounded_http import get_bounded, short
+from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.exposition import kv_info
-from pipelines.watch.http import get_bounded, short
-from pipelines.watch.series import (
-    API_HANDLER_PREFIX,
-    CACHE_INFO,
-    COUNTERS,
-    GAUGES,
-    GROUPED_COUNTERS,
-    HISTOGRAMS,
-    Histogram,
-    KvCacheInfo,
-    WindowData,
-    counter_key,
-)
+from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
 
 MAX_ANSWER_BYTES = 16 * 2**20
 MAX_SERIES = 10_000
@@ -67,10 +58,10 @@ class PrometheusWindows:
         ends = [end - (count - 1 - i) * window_s for i in range(count)]
         counters: list[dict[str, float]] = [{} for _ in ends]
         for key, name in COUNTERS.items():
-            self._fill(counters, ends, window_s, f"sum(increase({name}{{{self.selector}}}[{_seconds(window_s)}]))", lambda _, k=key: k)
+            self._fill(counters, ends, window_s, f"sum(increase({name}{{{self.selector}}}[{duration(window_s)}]))", lambda _, k=key: k)
         for prefix, (name, label) in GROUPED_COUNTERS.items():
             extra = f',handler=~"{API_HANDLER_PREFIX}.*"' if prefix == "http" else ""
-            query = f"sum by ({label}) (increase({name}{{{self.selector}{extra}}}[{_seconds(window_s)}]))"
+            query = f"sum by ({label}) (increase({name}{{{self.selector}{extra}}}[{duration(window_s)}]))"
             self._fill(counters, ends, window_s, query, lambda metric, p=prefix, lab=label: counter_key(p, str(metric.get(lab, ""))[:64]))
         histograms = self._histograms(ends, window_s)
         gauges = self._gauges(ends[0] - window_s, end, window_s, count)
@@ -85,13 +76,13 @@ class PrometheusWindows:
     # --- queries -------------------------------------------------------------------------------------------
 
     def _require_series(self, at: float) -> None:
-        result = self._query("/api/v1/query", {"query": f'count({{__name__=~"vllm:.+",{self.selector}}})', "time": _time(at)})
-        if not result or _float(result[0].get("value", [0, "0"])[1], "count of vllm:* series") <= 0:
-            raise InputError(f"Prometheus holds no vllm:* series with instance={self.instance!r} now: is it scraping that vLLM server "
+        result = self._query("/api/v1/query", {"query": f'count({{__name__=~"{VLLM_PREFIX}.+",{self.selector}}})', "time": _time(at)})
+        if not result or _float(result[0].get("value", [0, "0"])[1], f"count of {VLLM_PREFIX}* series") <= 0:
+            raise InputError(f"Prometheus holds no {VLLM_PREFIX}* series with instance={self.instance!r} now: is it scraping that vLLM server "
                              "(and was the server started without --disable-log-stats)?", file=self.base, field=FIELD)
 
     def _range(self, query: str, start: float, end: float, step: float) -> list[dict]:
-        return self._query("/api/v1/query_range", {"query": query, "start": _time(start), "end": _time(end), "step": _seconds(step)})
+        return self._query("/api/v1/query_range", {"query": query, "start": _time(start), "end": _time(end), "step": duration(step)})
 
     def _fill(self, into: list[dict[str, float]], ends: list[float], window_s: float, query: str, key_of) -> None:
         for series in self._range(query, ends[0], ends[-1], window_s):
@@ -106,7 +97,7 @@ class PrometheusWindows:
         for key, base in HISTOGRAMS.items():
             buckets: list[dict[float, float]] = [{} for _ in ends]
             totals: list[dict[str, float]] = [{} for _ in ends]
-            rng = _seconds(window_s)
+            rng = duration(window_s)
             for series in self._range(f"sum by (le) (increase({base}_bucket{{{self.selector}}}[{rng}]))", ends[0], ends[-1], window_s):
                 bound = _bound(series.get("metric", {}).get("le"), base, self.base)
                 for at, value in series.get("values", []):
@@ -159,10 +150,6 @@ class PrometheusWindows:
 
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def _seconds(value: float) -> str:
-    return f"{max(1, round(value))}s"
 
 
 def _time(epoch: float) -> str:

@@ -24,18 +24,19 @@ from typing import Any
 
 from pydantic import Field
 
+from pipelines.bounds import GiB
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.planner.kv import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, kv_element_bytes, vllm_kv_cache
 from pipelines.planner.shape import ModelShape, load_config, model_shape
 from pipelines.schema import StrictModel
+from pipelines.serve.serving import MAX_CPU_KV_CACHE_GIB
+from pipelines.serve.vllm_series import CACHE_INFO
 from pipelines.watch.figures import Figures
 from pipelines.watch.series import KvCacheInfo
 
 KV_IDLE = 0.5
 KV_FULL = 0.9
-GiB = 2**30
-MAX_KV_GIB = 4096
 
 
 class Evidence(StrictModel):
@@ -74,7 +75,7 @@ class _Kv:
         return cache.max_concurrency
 
     def smallest_space(self, seqs: int, max_model_len: int) -> int | None:
-        return next((gib for gib in range(1, MAX_KV_GIB + 1) if self.concurrency(gib, max_model_len) >= seqs), None)
+        return next((gib for gib in range(1, MAX_CPU_KV_CACHE_GIB + 1) if self.concurrency(gib, max_model_len) >= seqs), None)
 
     def longest_len(self, space_gib: int, seqs: int, current: int) -> int:
         limit = self.shape.max_position or current
@@ -154,8 +155,8 @@ def _held(served: KvCacheInfo | None, length: int, planned: float) -> tuple[floa
     """Max-length requests the running server's KV cache holds: measured (vllm:cache_config_info) when it says, else planned."""
     if served is not None and served.num_blocks and served.block_size:
         per_request = math.ceil(length / served.block_size)
-        return served.num_blocks / per_request, f"measured: vllm:cache_config_info, {served.num_blocks} blocks of {served.block_size} tokens"
-    return planned, "planned: the server does not export vllm:cache_config_info"
+        return served.num_blocks / per_request, f"measured: {CACHE_INFO}, {served.num_blocks} blocks of {served.block_size} tokens"
+    return planned, f"planned: the server does not export {CACHE_INFO}"
 
 
 def _queue_with_idle_kv(spec: ServedSpec, kv: _Kv, windows: list[tuple[int, float, float, Figures]]) -> list[Recommendation]:

@@ -7,12 +7,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pipelines.canary.probe import CanaryResult
-from pipelines.deploy.spec import Envelope
+from pipelines.deploy.envelope import Envelope
+from pipelines.deploy.limits import FigureLimit
 from pipelines.schema import StrictModel
 from pipelines.watch.figures import Figures
 from pipelines.watch.recommend import Recommendation
 from pipelines.watch.rollback import RollbackResult
-from pipelines.watch.verdict import FigureLimit, FigureVerdict
+from pipelines.watch.verdict import FigureVerdict
 
 
 class WindowReport(StrictModel):

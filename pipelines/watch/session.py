@@ -27,6 +27,7 @@ from pipelines.canary.client import server_root
 from pipelines.canary.golden import GoldenSet, golden_path, load_golden
 from pipelines.canary.probe import probe_canary
 from pipelines.console.output import progress
+from pipelines.deploy.limits import FigureLimit, limits
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import storage_error, write_text_atomic
@@ -40,7 +41,7 @@ from pipelines.watch.recommend import recommendations
 from pipelines.watch.report import WatchReport, WindowReport
 from pipelines.watch.rollback import roll_back
 from pipelines.watch.series import WindowData, merged
-from pipelines.watch.verdict import FigureLimit, breached, judge, limits
+from pipelines.watch.verdict import breached, judge
 
 REPORT_FILE, PLOT_FILE = "watch.json", "watch.png"
 CANARY = "canary"  # the name a canary breach goes by among a window's breached figures

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipelines.console.progress import duration
 from pipelines.jobs.ray.worker import TaskStatus, read_status, status_path
 
 
@@ -56,14 +57,10 @@ class Tracker:
             f"{self.labels[p]} on {s.node}" + (f" (attempt {s.attempt})" if s.attempt > 1 else "") for p, s in self.running.items()
         )
         left = self.seconds_left(now)
-        eta = "time left unknown until a candidate is decided" if left is None else f"about {_minutes(left)} left"
+        eta = "time left unknown until a candidate is decided" if left is None else f"about {duration(left)} left"
         if not self.queued and not self.running:
             eta = "done"
         done, total = self.baselines
         baselines = f"baselines {done}/{total} scored, " if total else ""
         return (f"{baselines}{len(self.queued)} queued, {len(self.running)} running" + (f" ({running})" if running else "")
                 + f", {len(self.decided)} decided of {len(self.labels)}; {eta}")
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"

@@ -19,7 +19,7 @@ from pipelines.cli import main
 from pipelines.deploy.files import dashboard_expressions
 from pipelines.paths import REPO_ROOT
 from pipelines.registry.store import Registry
-from pipelines.watch.series import FIRST_LATENCY_BUCKET_S, LATENCY_BUCKETS_S
+from pipelines.serve.vllm_series import FIRST_LATENCY_BUCKET_S, LATENCY_BUCKETS_S
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -118,34 +118,6 @@ def test_a_folder_of_other_files_is_never_replaced(tool, servers, workspace, tmp
 def test_hostile_options_are_one_line_exit_2(tool, servers, workspace, tmp_path, capsys, option):
     assert deploy(workspace, tmp_path / "deploy", *option) == 2
     assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "deploy").exists()
-
-
-def _envelope(itl_ms: tuple[float, float, float], tpot_ms: tuple[float, float, float]):
-    from pipelines.deploy.spec import Envelope
-    from pipelines.loadtest.config import ProductionSlo, SloTargets
-    from pipelines.loadtest.results import Percentiles
-
-    def percentiles(values: tuple[float, float, float]) -> Percentiles:
-        return Percentiles(p50=values[0], p95=values[1], p99=values[2])
-
-    return Envelope(measured_on="cpu:avx2", concurrency=4, measured_max_num_seqs=4, requests=100, failed=0, request_throughput=1.0,
-                    output_throughput=10.0, ttft_ms=percentiles((50, 80, 90)), itl_ms=percentiles(itl_ms), tpot_ms=percentiles(tpot_ms),
-                    slo=SloTargets(tpot_ms=None), production=ProductionSlo())
-
-
-@pytest.mark.parametrize(("itl_ms", "tpot_ms", "bursty", "basis_ms"), [
-    ((0.0011, 0.0026, 0.004), (4.0, 6.0, 7.0), True, 6.0),  # measured: a client that read the stream in bursts (CI, 4 December)
-    ((3.5, 9.0, 14.0), (4.0, 6.0, 7.0), False, 9.0),  # an honest stream: gaps around the mean TPOT
-    ((0.3, 0.5, 400.0), (4.0, 6.0, 7.0), False, 0.5),  # a tenth of the median TPOT and more: not called bursty
-])
-def test_an_itl_limit_comes_from_tpot_when_the_load_test_read_its_stream_in_bursts(itl_ms, tpot_ms, bursty, basis_ms):
-    from pipelines.watch.verdict import limits
-
-    envelope = _envelope(itl_ms, tpot_ms)
-    assert envelope.itl_bursty is bursty and envelope.itl_basis_ms == basis_ms
-    assert envelope.itl_p95_limit_ms == basis_ms * envelope.production.envelope_tolerance
-    itl = next(limit for limit in limits(envelope) if limit.figure == "itl_p95_s")
-    assert ("read in bursts" in itl.source) is bursty
 
 
 def rule_test(folder: Path) -> subprocess.CompletedProcess:

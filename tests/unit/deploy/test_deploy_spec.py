@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 from test_loadtest_runner import gate, servers, tool  # noqa: F401 (fixtures)
 
+from pipelines.deploy.limits import limits
 from pipelines.deploy.spec import served_spec
 from pipelines.errors import InputError
 from pipelines.registry.store import Registry
+from pipelines.serve.vllm_series import FIRST_LATENCY_BUCKET_S
 
 
 def promoted_spec(workspace, reference: str = "demo-llama@production"):
@@ -34,8 +36,9 @@ def test_the_spec_serves_the_signed_bundle_with_the_measured_arguments(tool, ser
     assert cli[:4] == ["--dtype", "bfloat16", "--max-model-len", "512"] and cli[cli.index("--max-num-seqs") + 1] == "16"
     envelope = spec.require_envelope()
     candidate = version.gate.performance.figures("candidate").at(16)
-    assert envelope.concurrency == 16 and envelope.ttft_ms == candidate.ttft_ms and envelope.kv_capacity_tokens == 524_288
-    assert envelope.ttft_p95_limit_ms == pytest.approx(min(2000.0, candidate.ttft_ms.p95 * 1.5))
+    assert envelope.concurrency == 16 and envelope.level == candidate and envelope.figures.kv_capacity_tokens == 524_288
+    ttft = next(limit for limit in limits(envelope) if limit.figure == "ttft_p95_s")
+    assert ttft.limit == pytest.approx(max(min(2.0, candidate.ttft_ms.p95 * 1.5 / 1000), FIRST_LATENCY_BUCKET_S["ttft"]))
     settings = spec.args.serve_settings()
     assert (settings.max_num_seqs, settings.max_model_len, settings.cpu_kv_cache_gib) == (16, 512, 1)
 

@@ -240,7 +240,7 @@ def test_progress_says_where_candidates_run_and_the_time_left(tmp_path):
     tracker.finish(0, 120.0)
     line = tracker.line(now=160.0)
     # mean 120 s: one queued (120) + the running one's remaining 60, over the 2 seen running at once
-    assert line == "1 queued, 1 running ([2/3] m x b on gpu-node-1 (attempt 2)), 1 decided of 3; about 90 s left"
+    assert line == "1 queued, 1 running ([2/3] m x b on gpu-node-1 (attempt 2)), 1 decided of 3; about 1 min 30 s left"
 
 
 def test_sigterm_stops_the_driver_between_waits_and_the_cli_handler_comes_back():
