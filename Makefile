@@ -47,9 +47,10 @@ lint: setup
 	.venv/bin/mypy pipelines
 
 ## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
-## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler).
+## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler). The log ends
+## with the 15 slowest tests and each worker's time per work unit (tests/conftest.py, _WorkerClock).
 test: lint setup-backends
-	$(PY) -m pytest tests -n 2 --dist loadscope
+	$(PY) -m pytest tests -n 2 --dist loadscope --durations=15
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -148,7 +148,7 @@ class _WorkerClock:
         self.last_end[worker] = time.monotonic() - self.started
 
     def lines(self) -> list[str]:
-        return [f"{worker}: last test ended at {self.last_end[worker] / 60:.1f} min; "
+        return [f"{worker}: last test ended at {self.last_end[worker] / 60:.1f} min; busy {sum(units.values()) / 60:.1f} min: "
                 + ", ".join(f"{unit} {seconds / 60:.1f} min" for unit, seconds in sorted(units.items()))
                 for worker, units in sorted(self.busy.items())]
 
