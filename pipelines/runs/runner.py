@@ -66,6 +66,7 @@ from pipelines.registry.evidence import EVIDENCE_DIR, write_run_evidence
 from pipelines.registry.promotion import promote_signed
 from pipelines.registry.signing import load_signer
 from pipelines.registry.store import EvalSetRef, NewVersion, Registry
+from pipelines.reports.run_page import render_run_page
 from pipelines.runs.runfolder import run_folder
 from pipelines.runs.stack import REAL_STACK, GateStack
 from pipelines.serve.serving import RunningServer, ServeSettings
@@ -241,6 +242,7 @@ def _gate_in(staging: Path, job: GateJob, check: ArtifactCheck | None, stack: Ga
     )
     write_json_atomic(staging / "gate.json", report.model_dump(mode="json"))
     write_text_atomic(staging / "report.md", with_unverified_note(render_markdown(report), check is None))
+    write_text_atomic(staging / "report.html", render_run_page(report))
     write_run_evidence(  # what a promotion bundle carries besides gate.json and report.md (pipelines.registry.evidence)
         staging, artifact_dir=job.artifact_dir, recipe={"name": job.recipe_name, "sha256": job.inputs.get("recipe_sha256")},
         policy_path=job.settings.policy_path, policy=job.settings.policy, eval_sets=job.settings.eval_sets,

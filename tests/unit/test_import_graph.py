@@ -162,13 +162,13 @@ FLOORS: list[set[str]] = [
     {"loadtest"},
     {"gate"},
     {"registry"},
+    {"reports"},  # the HTML pages of runs and models (a repair's is the repair's own); the runner writes report.html
     {"runs"},
     {"repair"},
     {"benchmarks"},  # figures of whole stages: the repair's sensitivity pass among them (cuda_check)
     {"jobs"},
     {"bakeoff"},  # one intent through every quantize backend: its rows run through the runner
-    {"deploy"},  # the served spec, its envelope and the limits derived from it; the files that carry them
-    {"watch"},  # holds a server to its deployment's limits
+    {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
     {"fleet"},
     {"commands", "cli"},
 ]
