@@ -34,6 +34,7 @@ from pipelines.repair import frontier
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, kv_options, load_ladder, unit_ladder
 from pipelines.repair.objective import Objective, choose, quality_bound, require_load_test
+from pipelines.repair.page import REPORT_HTML, render_repair_page
 from pipelines.repair.parent import ParentRun, load_parent
 from pipelines.repair.pricing import Price, QuantizeCost, price, quantize_cost, recipe_bytes, shape_of, unit_bytes
 from pipelines.repair.proposal import kv_proposal_text, overrides_for, proposal_text, write_proposal
@@ -363,6 +364,7 @@ class Repair:
         self.result.wall_s["total"] = round(self.now() - self.started, 2)
         self.result.frontier_plots = frontier.write_plots([a.contender() for a in gated], self.result.choice, self.folder)
         self.result.report_md, self.result.plot = write_report(self.result, self.folder)
+        write_text_atomic(self.folder / REPORT_HTML, render_repair_page(self.result))
         self._save()
 
     def _found(self, attempt: Attempt) -> Found:
