@@ -33,7 +33,8 @@ from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import route_memory
-from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, check_config, find_nginx, max_conns, render_chain, render_config, write_config
+from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, max_conns, render_chain, render_config, write_config
+from pipelines.fleet.proxy import check_config, find_nginx
 from pipelines.fleet.routes import ResolvedRoute
 from pipelines.schema import StrictModel
 from pipelines.serve.serving import LOOPBACK, MAX_LOGPROBS, MONITORING_ENVIRONMENT

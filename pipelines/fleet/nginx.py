@@ -46,29 +46,24 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-import shutil
-import subprocess
 from pathlib import Path
 
 from pydantic import Field
 
-from pipelines.errors import InputError
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.traffic import BUSY, BUSY_STATUS, PROBE_PREFIX
 from pipelines.schema import StrictModel
-from pipelines.serve.serving import LOOPBACK, ServeSettings
+from pipelines.serve.health import HEALTH_TIMEOUT_S, LOOPBACK
+from pipelines.serve.serving import ServeSettings
 
-INSTALL_HINT = "install Debian's nginx: `apt-get install nginx` (or `make setup`, which runs scripts/setup_system.sh)"
-SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 ROUTE_HEADER = "X-Quantgate-Route"
 FAILURE_STATUSES = "500 502 504"  # a route's failure: counted toward its breaker (proxy_next_upstream)
 BUSY_STATUSES = " ".join(map(str, BUSY))  # a busy route's answer: handed down the chain, never counted (rules.overload.on_http_503)
 SENTINEL_STATUS = 502  # not 503: the verdict reads a 503 or 429 in $upstream_status as a route's own "busy"
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = HEALTH_TIMEOUT_S  # the half-open try through nginx is the product's health probe
 BACKSTOP_BURST = 16  # max_conns's room above vLLM's queue for requests it is answering 503 (max_conns below)
 UPSTREAM_KEEPALIVE_S = 4  # below vLLM's uvicorn keep-alive (5 s): nginx never reuses a connection the server is closing
 MAX_BODY = "16m"  # a request body larger than this is refused by nginx (413) before any route sees it
-NGINX_TEST_TIMEOUT_S = 30.0
 LOG_FIELDS = (
     '{"t":$msec,"id":"$request_id","route":"$qg_route","method":"$request_method","uri":"$uri","status":$status,'
     '"upstreams":"$upstream_addr","upstream_status":"$upstream_status","upstream_time":"$upstream_response_time","time":$request_time}'
@@ -129,20 +124,6 @@ class ProxyLayout(StrictModel):
     @property
     def temp(self) -> Path:
         return self.prefix / "tmp"
-
-
-def find_nginx(configured: str | None = None) -> Path:
-    """The nginx binary: `configured` (a path), else `nginx` on PATH or in the sbin folders; an InputError saying how to install it."""
-    if configured is not None:
-        path = Path(configured)
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-        raise InputError(f"no nginx at {configured}; {INSTALL_HINT}", field="nginx")
-    search = os.pathsep.join([os.environ.get("PATH", ""), *SBIN])
-    found = shutil.which("nginx", path=search)
-    if found is None:
-        raise InputError(f"nginx is not installed; {INSTALL_HINT}", field="nginx")
-    return Path(found)
 
 
 def max_conns(serve: ServeSettings) -> int:
@@ -272,20 +253,3 @@ def write_config(layout: ProxyLayout, text: str) -> None:
     with os.fdopen(descriptor, "w") as handle:
         handle.write(text)
     os.replace(staging, layout.conf)
-
-
-def check_config(nginx: Path, layout: ProxyLayout) -> str:
-    """`nginx -t` on the generated config; its verdict line, or an InputError with nginx's own complaint."""
-    try:
-        result = subprocess.run([*command(nginx, layout), "-t", "-q"], capture_output=True, text=True, timeout=NGINX_TEST_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise InputError(f"`nginx -t` could not run: {error}", file=layout.conf) from None
-    if result.returncode != 0:
-        complaint = " | ".join(line.strip() for line in result.stderr.splitlines() if line.strip())[-600:]
-        raise InputError(f"`nginx -t` refused the generated config: {complaint}", file=layout.conf)
-    return f"nginx -t: the configuration file {layout.conf} syntax is ok, test is successful"
-
-
-def command(nginx: Path, layout: ProxyLayout) -> list[str]:
-    """nginx in the foreground, on the run folder's prefix and config (no daemon: its master is our child)."""
-    return [str(nginx), "-p", str(layout.prefix), "-c", str(layout.conf), "-e", str(layout.error_log), "-g", "daemon off;"]

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
 
-import httpx
 from pydantic import Field
 
 from pipelines.fleet.state import Event, RouteState, ServeState, supervisor_alive
 from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
 from pipelines.schema import StrictModel
-from pipelines.serve.serving import LOOPBACK
+from pipelines.serve.health import HEALTH_TIMEOUT_S, Health, probe_health
 
-PROBE_TIMEOUT_S = 1.0
 RECENT_S = 60.0
 TAIL_BYTES = min(MAX_READ, 2 * 1024 * 1024)
-Health = Literal["ok", "refused", "no answer", "error", "not running"]
 
 
 class RouteReport(StrictModel):
@@ -71,20 +67,6 @@ class StatusReport(StrictModel):
     events: list[Event]
 
 
-def probe(port: int | None) -> Health:
-    if port is None:
-        return "not running"
-    try:
-        answer = httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=PROBE_TIMEOUT_S)
-    except httpx.ConnectError:
-        return "refused"
-    except httpx.TimeoutException:
-        return "no answer"
-    except httpx.HTTPError:
-        return "error"
-    return "ok" if answer.status_code == 200 else "error"
-
-
 def recent_requests(access_log: Path, sentinel_port: int, now: float) -> list[Request]:
     try:
         with access_log.open("rb") as handle:
@@ -112,7 +94,7 @@ def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, runn
     elif state.canary_down:
         reasons.insert(0, f"out of the chain by its canary ({state.canary})")
     elif health != "ok":
-        reasons.insert(0, {"no answer": f"no answer on /health within {PROBE_TIMEOUT_S:g} s (hung?)", "refused": "refuses connections"}
+        reasons.insert(0, {"no answer": f"no answer on /health within {HEALTH_TIMEOUT_S:g} s (hung?)", "refused": "refuses connections"}
                        .get(health, f"/health: {health}"))
     if traffic is not None and traffic.skipped_at_max_conns:
         reasons.append(f"turned {traffic.skipped_at_max_conns} requests away at max_conns (overload)")
@@ -136,7 +118,7 @@ def status_report(state: ServeState) -> StatusReport:
     rows = []
     for index, route in enumerate(state.routes):
         answered = sum(1 for request in window if request.answered_by == index)
-        health = probe(route.port if route.status == "up" else None) if running else "not running"
+        health = probe_health(route.port if route.status == "up" else None) if running else "not running"
         rows.append(_route(route, traffic.routes[index] if traffic and index < len(traffic.routes) else None, health, running, answered))
     live = next((row for row in rows if row.available), None)
     fallbacks_up = sum(route.status == "up" for route in state.routes[1:])

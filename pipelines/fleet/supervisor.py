@@ -22,7 +22,7 @@ working fallback. A primary that cannot start is an error (exit 2): there is not
 
 Every process started here dies with this one, however it ends: each vLLM server through the product's own
 `vllm_server` (its process group, parent-death signal and watchdog: pipelines/serve/serving.py and reclaim.py), nginx
-through `start_process_group`, the same guarantees. Ctrl-C and SIGTERM (`quantize serve stop` sends it) stop them all.
+through its process life in proxy.py, the same guarantees. A server's health is the product's one probe (serve/health.py). Ctrl-C and SIGTERM (`quantize serve stop` sends it) stop them all.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -55,13 +53,11 @@ from pipelines.fleet.nginx import (
     PROBE_TIMEOUT_S,
     ProxyLayout,
     Upstream,
-    check_config,
-    command,
-    find_nginx,
     max_conns,
     render_config,
     write_config,
 )
+from pipelines.fleet.proxy import NginxProcess, ProxyError, check_config, find_nginx
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.state import (
     CLIENT_KEY_FILE,
@@ -79,23 +75,19 @@ from pipelines.fleet.traffic import LogTail, TrafficCounter
 from pipelines.hardware.targets import installed_target
 from pipelines.registry.store import Registry
 from pipelines.schema import StrictModel
-from pipelines.serve.reclaim import Watchdog, exit_description
+from pipelines.serve.health import healthy
+from pipelines.serve.reclaim import exit_description
 from pipelines.serve.serving import (
     LOOPBACK,
     RunningServer,
     ServeSettings,
     free_port,
     log_tail,
-    start_process_group,
-    stop_process_group,
     vllm_server,
 )
 
 TICK_S = 1.0
 WARM_UP_TIMEOUT_S = 120.0  # a first completion slower than this is a server to let the breaker judge
-PROXY_CONSOLE_LOG = "nginx-console.log"
-PROXY_START_TIMEOUT_S = 30.0
-HEALTH_PROBE_S = 1.0
 RESTART_STARTUP_FACTOR = 4.0
 RESTART_STARTUP_FLOOR_S = 120.0
 PLACEHOLDER_KEY = "k" * len(secrets.token_urlsafe(32))  # as long as a real key: nginx's map buckets depend on it
@@ -166,14 +158,6 @@ def port_free(host: str, port: int) -> bool:
         return True
 
 
-def listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def breaker_close_bound_s(deployment: Deployment, timeout_s: float) -> float:
     """How long after a route recovers (answers again) its breaker may stay open: its last failure comes at most one
     route timeout after the fault ended, nginx keeps the server down fail_timeout after that (whole seconds: + 1 s), and the
@@ -199,10 +183,6 @@ def warm_up(server: RunningServer) -> float | None:
 def vllm_args(route: ResolvedRoute) -> str:
     pinned = [f"VLLM_CPU_OMP_THREADS_BIND={route.serve.cpu_cores}"] if route.serve.cpu_cores is not None else []
     return " ".join([*route.serve.vllm_args(), f"VLLM_CPU_KVCACHE_SPACE={route.serve.cpu_kv_cache_gib}", *pinned])
-
-
-class ProxyError(ServeError):
-    """nginx could not be started: nothing reaches any route."""
 
 
 class RouteServer:
@@ -248,12 +228,7 @@ class RouteServer:
         return self.server.process.poll() if self.server is not None else None
 
     def healthy(self) -> bool:
-        if self.server is None:
-            return False
-        try:
-            return httpx.get(f"http://{LOOPBACK}:{self.server.port}/health", timeout=HEALTH_PROBE_S).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self.server is not None and healthy(self.server.port)
 
 
 class Supervisor:
@@ -267,7 +242,7 @@ class Supervisor:
         self.servers = [RouteServer(route, deployment.model_name, self.folder / f"{route.label}-server.log") for route in prepared.routes]
         self.layout = ProxyLayout(prefix=self.folder, listen_host=deployment.listen.host, listen_port=deployment.listen.port,
                                   sentinel_port=free_port(), client_key=secrets.token_urlsafe(32))
-        self.proxy: tuple[subprocess.Popen, Watchdog] | None = None
+        self.proxy = NginxProcess(prepared.nginx, self.layout)
         self.counter = TrafficCounter([route.label for route in prepared.routes], self.layout.sentinel_port)
         self.access = LogTail(self.layout.access_log)
         self.errors = LogTail(self.layout.error_log)
@@ -362,7 +337,7 @@ class Supervisor:
         # on /health a tick before its exit) made the restarted primary "hung" 3 s after a 15 s SIGSTOP (measured).
         self.silent_since.pop(index, None)
         # While one route (re)starts, for up to minutes, the proxy is still watched: it is what every other route is reached by.
-        running = server.start(while_waiting=self._keep_proxy if self.proxy is not None else None)
+        running = server.start(while_waiting=self._keep_proxy if self.proxy.pid is not None else None)
         warm_s = warm_up(running)
         if warm_s is None:
             self.note(f"{state.label}: its first completion did not answer within {WARM_UP_TIMEOUT_S:g} s; let in cold")
@@ -384,38 +359,22 @@ class Supervisor:
 
     def _write_proxy_config(self) -> None:
         write_config(self.layout, render_config(self.deployment, self.layout, self._upstreams()))
-        self.state.proxy.check = check_config(self.prepared.nginx, self.layout)
+        self.state.proxy.check = self.proxy.check()
 
     def _start_proxy(self) -> None:
         self._write_proxy_config()
         progress(f"starting nginx on {self.layout.listen_host}:{self.layout.listen_port} (config: {self.layout.conf})")
-        process, watchdog = start_process_group(command(self.prepared.nginx, self.layout), env=dict(os.environ),
-                                                log_path=self.folder / PROXY_CONSOLE_LOG)
-        self.proxy = (process, watchdog)
-        self.state.proxy.pid = process.pid
-        deadline = time.monotonic() + PROXY_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise ProxyError(f"nginx exited at start ({exit_description(process.returncode)}); see {self.layout.error_log}",
-                                 file=self.layout.error_log)
-            if listening(self.layout.listen_host, self.layout.listen_port):
-                return
-            time.sleep(0.1)
-        raise ProxyError(f"nginx did not listen on port {self.layout.listen_port} within {PROXY_START_TIMEOUT_S:.0f} s", file=self.layout.error_log)
-
-    def _stop_proxy(self) -> None:
-        proxy, self.proxy = self.proxy, None
-        if proxy is not None:
-            process, watchdog = proxy
-            stop_process_group(process)
-            watchdog.stop()
+        try:
+            self.proxy.start()
+        finally:
+            self.state.proxy.pid = self.proxy.pid
 
     def _stop_all(self) -> None:
         if self.state.phase == "stopped":
             return
         self.state.phase = "stopping"
         self.canary.close()
-        self._stop_proxy()
+        self.proxy.stop()
         for server, state in zip(self.servers, self.state.routes, strict=True):
             server.stop()
             state.status = "stopped" if state.status != "failed" else state.status
@@ -469,7 +428,7 @@ class Supervisor:
         """Each route whose breaker is open (as the proxy's logs say) and whose server runs: its /health through nginx, which
         is the half-open try once fail_timeout has passed; its answer closes the breaker (traffic.py reads it in the log)."""
         for index, (traffic, state) in enumerate(zip(self.counter.traffic.routes, self.state.routes, strict=True)):
-            if traffic.breaker_open_since is None or state.status != "up" or state.canary_down or self.proxy is None:
+            if traffic.breaker_open_since is None or state.status != "up" or state.canary_down or self.proxy.pid is None:
                 continue
             try:
                 httpx.get(f"http://{self.layout.listen_host}:{self.layout.listen_port}{PROBE_PREFIX}route{index}", timeout=PROBE_TIMEOUT_S + 1.0)
@@ -538,10 +497,9 @@ class Supervisor:
         except InputError as error:
             self.note(f"nginx not reloaded, the new config was refused: {error.one_line()}")
             return
-        if self.proxy is not None:
+        if self.proxy.pid is not None:
             self._fold_logs()  # the openings before the reload, before the reload closes them
-            process = self.proxy[0]
-            os.kill(process.pid, signal.SIGHUP)
+            self.proxy.reload()
             self.state.proxy.reloads += 1
             kept_out = frozenset(index for index, state in enumerate(self.state.routes) if state.canary_down)
             self.counter.reset_breakers(time.time(), f"nginx reloaded ({why}): a reload starts every breaker closed", keep=kept_out)
@@ -553,14 +511,11 @@ class Supervisor:
         self._fold_logs()
 
     def _check_proxy(self) -> None:
-        if self.proxy is None:
-            return
-        process = self.proxy[0]
-        code = process.poll()
+        code = self.proxy.exit_code()
         if code is None:
             return
-        said = log_tail(self.folder / PROXY_CONSOLE_LOG, 2)  # nginx's own words, or its watchdog's if it stopped the group
+        said = log_tail(self.proxy.console_log, 2)  # nginx's own words, or its watchdog's if it stopped the group
         self.note(f"nginx exited ({exit_description(code)}; its console: {said}); starting it again")
-        self._stop_proxy()
+        self.proxy.stop()
         self._start_proxy()
         self.save()

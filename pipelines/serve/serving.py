@@ -40,10 +40,10 @@ from pipelines.hardware.host import emulated_class, host_profile, require_serve_
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.recipe import VLLM_KV_CACHE_DTYPES
 from pipelines.schema import StrictModel
+from pipelines.serve.health import LOOPBACK, healthy, key_problem
 from pipelines.serve.reclaim import StarvationWatch, Watchdog, describe_group, die_with_parent, group_members, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
-LOOPBACK = "127.0.0.1"
 MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
 _LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
@@ -321,17 +321,13 @@ def _wait_until_healthy(
 ) -> None:
     deadline = time.monotonic() + timeout_s
     starvation = StarvationWatch(server.pid, window_s=STARVED_WINDOW_S, min_cpu_s=STARVED_MIN_CPU_S) if watch_starvation else None
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client() as client:
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise ServeError(
                     f"vLLM exited during start-up (exit code {server.returncode}): {failure_line(log_path)}", file=log_path
                 )
-            try:
-                healthy = client.get(f"http://{LOOPBACK}:{port}/health").status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy:
+            if healthy(port, client=client):
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
                 return
             starved = starvation.look() if starvation is not None else None
@@ -351,20 +347,9 @@ class StarvedStart(ServeError):
 def _confirm_ours(
     client: httpx.Client, server: subprocess.Popen, port: int, log_path: Path, *, served_name: str, api_key: str,
 ) -> None:
-    """/health answers without a key, so a foreign process on the port could pass it: our server is the one that
-    lists `served_name` on /v1/models when asked with our key (a vLLM started with another key answers 401)."""
-    url = f"http://{LOOPBACK}:{port}/v1/models"
-    problem = ""
-    try:
-        response = client.get(url, headers={"Authorization": f"Bearer {api_key}"})
-        if response.status_code != 200:
-            problem = f"GET /v1/models with our key answered HTTP {response.status_code}"
-        else:
-            names = [model.get("id") for model in response.json().get("data", [])]
-            if served_name not in names:
-                problem = f"GET /v1/models lists {names}, not {served_name!r}"
-    except (httpx.HTTPError, ValueError, AttributeError) as error:
-        problem = f"GET /v1/models failed ({type(error).__name__}: {error})"
+    """/health answers without a key, so a foreign process on the port could pass it: ours answers the key check
+    (pipelines/serve/health.py key_problem)."""
+    problem = key_problem(client, port, served_name=served_name, api_key=api_key)
     if server.poll() is not None:
         problem = problem or "our server exited"
         raise ServeError(

@@ -25,7 +25,8 @@ from pipelines.errors import InputError
 from pipelines.fleet import fit as fit_module
 from pipelines.fleet.deployment import Deployment, load_deployment
 from pipelines.fleet.kubernetes import export_manifests, validate
-from pipelines.fleet.nginx import ProxyLayout, Upstream, check_config, find_nginx, render_config, write_config
+from pipelines.fleet.nginx import ProxyLayout, Upstream, render_config, write_config
+from pipelines.fleet.proxy import check_config, find_nginx
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
 from pipelines.fleet.traffic import TrafficCounter, parse_access_line
 from pipelines.loadtest.results import PerformanceReport

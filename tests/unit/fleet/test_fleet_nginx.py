@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,8 @@ import httpx
 import pytest
 
 from pipelines.fleet.deployment import Deployment
-from pipelines.fleet.nginx import PROBE_PREFIX, ProxyLayout, Upstream, check_config, command, render_config, write_config
+from pipelines.fleet.nginx import PROBE_PREFIX, ProxyLayout, Upstream, render_config, write_config
+from pipelines.fleet.proxy import NginxProcess, check_config
 from pipelines.fleet.traffic import LogTail, TrafficCounter
 from pipelines.serve.serving import free_port
 
@@ -67,7 +67,8 @@ class StandIn:
 
 
 class Proxy:
-    """The product's config for a two-route chain (failures_to_open 1, retry_after 30 s), run by the real nginx."""
+    """The product's config for a two-route chain (failures_to_open 1, retry_after 30 s), run by the real nginx through the
+    product's own process life (pipelines/fleet/proxy.py)."""
 
     def __init__(self, folder: Path, ports: list[int], *, max_conns: int = 8, on_http_503: bool = True):
         self.deployment = Deployment.model_validate({
@@ -77,10 +78,8 @@ class Proxy:
                                   client_key=secrets.token_urlsafe(32))
         self.labels = ["primary", "fallback-1"]
         self.write(ports, max_conns)
-        self.process = subprocess.Popen(command(Path(NGINX or "nginx"), self.layout), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not self.answers():
-            time.sleep(0.05)
+        self.nginx = NginxProcess(Path(NGINX or "nginx"), self.layout)
+        self.nginx.start()
         self.counter = TrafficCounter(self.labels, self.layout.sentinel_port)
         self.ports = {port: index for index, port in enumerate(ports)}
 
@@ -89,13 +88,6 @@ class Proxy:
                      for label, port in zip(self.labels, ports, strict=True)]
         write_config(self.layout, render_config(self.deployment, self.layout, upstreams))
         check_config(Path(NGINX or "nginx"), self.layout)
-
-    def answers(self) -> bool:
-        try:
-            httpx.get(self.url("/health"), timeout=1)
-        except httpx.HTTPError:
-            return False
-        return True
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.layout.listen_port}{path}"
@@ -106,7 +98,7 @@ class Proxy:
                     timeout=10)
 
     def reload(self) -> None:
-        os.kill(self.process.pid, signal.SIGHUP)
+        assert self.nginx.reload()
 
     def traffic(self):
         time.sleep(0.3)  # nginx writes its log lines as each request ends
@@ -117,8 +109,7 @@ class Proxy:
         return "upstream server temporarily disabled" in self.layout.error_log.read_text()
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=20)
+        self.nginx.stop()
 
 
 @pytest.fixture
@@ -251,3 +242,20 @@ def test_reloads_under_kept_alive_connections_lose_no_request(proxy: Proxy) -> N
         for thread in threads:
             thread.join(timeout=30)
     assert answered[0] > 200 and errors == [], (answered[0], errors[:5])
+
+
+def test_a_dead_nginx_is_reaped_with_its_exit_and_starts_again(tmp_path: Path, routes: list[StandIn]) -> None:
+    proxy = Proxy(tmp_path / "run", [server.port for server in routes])
+    try:
+        pid = proxy.nginx.pid
+        assert pid is not None and proxy.nginx.exit_code() is None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while proxy.nginx.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy.nginx.exit_code() == -signal.SIGKILL
+        proxy.nginx.stop()  # sweeps the dead master's workers
+        assert proxy.nginx.pid is None and not proxy.nginx.reload()
+        assert proxy.nginx.start() != pid and proxy.ask().headers["X-Quantgate-Route"] == "primary"
+    finally:
+        proxy.stop()
