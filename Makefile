@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # The demo model's business sets (pipelines.paths.DEMO_EVAL_SETS); eval_sets/ also holds the real model's.
 DEMO_SETS := ticket_routing,payment_reference,date_normalisation
 
-.PHONY: setup setup-backends demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate bench-noise bench-noise-floor
+.PHONY: setup setup-backends setup-mlflow demo demo-reject demo-repair lint test test-fast test-unit test-integration clean-artifacts bench-gate bench-noise bench-noise-floor
 
 # The two environments are built side by side (each pip is mostly one core; CI has two); then the Debian packages
 # the product drives (Prometheus, nginx: scripts/setup_system.sh).
@@ -21,6 +21,11 @@ setup:
 ## cannot serve its checkpoints, so the product refuses that backend there before building anything.
 setup-backends: setup
 	@scripts/setup_env.sh gptqmodel
+
+## The MLflow tracking server the registry mirrors to (.venv-mlflow: the full mlflow with psycopg2, whose pins conflict
+## with .venv's); the tests run a real one (tests/integration/test_mlflow_mirror.py), so `make test` builds it first.
+setup-mlflow: setup
+	@scripts/setup_env.sh mlflow
 
 ## The main job on the shipped demo model: quantize with w8a8, serve on vLLM, gate against 16-bit, promote with a
 ## signed bundle (docs/registry.md, "Signed promotion"); the promoted version becomes `champion`, which is verified.
@@ -49,7 +54,7 @@ lint: setup
 ## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
 ## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler). The log ends
 ## with the 15 slowest tests and each worker's time per work unit (tests/conftest.py, _WorkerClock).
-test: lint setup-backends
+test: lint setup-backends setup-mlflow
 	$(PY) -m pytest tests -n 2 --dist loadscope --durations=15
 
 test-unit: setup

@@ -8,6 +8,8 @@
     QUANTGATE_SERVE_FLAVOR   the vLLM build scripts/setup_env.sh installs (`cpu`, `cuda`)
     QUANTGATE_EVAL_SETS      the folder of business eval sets; default: <root>/eval_sets
     QUANTGATE_NGINX          the nginx binary `quantize serve` runs; default: nginx on PATH or in /usr/sbin
+    QUANTGATE_MLFLOW         an MLflow tracking server promotions, alias moves and rollbacks are mirrored to
+                             (pipelines.registry.mirror; `--mlflow URL` wins); default: no mirror
 
 `current()` reads the environment at the moment it is called: a test or a job that sets a variable after
 the package was imported is obeyed. An empty variable counts as unset.
@@ -34,6 +36,7 @@ class Settings(BaseSettings):
     serve_flavor: str | None = None
     eval_sets: Path | None = None
     nginx: str | None = None
+    mlflow: str | None = None
 
     @property
     def artifacts_dir(self) -> Path:

@@ -8,6 +8,8 @@
 #   scripts/setup_env.sh gptqmodel -> .venv-gptqmodel (GPTQModel, a quantize backend: its pins (torch >= 2.14.1,
 #                                     transformers >= 5.20.2) conflict with .venv's; docs/backends.md)
 #   scripts/setup_env.sh bitsandbytes -> .venv-bitsandbytes (bitsandbytes with transformers, a quantize backend)
+#   scripts/setup_env.sh mlflow    -> .venv-mlflow (the full MLflow tracking server with psycopg2: the registry's
+#                                     mirror in the tests and `make setup-mlflow`; never imported into .venv)
 # QUANTGATE_SERVE_FLAVOR=cpu|cuda overrides the choice of vLLM build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +51,15 @@ case "$which" in
     inputs=("requirements/$which.txt" "requirements/$which.lock")
     install=(-r "requirements/$which.txt" -c "requirements/$which.lock")
     ;;
-  *) echo "setup_env.sh: unknown environment '$which' (expected project, serve, llamacpp, gptqmodel or bitsandbytes)" >&2; exit 2 ;;
+  mlflow)
+    # The MLflow tracking server (docs/registry.md, "MLflow mirror"): its pins (pyarrow<26) conflict with .venv's.
+    venv=.venv-mlflow
+    inputs=(requirements/mlflow.txt)
+    [ -f requirements/mlflow.lock ] && inputs+=(requirements/mlflow.lock)
+    install=(-r requirements/mlflow.txt)
+    [ -f requirements/mlflow.lock ] && install+=(-c requirements/mlflow.lock)
+    ;;
+  *) echo "setup_env.sh: unknown environment '$which' (expected project, serve, llamacpp, gptqmodel, bitsandbytes or mlflow)" >&2; exit 2 ;;
 esac
 
 stamp="$venv/.quantgate-stamp"

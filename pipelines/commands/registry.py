@@ -13,7 +13,8 @@ from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.loadtest.render import headline
 from pipelines.registry.evidence import PromotionCheck
-from pipelines.registry.mlflow_export import export_to_mlflow
+from pipelines.registry.mirror import mirror_after, mirror_target, redact, retry_pending
+from pipelines.registry.mlflow_export import export_to_mlflow, mirror_model
 from pipelines.registry.promotion import promote_signed
 from pipelines.registry.reference import MAX_VERSION, split_reference, version_or_alias
 from pipelines.registry.store import AliasTarget, Event, Registry, Version, open_registry
@@ -49,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if name == "promote":
             sub.add_argument("--override-gate", action="store_true",
                              help="promote even though this version's gate evidence says rejected (recorded)")
+            _mlflow_option(sub)
 
     sub = action("verify", "check a promoted version's signed bundle: files, signature, trusted key, evidence", _verify)
     sub.add_argument("target", metavar="NAME[@VERSION|ALIAS]", help="a model, optionally @ a version or alias (default: its newest promoted version)")
@@ -58,11 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("alias", metavar="ALIAS")
     sub.add_argument("version", metavar="VERSION", type=version_number)
     sub.add_argument("--reason", default="", help="why; kept in the history")
+    _mlflow_option(sub)
 
     sub = action("rollback", "move an alias back to the version it pointed at before", _rollback)
     sub.add_argument("model", metavar="MODEL")
     sub.add_argument("alias", metavar="ALIAS")
     sub.add_argument("--reason", default="", help="why; kept in the history")
+    _mlflow_option(sub)
 
     sub = action("history", "every registration, status change and alias move", _history)
     sub.add_argument("model", metavar="MODEL", nargs="?")
@@ -74,6 +78,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("version", metavar="VERSION_OR_ALIAS")
     sub.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///artifacts/mlflow.db)")
     sub.add_argument("--alias", default=None, help="MLflow alias to set on the new model version")
+
+    sub = action("mirror", "mirror versions and aliases to an MLflow tracking server (docs/registry.md, \"MLflow mirror\")", _mirror)
+    sub.add_argument("model", metavar="MODEL", nargs="?", help="mirror this model's promoted versions and its aliases")
+    sub.add_argument("version", metavar="VERSION_OR_ALIAS", nargs="?", help="only this version (and the aliases)")
+    sub.add_argument("--retry", action="store_true", help="mirror what failed before (the pending records in the artifacts folder)")
+    _mlflow_option(sub)
+
+
+def _mlflow_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--mlflow", metavar="URL", default=None,
+                     help="mirror the change to this MLflow tracking server (default: $QUANTGATE_MLFLOW; none: no mirror)")
 
 
 # --- handlers ------------------------------------------------------------------------------------------
@@ -100,6 +115,7 @@ def _change_status(args: argparse.Namespace) -> int:
 
         run_dir = Path(version.gate_path).parent if version.gate_path else None
         changed = promote_signed(registry, version, args.reason, evidence, run_dir=run_dir, override_gate=args.override_gate)
+        mirror_after(registry, changed.model, [changed.version], target=args.mlflow)
     else:
         changed = registry.reject(version.id, args.reason, evidence)
     emit(changed, as_json=args.json, render=_render_version)
@@ -123,13 +139,17 @@ def _newest_promoted(registry: Registry, model: str) -> Version:
 
 
 def _alias(args: argparse.Namespace) -> int:
-    target = _open(args).set_alias(args.model, args.alias, args.version, reason=args.reason)
+    registry = _open(args)
+    target = registry.set_alias(args.model, args.alias, args.version, reason=args.reason)
+    mirror_after(registry, args.model, target=args.mlflow)
     emit(target, as_json=args.json, render=_render_alias)
     return 0
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    target = _open(args).rollback(args.model, args.alias, reason=args.reason)
+    registry = _open(args)
+    target = registry.rollback(args.model, args.alias, reason=args.reason)
+    mirror_after(registry, args.model, target=args.mlflow)
     emit(target, as_json=args.json, render=_render_alias)
     return 0
 
@@ -155,6 +175,36 @@ def _export_mlflow(args: argparse.Namespace) -> int:
             say(f"alias {value.alias!r} -> version {value.model_version}")
 
     emit(result, as_json=args.json, render=render)
+    return 0
+
+
+def _mirror(args: argparse.Namespace) -> int:
+    """A model (or one version) mirrored now, errors as errors; or, with --retry, every pending record."""
+    url = mirror_target(args.mlflow)
+    if args.retry:
+        done, failed = retry_pending(url)
+        for line in failed:
+            say(f"still pending: {line}")
+        say(f"mirrored {len(done)} pending record group(s); {len(failed)} still pending")
+        return 2 if failed else 0
+    if args.model is None:
+        raise InputError("name a MODEL to mirror, or --retry the pending records", field="MODEL")
+    if url is None:
+        raise InputError("no MLflow tracking server: give --mlflow URL or set QUANTGATE_MLFLOW", field="--mlflow")
+    registry = _open(args)
+    if args.version is not None:
+        numbers = [registry.resolve(args.model, version_or_alias(args.version)).version]
+    else:
+        numbers = [v.version for v in registry.list(args.model) if v.status == "promoted"]
+    try:
+        result = mirror_model(registry, args.model, numbers, url)
+    except InputError:
+        raise
+    except Exception as error:  # MLflow's errors (server down, refused request) are the user's to fix: one line
+        raise InputError(f"MLflow mirror failed: {redact(str(getattr(error, 'message', error))).splitlines()[0]}",
+                         file=redact(url), field="--mlflow") from None
+    emit(result, as_json=args.json, render=lambda value: say(
+        f"{value.registered_model}: versions {value.versions or '-'}, aliases {value.aliases or '-'} at {redact(url)}"))
     return 0
 
 

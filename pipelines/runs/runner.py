@@ -63,6 +63,7 @@ from pipelines.loadtest.results import PerformanceSummary
 from pipelines.planner.shape import load_config, model_shape
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, identity_from_text
 from pipelines.registry.evidence import EVIDENCE_DIR, write_run_evidence
+from pipelines.registry.mirror import mirror_after
 from pipelines.registry.promotion import promote_signed
 from pipelines.registry.signing import load_signer
 from pipelines.registry.store import EvalSetRef, NewVersion, Registry
@@ -504,5 +505,7 @@ def _record_in_registry(job: GateJob, outcome: RunOutcome, check: ArtifactCheck 
     reason = "; ".join(outcome.reasons) or "gate passed"
     if outcome.verdict == "promoted":
 
-        return promote_signed(registry, version, reason, run_dir=outcome.run_dir).version
+        promoted = promote_signed(registry, version, reason, run_dir=outcome.run_dir)
+        mirror_after(registry, promoted.model, [promoted.version])  # after the promotion: a mirror failure never undoes it
+        return promoted.version
     return registry.reject(version.id, reason).version

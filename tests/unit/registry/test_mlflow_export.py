@@ -1,4 +1,6 @@
-"""MLflow export: gate numbers as tags, refusal of unpromoted versions, and a real export to a local store."""
+"""MLflow export and the registry's mirror: gate numbers as tags, refusal of unpromoted versions, a real export to a
+local store, aliases mirrored, and a failed mirror recorded and retried (tests/integration/test_mlflow_mirror.py runs
+the same against a real `mlflow server`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pipelines.files.hashing import file_hashes
 from pipelines.gate.policy import DEFAULT_POLICY, load_policy
 from pipelines.gate.schema import GateReport
 from pipelines.gate.verdict import PairedItem, SetComparison, decide
+from pipelines.registry.mirror import PENDING_DIR, mirror_after, pending_records, redact, retry_pending
 from pipelines.registry.mlflow_export import export_to_mlflow, gate_tags
 from pipelines.registry.store import MANIFEST_FILES_KEY, NewVersion, Registry, Version
 
@@ -98,6 +101,12 @@ def test_export_verifies_the_artifact_itself_before_logging_it(tmp_path: Path, d
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One local MLflow store for the tests that only add to it (creating its tables takes MLflow ~10 s here)."""
+    return f"sqlite:///{(tmp_path_factory.mktemp('mlruns') / 'mlflow.db').as_posix()}"
+
+
 @pytest.fixture
 def offline_mlflow(monkeypatch) -> list:
     """No MLflow settings from the environment, and any attempt to open a network connection recorded."""
@@ -117,12 +126,13 @@ def offline_mlflow(monkeypatch) -> list:
 
 
 @needs_mlflow
-def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Path, offline_mlflow, capsys) -> None:
+def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Path, offline_mlflow, shared_store: str,
+                                                                    capsys) -> None:
     from mlflow import MlflowClient
 
     registry, version = make_promoted(tmp_path)
-    uri = f"sqlite:///{(tmp_path / 'mlruns' / 'mlflow.db').as_posix()}"
-    result = export_to_mlflow(version, tracking_uri=uri, alias="production")
+    uri = shared_store
+    result = export_to_mlflow(version, tracking_uri=uri, alias="production", registry=registry)
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     exported = client.get_model_version_by_alias("demo-llama", "production")
@@ -132,9 +142,12 @@ def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Pa
     assert exported.tags["quantgate.artifact_hash"] == version.artifact_hash
     assert client.get_run(result.run_id).data.tags["gate.tickets.flip_rate"] == "0.015"
 
-    downloaded = Path(client.download_artifacts(result.run_id, "artifact", str(tmp_path / "download")))
-    assert file_hashes(downloaded) == file_hashes(Path(version.artifact_path))
-    assert (tmp_path / "mlruns" / "mlflow-artifacts").is_dir()  # beside the store, not ./mlruns
+    # The signed bundle (weights, evidence, model.sig) as the model version's source, the report beside it.
+    downloaded = Path(client.download_artifacts(result.run_id, "bundle", str(tmp_path / "download")))
+    assert file_hashes(downloaded) == file_hashes(registry.verify_signature(version).bundle)
+    assert result.source.endswith("/bundle") and exported.source == result.source
+    assert {"bundle", "gate.json"} <= {item.path for item in client.list_artifacts(result.run_id)}
+    assert (Path(uri.removeprefix("sqlite:///")).parent / "mlflow-artifacts").is_dir()  # beside the store, not ./mlruns
 
     # The same version again: the first export is reused; the CLI goes through the same path.
     code = main(["registry", "export-mlflow", "demo-llama", "1", "--tracking-uri", uri, "--alias", "stable",
@@ -156,3 +169,71 @@ def test_export_refuses_a_tampered_artifact(tmp_path: Path, offline_mlflow, caps
                  "--registry", str(registry.path)])
     assert code == 2 and "model.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "m.db").exists()
+
+
+def test_credentials_in_urls_are_redacted() -> None:
+    text = "API request to https://alice:s3cret@mlflow.example/api failed; retry http://bob@h:5000/x and sqlite:///a.db"
+    assert redact(text) == "API request to https://***@mlflow.example/api failed; retry http://***@h:5000/x and sqlite:///a.db"
+
+
+@needs_mlflow
+def test_mirror_follows_the_registrys_aliases_once_per_version(tmp_path: Path, offline_mlflow, shared_store: str,
+                                                               monkeypatch, capsys) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    registry, first = make_promoted(tmp_path, model="mirror-llama")
+    uri = shared_store
+    mirror_after(registry, first.model, [first.version], target=uri)
+    registry.set_alias(first.model, "champion", first.version, reason="first")
+    mirror_after(registry, first.model, target=uri)
+    mirror_after(registry, first.model, [first.version], target=uri)  # again: nothing new
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    versions = client.search_model_versions(f"name = '{first.model}'")
+    assert len(versions) == 1 and versions[0].tags["quantgate.version"] == str(first.version)
+    assert client.get_model_version_by_alias(first.model, "champion").version == versions[0].version
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(">")]  # ours, not MLflow's logging
+    assert len(lines) == 3 and all("mirrored to MLflow" in line for line in lines)
+    assert "champion -> 1" in lines[-1] and pending_records() == []
+
+
+@needs_mlflow
+def test_a_failed_mirror_is_one_line_a_pending_record_and_retried(tmp_path: Path, offline_mlflow, monkeypatch, capsys) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    registry, version = make_promoted(tmp_path)
+    blocked = tmp_path / "mlflow"
+    blocked.write_text("a file where the store's folder should be")
+    uri = f"sqlite:///{(blocked / 'mlflow.db').as_posix()}"
+    mirror_after(registry, version.model, [version.version], target=uri)  # never raises
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(">")]
+    assert len(err) == 1 and "failed" in err[0] and "quantize registry mirror --retry" in err[0]
+    [(path, record)] = pending_records()
+    assert path.parent == tmp_path / "artifacts" / PENDING_DIR
+    assert (record.model, record.versions, record.tracking) == (version.model, [version.version], uri)
+
+    blocked.unlink()
+    blocked.mkdir()
+    assert main(["registry", "mirror", "--retry", "--mlflow", uri]) == 0
+    assert pending_records() == []
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert [v.tags["quantgate.version"] for v in client.search_model_versions(f"name = '{version.model}'")] == ["1"]
+
+
+@needs_mlflow
+def test_a_mirror_failure_never_prints_credentials(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    registry, version = make_promoted(tmp_path)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    url = f"http://alice:s3cret@127.0.0.1:{port}"
+    mirror_after(registry, version.model, [version.version], target=url)
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "alice" not in err and f"http://***@127.0.0.1:{port}" in err
+    [(path, record)] = pending_records()
+    assert "s3cret" not in path.read_text() and record.tracking == f"http://***@127.0.0.1:{port}"
+    # A retry without the credentials cannot serve this record: it stays.
+    assert retry_pending(None) == ([], []) and len(pending_records()) == 1
