@@ -372,7 +372,7 @@ def test_rule_source_follows_precedence(tmp_path):
 def test_power_says_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path):
     # `eval-sets power` and the refusal at load agree: 203 documents at damage_share 0.02, whichever relative rule is in force
     # (59 from a rel_margin's floor alone, which is all a bounded corpus metric like bleu needs)
-    from pipelines.commands.eval_sets import power_rows
+    from pipelines.gate.power import power_rows
 
     small, enough = (sized("wiki", n, "word_perplexity", "weighted_perplexity", False) for n in (150, 203))
     for policy in (load_policy(write_policy(tmp_path)), load_policy(write_policy(tmp_path, eval_sets={"wiki": {"rel_margin": 0.05}}))):
