@@ -68,6 +68,20 @@ def postgres_url(value: Path | str) -> str | None:
     return "postgresql://" + text[found.end():] if found is not None else None
 
 
+def files_anchor(value: Path | str) -> Path:
+    """Where the registry's files go (the signing key in <anchor>.parent/keys, the promotion bundles beside it): a SQLite
+    registry's own file; for a PostgreSQL database, <artifacts>/registry-<database>/registry on the machine that signs."""
+    url = postgres_url(value)
+    if url is None:
+        return Path(value)
+    from urllib.parse import urlsplit
+
+    from pipelines.settings import current as current_settings
+
+    database = urlsplit(url).path.strip("/") or "postgres"
+    return current_settings().artifacts_dir / f"registry-{re.sub(r'[^A-Za-z0-9_.-]', '_', database)}" / "registry"
+
+
 def open_database(value: Path | str, field: str) -> Database:
     url = postgres_url(value)
     if url is not None:

@@ -42,6 +42,7 @@ from pipelines.files.safepath import safe_component
 from pipelines.files.yamlio import MAX_JSON_BYTES, read_user_bytes
 from pipelines.gate.schema import GateReport
 from pipelines.gate.verdict import SetComparison
+from pipelines.registry.database import files_anchor
 from pipelines.registry.signing import SIGNATURE_NAME, BundleCheck, parse_record, verify_bundle
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 def bundle_path(registry_path: Path, version: VersionLike) -> Path:
     model = safe_component(version.model, "model")
-    return Path(registry_path).resolve().parent / BUNDLES_DIR / model / f"v{version.version}"
+    return files_anchor(registry_path).resolve().parent / BUNDLES_DIR / model / f"v{version.version}"
 
 
 @contextmanager

@@ -36,9 +36,8 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from pipelines.errors import InputError
-from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection
+from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection, files_anchor
 from pipelines.registry.sqlite_db import empty_registry
-from pipelines.settings import current as current_settings
 
 CONNECT_TIMEOUT_S = 10
 # pg_advisory_xact_lock's key for schema creation and upgrades (any constant no model's hash collides with in practice:
@@ -122,10 +121,10 @@ class PostgresDatabase:
         self.location = masked(url)
         self.field = field
         try:
-            options = conninfo_to_dict(url)
+            conninfo_to_dict(url)  # malformed: refused before any connection
         except psycopg.Error as error:
             raise self._error(error, "not a PostgreSQL URL") from None
-        self.path = current_settings().artifacts_dir / f"registry-{options.get('dbname') or 'postgres'}" / "registry"
+        self.path = files_anchor(url)
         self._connection: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
         self._schema_ready = self._schema_version() == SCHEMA_VERSION

@@ -42,6 +42,7 @@ from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_file
 from pipelines.files.safepath import own_regular_file
 from pipelines.files.yamlio import read_user_bytes
+from pipelines.registry.database import files_anchor
 from pipelines.settings import current as current_settings
 
 SIGNATURE_NAME = "model.sig"
@@ -183,7 +184,7 @@ def _read_certificate(path: Path, field: str) -> x509.Certificate:
 
 
 def project_key_path(registry_path: Path) -> Path:
-    return Path(registry_path).parent / PROJECT_KEY_DIR / PROJECT_KEY_NAME
+    return files_anchor(registry_path).parent / PROJECT_KEY_DIR / PROJECT_KEY_NAME
 
 
 def _project_signer(registry_path: Path) -> Signer:
