@@ -64,6 +64,7 @@ COMMANDS: dict[str, Command] = {
     "deploy": Command("pipelines.commands.deploy", "deployment files of a promoted version: serve command, scrape config, alert rules, dashboard"),
     "regate": Command("pipelines.commands.regate", "re-check a promoted version on the serving runtime at hand (vLLM, torch, host class, kernels)"),
     "watch": Command("pipelines.commands.watch", "hold a deployed vLLM server's live metrics to the envelope its version was promoted on"),
+    "report": Command("pipelines.commands.report", "the HTML page of a run, a repair or a registry model, to open in a browser"),
 }
 DEFAULT_COMMAND = "run"
 

@@ -27,8 +27,7 @@ h3 { font-size: 1rem; }
 table { border-collapse: collapse; margin: 0.5rem 0; font-size: 0.85rem; }
 th, td { border: 1px solid #d0d5de; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
 th { background: #f2f4f8; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.fail td { background: #fdf1f0; } tr.pass td:last-child { color: #2e7d4f; font-weight: 600; }
-tr.fail td:last-child { color: #b03a2e; font-weight: 600; }
+tr.fail td { background: #fdf1f0; }
 .note { color: #4a5366; font-size: 0.85rem; } code { background: #f2f4f8; padding: 0 0.2rem; }
 .scroll { overflow-x: auto; } svg { display: block; margin: 0.2rem 0; } .chart text { font-size: 11px; fill: #1d2330; }
 """
