@@ -15,74 +15,23 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel
 
 from pipelines.artifact import require_model_dir
 from pipelines.commands.args import int_arg
 from pipelines.console.output import emit, say, table
 from pipelines.errors import InputError
 from pipelines.files.yamlio import parse_yaml_model, read_user_text
-from pipelines.hardware.host import HostProfile, host_profile
-from pipelines.hardware.kernels import (
-    DECODE_ROWS,
-    PREFILL_ROWS,
-    PROBE_IN_FEATURES,
-    PROBE_OUT_FEATURES,
-    SLOW_RATIO,
-    STANDARD_KV_CASES,
-    KernelCase,
-    KernelFact,
-    KvCase,
-    kernel_facts,
-)
+from pipelines.hardware import diagnosis
+from pipelines.hardware.diagnosis import DoctorReport, SchemeRow
+from pipelines.hardware.kernels import DECODE_ROWS, PREFILL_ROWS, PROBE_IN_FEATURES, PROBE_OUT_FEATURES, SLOW_RATIO
 from pipelines.hardware.prediction import NO_DIFFERENCE, ShapePrediction, ShapeTiming, direction_of, predict_for_recipe
 from pipelines.hardware.shape_probe import MAX_DECODE_ROWS
-from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, kv_cache_problem, parse_target, serve_problem
+from pipelines.hardware.targets import TARGET_HELP, ServeTarget, installed_target, parse_target
 from pipelines.planner.shape import load_config, model_shape
 from pipelines.planner.weights import linear_schemes, model_linears
-from pipelines.recipe import GroupScheme, KvCache, LoadedRecipe, Recipe, load_recipe, shipped_recipes
+from pipelines.recipe import GroupScheme, LoadedRecipe, Recipe, load_recipe, shipped_recipes
 from pipelines.repair.ladder import Families, Ladder, default_ladder_path
 from pipelines.serve.serving import ServeSettings
-
-Action = Literal["runs", "runs slowly", "refused"]
-
-
-class SchemeRow(BaseModel):
-    source: str  # "w8a8: mlp" or "ladder cpu.yaml: weight_only rung 3"
-    scheme: str
-    key: str
-    served: bool
-    kernel: str | None
-    decode_ratio: float | None
-    prefill_ratio: float | None
-    action: Action
-    why: str = ""
-
-
-NEGATIVE_CONTROL_TAG = "negative-control"
-
-
-class DoctorReport(BaseModel):
-    target: str
-    probed: bool
-    host: HostProfile | None
-    ladder: str
-    rows: list[SchemeRow]
-    negative_control: str | None = None  # the first shipped recipe tagged negative-control that runs here (make demo-reject)
-    model: list[ShapePrediction] | None = None  # --model: the model's own shapes under each recipe
-
-    def recipe_actions(self) -> dict[str, Action]:
-        """Each shipped recipe's worst action (refused > runs slowly > runs)."""
-        order: list[Action] = ["runs", "runs slowly", "refused"]
-        worst: dict[str, Action] = {}
-        for row in self.rows:
-            if row.source.startswith("ladder"):
-                continue
-            name = row.source.split(":", 1)[0]
-            worst[name] = max(worst.get(name, "runs"), row.action, key=order.index)
-        return worst
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -134,88 +83,20 @@ def predict_model(model_dir: Path, name: str, recipe: Recipe, max_num_seqs: int)
 
 
 def diagnose(target: ServeTarget) -> DoctorReport:
-    schemes = _recipe_schemes() + _ladder_schemes(target)
-    facts: dict[str, KernelFact] = {}
-    host = None
-    kv_caches = _recipe_kv_caches()
-    if target.local:
-        host = host_profile()
-        kv_cases = [KvCase(kv_cache_dtype=kv.vllm_dtype, head_size=KV_HEAD_SIZE) for _, kv in kv_caches if kv.quantized]
-        facts = kernel_facts(host, [*(KernelCase.of(scheme) for _, scheme in schemes), *kv_cases])
-    rows = [_row(source, scheme, target, facts) for source, scheme in schemes]
-    rows += [_kv_row(source, kv, target, facts) for source, kv in kv_caches]
-    report = DoctorReport(target=str(target), probed=target.local, host=host, ladder=str(default_ladder_path(target)), rows=rows)
-    actions = report.recipe_actions()
-    controls = [name for name in shipped_recipes() if NEGATIVE_CONTROL_TAG in load_recipe(name).recipe.tags]
-    report.negative_control = next((name for name in sorted(controls, key=len) if actions.get(name, "refused") != "refused"), None)
-    return report
+    """The diagnosis (pipelines/hardware/diagnosis.py) of the shipped recipes and `target`'s shipped ladder."""
+    ladder = default_ladder_path(target)
+    return diagnosis.diagnose(target, ladder, _ladder_schemes(ladder))
 
 
-def _concrete(scheme: GroupScheme) -> GroupScheme:
-    """`group_size: auto` as the probe's layer gets it."""
-    return scheme.model_copy(update={"weights": scheme.weights.for_layer(PROBE_IN_FEATURES)})
-
-
-def _recipe_schemes() -> list[tuple[str, GroupScheme]]:
-    found = []
-    for name in shipped_recipes():
-        recipe = load_recipe(name).recipe
-        for group in ("attention", "mlp"):
-            scheme = getattr(recipe.groups, group)
-            if scheme is not None:
-                found.append((f"{name}: {group}", _concrete(scheme)))
-        for index, override in enumerate(recipe.overrides):
-            for group in ("attention", "mlp"):
-                scheme = getattr(override, group)
-                if scheme is not None:
-                    found.append((f"{name}: overrides.{index}.{group}", _concrete(scheme)))
-    return found
-
-
-KV_HEAD_SIZE = STANDARD_KV_CASES[0].head_size  # the demo model's and SmolLM2's heads; a model's own is checked at validation
-
-
-def _recipe_kv_caches() -> list[tuple[str, KvCache]]:
-    found = []
-    for name in shipped_recipes():
-        kv = load_recipe(name).recipe.kv_cache
-        if kv.dtype != "auto":
-            found.append((f"{name}: kv_cache", kv))
-    return found
-
-
-def _kv_row(source: str, kv: KvCache, target: ServeTarget, facts: dict[str, KernelFact]) -> SchemeRow:
-    case = KvCase(kv_cache_dtype=kv.vllm_dtype, head_size=KV_HEAD_SIZE)
-    fact = facts.get(case.key)
-    problem = kv_cache_problem(kv, target, KV_HEAD_SIZE)
-    return SchemeRow(source=source, scheme=f"KV cache {kv.dtype} ({KV_HEAD_SIZE}-wide heads)", key=case.key, served=problem is None,
-                     kernel=f"CPU attention ({fact.kernel})" if fact and fact.kernel else None, decode_ratio=None, prefill_ratio=None,
-                     action="refused" if problem else "runs", why=problem.why if problem else "")
-
-
-def _ladder_schemes(target: ServeTarget) -> list[tuple[str, GroupScheme]]:
-    path = default_ladder_path(target)
+def _ladder_schemes(path: Path) -> list[tuple[str, GroupScheme]]:
     ladder = parse_yaml_model(read_user_text(path, what="ladder", field="ladder"), path, Ladder, "ladder")
     found = []
     for family in Families.model_fields:
         rungs = getattr(ladder.families, family)
         for index, rung in enumerate(rungs.rungs if rungs else []):
             if rung is not None:
-                found.append((f"ladder {path.name}: {family} rung {index}", _concrete(rung)))
+                found.append((f"ladder {path.name}: {family} rung {index}", diagnosis.concrete(rung)))
     return found
-
-
-def _row(source: str, scheme: GroupScheme, target: ServeTarget, facts: dict[str, KernelFact]) -> SchemeRow:
-    case = KernelCase.of(scheme)
-    fact = facts.get(case.key)
-    problem = serve_problem(scheme, target)
-    slowdown = fact.slowdown if fact else None
-    action: Action = "refused" if problem else ("runs slowly" if slowdown is not None and slowdown >= SLOW_RATIO else "runs")
-    return SchemeRow(
-        source=source, scheme=case.label, key=case.key, served=problem is None, kernel=fact.kernel if fact else None,
-        decode_ratio=fact.decode_ratio if fact else None, prefill_ratio=fact.prefill_ratio if fact else None,
-        action=action, why=problem.why if problem else "",
-    )
 
 
 def _ratio(value: float | None) -> str:

@@ -264,8 +264,9 @@ def test_the_scoring_limit_holds_against_the_measured_pace(monkeypatch: pytest.M
 
 def test_doctor_tells_what_each_shipped_recipe_gets_here(fake_probe: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
     from pipelines.commands import doctor
+    from pipelines.hardware import diagnosis
 
-    monkeypatch.setattr(doctor, "host_profile", lambda: PROFILE)
+    monkeypatch.setattr(diagnosis, "host_profile", lambda: PROFILE)
     report = doctor.diagnose(targets.ServeTarget(kind="cpu", isa="avx2", local=True))
     actions = report.recipe_actions()
     assert actions["w8a8"] == "runs" and actions["w4a16"] == actions["gptq"] == actions["aggressive"] == "refused"
