@@ -12,6 +12,7 @@ from pipelines.errors import InputError
 from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.loadtest.render import headline
+from pipelines.registry.copying import copy_registry
 from pipelines.registry.evidence import PromotionCheck
 from pipelines.registry.mirror import mirror_after, mirror_target, redact, retry_pending
 from pipelines.registry.mlflow_export import export_to_mlflow, mirror_model
@@ -79,6 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: sqlite:///artifacts/mlflow.db)")
     sub.add_argument("--alias", default=None, help="MLflow alias to set on the new model version")
 
+    sub = actions.add_parser("copy", help="copy every version, alias and event into an empty registry (SQLite <-> PostgreSQL)")
+    sub.add_argument("--from", dest="source", metavar="PATH|URL", required=True, help="the registry to copy")
+    sub.add_argument("--to", dest="target", metavar="PATH|URL", required=True, help="an empty or new registry")
+    sub.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    sub.set_defaults(handler=_copy)
+
     sub = action("mirror", "mirror versions and aliases to an MLflow tracking server (docs/registry.md, \"MLflow mirror\")", _mirror)
     sub.add_argument("model", metavar="MODEL", nargs="?", help="mirror this model's promoted versions and its aliases")
     sub.add_argument("version", metavar="VERSION_OR_ALIAS", nargs="?", help="only this version (and the aliases)")
@@ -119,6 +126,14 @@ def _change_status(args: argparse.Namespace) -> int:
     else:
         changed = registry.reject(version.id, args.reason, evidence)
     emit(changed, as_json=args.json, render=_render_version)
+    return 0
+
+
+def _copy(args: argparse.Namespace) -> int:
+    source, target = open_registry(args.source, field="--from"), Registry(args.target, field="--to")
+    copied = copy_registry(source, target)
+    emit(copied, as_json=args.json, render=lambda c: say(
+        f"copied {c['versions']} versions, {c['aliases']} alias entries and {c['events']} events to {target.location}"))
     return 0
 
 

@@ -60,6 +60,12 @@ class Database(Protocol):
         """A write transaction (the schema created or upgraded first when needed), or a read-only consistent snapshot
         (of an empty registry when none exists yet: a read never creates one)."""
 
+    def begin_copy(self, connection: Connection) -> None:
+        """Before rows are copied in with their ids (pipelines.registry.copying): keep every other writer out."""
+
+    def end_copy(self, connection: Connection) -> None:
+        """After the copy: ids allocated next come after the copied ones."""
+
 
 def postgres_url(value: Path | str) -> str | None:
     """The PostgreSQL URL `value` names, or None for a file path."""

@@ -179,6 +179,13 @@ class PostgresDatabase:
         with self._begin("READ COMMITTED" if write else "REPEATABLE READ READ ONLY") as connection:
             yield connection
 
+    def begin_copy(self, connection: Connection) -> None:
+        connection.execute("LOCK TABLE versions, aliases, events IN EXCLUSIVE MODE")
+
+    def end_copy(self, connection: Connection) -> None:
+        for table in ("versions", "events"):
+            connection.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), COALESCE(MAX(id), 0) + 1, false) FROM {table}")
+
     def _schema_version(self) -> int:
         """0 for a database without the registry's tables; refuses one newer than this code."""
         with self._begin("READ COMMITTED") as connection:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipelines.errors import InputError
-from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION
+from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection
 
 BUSY_TIMEOUT_S = 60.0
 
@@ -155,6 +155,12 @@ class SQLiteDatabase:
         if not self.path.exists() or (not self._schema_ready and not self._has_tables()):
             return empty_registry()
         return self._transaction("DEFERRED")
+
+    def begin_copy(self, connection: Connection) -> None:
+        return None  # BEGIN IMMEDIATE holds the file's one write lock already
+
+    def end_copy(self, connection: Connection) -> None:
+        return None  # AUTOINCREMENT continues after the largest id inserted
 
     def _create(self) -> None:
         try:

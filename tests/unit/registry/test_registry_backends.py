@@ -141,3 +141,27 @@ def test_a_schema_from_the_future_is_refused_and_an_upgrade_waits_for_writers_to
     promoted_version(Registry(url), tmp_path, "c")  # the admin gone: upgraded, then written
     with psycopg.connect(url) as connection:
         assert connection.execute("SELECT version FROM registry_schema").fetchone() == (2,)
+
+
+def test_a_registry_copied_to_postgres_and_back_keeps_everything(postgres, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    source = Registry(tmp_path / "registry.db")
+    first, second = promoted_version(source, tmp_path, "a"), promoted_version(source, tmp_path, "b")
+    source.set_alias("demo-llama", "production", first)
+    source.set_alias("demo-llama", "production", second)
+    source.register(new_version(make_artifact(tmp_path / "c", b"c"), make_gate(tmp_path / "c-gate.json")))
+    url = fresh_database(postgres)
+    assert main(["registry", "copy", "--from", str(source.path), "--to", url]) == 0
+    assert "copied 3 versions, 2 alias entries and 7 events" in capsys.readouterr().out
+    back = tmp_path / "back" / "registry.db"
+    assert main(["registry", "copy", "--from", url, "--to", str(back)]) == 0
+    for copy in (Registry(url), Registry(back)):
+        assert copy.list() == source.list() and copy.history() == source.history() and copy.aliases() == source.aliases()
+        assert copy.verify_signature(copy.show("demo-llama", "production"), required=True) is not None
+    copied = Registry(url)
+    assert copied.rollback("demo-llama", "production").version == first  # the alias stack came along
+    fourth = copied.register(new_version(make_artifact(tmp_path / "d", b"d"), make_gate(tmp_path / "d-gate.json")))
+    assert (fourth.id, fourth.version) == (4, 4)  # ids continue after the copied ones
+    capsys.readouterr()
+    assert main(["registry", "copy", "--from", str(source.path), "--to", url]) == 2
+    assert "--to: the target registry is not empty" in capsys.readouterr().err
