@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # a browser start per page: seconds each under th
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "reports"
 RUN, REJECTED_RUN = "20261207T121122Z-gptq-gptqmodel-16072-690f15", "20261207T123332Z-gptq-c16-23230-b1e9bc"
-REPAIR = "20261207T155358Z-repair-aggressive-18708-67310d"
+REPAIR = "20261207T160407Z-repair-aggressive-18708-55ab84"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from pipelines.cli import main
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "reports"
-REPAIR = "20261207T155358Z-repair-aggressive-18708-67310d"
+REPAIR = "20261207T160407Z-repair-aggressive-18708-55ab84"
 
 
 def only_run(workspace: SimpleNamespace) -> Path:
