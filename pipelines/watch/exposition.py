@@ -21,6 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 
+from pipelines.bounds import MiB
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
 from pipelines.serve.bounded_http import get_bounded
@@ -28,7 +29,7 @@ from pipelines.serve.bounded_http import short as _short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
 
-MAX_PAGE_BYTES = 32 * 2**20  # vLLM's own page is about 50 KB
+MAX_PAGE_BYTES = 32 * MiB  # vLLM's own page is about 50 KB
 MAX_LINE_CHARS = 64 * 1024
 MAX_SERIES = 100_000  # series kept (the ones read), after the others are dropped unparsed
 SCRAPE_TIMEOUT_S = 10.0

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from pipelines.bounds import MiB
 from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
 from pipelines.serve.bounded_http import get_bounded, short
@@ -25,7 +26,7 @@ from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS
 from pipelines.watch.exposition import kv_info
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
 
-MAX_ANSWER_BYTES = 16 * 2**20
+MAX_ANSWER_BYTES = 16 * MiB
 MAX_SERIES = 10_000
 QUERY_TIMEOUT_S = 10.0
 MAX_GAUGE_POINTS = 1000

@@ -219,7 +219,7 @@ def test_the_deployed_files_pass_promtool_and_carry_the_measured_arguments(watch
 # The demo model's ITL is a few ms, inside vLLM's first ITL bucket (10 ms), the resolution the limit is held at; the window
 # runs while another test worker shares the 2 cores. An ITL over its limit by less than this factor is that noise; every
 # other figure is held exactly. (CI runs saw ITL p95 9.5 ms against envelope limits of 6-10 ms and of 5 us: the load test's
-# client had read the stream in bursts; the limit is now raised to the bucket's bound, pipelines/watch/verdict.py.)
+# client had read the stream in bursts; the limit is now raised to the bucket's bound, pipelines/deploy/limits.py.)
 ITL_NOISE = 3.0
 
 

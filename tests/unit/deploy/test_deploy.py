@@ -113,6 +113,20 @@ def test_a_folder_of_other_files_is_never_replaced(tool, servers, workspace, tmp
     assert deploy(workspace, again) == 0 and deploy(workspace, again) == 0, "an earlier deployment's folder is replaced"
 
 
+def test_a_folder_an_earlier_deploy_wrote_is_its_own_whatever_its_spec_layout(tmp_path):
+    """spec.json is read back only for who wrote it, so a deployment written before the envelope held the load test's
+    figures whole (its fields flat) is still replaced by a new `quantize deploy`, never refused as someone else's."""
+    from pipelines.deploy.files import SERVE_SCRIPT, SPEC_FILE, WRITTEN_BY, is_deploy_folder
+
+    flat = {"measured_on": "cpu:avx2", "concurrency": 16, "measured_max_num_seqs": 16, "requests": 160, "failed": 0,
+            "ttft_ms": {"p50": 210.0, "p95": 407.0, "p99": 420.0}, "kv_capacity_tokens": 524288, "peak_memory_bytes": 2_000_000_000}
+    (tmp_path / SPEC_FILE).write_text(json.dumps({"written_by": WRITTEN_BY, "spec": {"envelope": flat}, "limits": []}))
+    (tmp_path / SERVE_SCRIPT).write_text("#!/bin/sh\n")
+    assert is_deploy_folder(tmp_path)
+    (tmp_path / SPEC_FILE).write_text(json.dumps({"written_by": "someone else", "spec": {"envelope": flat}}))
+    assert not is_deploy_folder(tmp_path)
+
+
 @pytest.mark.parametrize("option", [["--window", "0"], ["--window", "nan"], ["--window", "1e999"], ["--scrape-interval", "-5s"],
                                     ["--port", "70000"]])
 def test_hostile_options_are_one_line_exit_2(tool, servers, workspace, tmp_path, capsys, option):
