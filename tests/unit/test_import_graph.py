@@ -168,7 +168,8 @@ FLOORS: list[set[str]] = [
     {"benchmarks"},  # figures of whole stages: the repair's sensitivity pass among them (cuda_check)
     {"jobs"},
     {"bakeoff"},  # one intent through every quantize backend: its rows run through the runner
-    {"deploy", "watch"},  # a deployment's files carry the watch's limits; the watch reads the deployment's spec
+    {"deploy"},  # the served spec, its envelope and the limits derived from it; the files that carry them
+    {"watch"},  # holds a server to its deployment's limits
     {"fleet"},
     {"commands", "cli"},
 ]
