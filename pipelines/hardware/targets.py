@@ -69,7 +69,8 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import InputError, ServeError
-from pipelines.hardware.host import CpuIsa, cpuinfo_class, gpu_capability, host_profile, serve_dtype_for
+from pipelines.hardware.emulation import CpuIsa, cpuinfo_class
+from pipelines.hardware.host import gpu_capability, host_profile, serve_dtype_for
 from pipelines.hardware.probe_rules import kv_probe_problem, probe_problem
 from pipelines.recipe import ActivationScheme, GroupScheme, KvCache, WeightScheme
 from pipelines.settings import current as current_settings

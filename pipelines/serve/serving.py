@@ -36,7 +36,9 @@ from pipelines.bounds import MAX_CONTEXT, MiB
 from pipelines.console.output import progress
 from pipelines.console.progress import track
 from pipelines.errors import ServeError, from_validation_error
-from pipelines.hardware.host import emulated_class, host_profile, require_serve_env, serve_dtype_for, serve_process_env
+from pipelines.hardware.emulation import emulated_class
+from pipelines.hardware.host import host_profile, serve_dtype_for
+from pipelines.hardware.serve_env import require_serve_env, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.recipe import VLLM_KV_CACHE_DTYPES
 from pipelines.schema import StrictModel
@@ -298,7 +300,7 @@ def new_api_key() -> str:
 
 
 def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
-    """The server's environment: the serve environment's (pipelines/hardware/host.py serve_process_env: the shim,
+    """The server's environment: the serve environment's (pipelines/hardware/serve_env.py serve_process_env: the shim,
     temporary files under shim_dir/tmp, inside the run folder and removed with it, the emulated host class's ISA
     caps) plus the key and the KV space. vLLM's ZeroMQ sockets stay in the system's temporary folder
     (VLLM_RPC_BASE_PATH), whose short path keeps them under the 107-byte limit of a socket's name."""

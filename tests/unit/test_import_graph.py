@@ -213,3 +213,10 @@ def test_every_command_loads_without_the_model_libraries() -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=PACKAGE.parent)
     assert result.stdout.strip() == "", result.stdout
+
+
+def test_the_serve_probe_imports_nothing_of_ours() -> None:
+    """pipelines/hardware/serve_probe.py runs as a script in the serve environment (.venv-serve: vLLM's pins), where the
+    project is not installed: an import of ours there fails on the user's machine, not here."""
+    ours = import_graph(PACKAGE)["pipelines.hardware.serve_probe"]
+    assert ours == set(), f"serve_probe.py imports {sorted(ours)}"

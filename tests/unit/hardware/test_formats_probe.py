@@ -9,6 +9,7 @@ import pytest
 from fakes import answered_probe
 
 from pipelines.hardware import formats, host, kernels
+from pipelines.hardware.emulation import EMULATE_ENV
 from pipelines.hardware.formats import format_caveat, format_facts, format_kernel, format_problem
 from pipelines.hardware.host import HostProfile
 from pipelines.hardware.kernels import FormatCase
@@ -138,7 +139,7 @@ def test_the_real_cpu_build_serves_gptq_through_a_kernel_and_refuses_bitsandbyte
     if not (serve_env / ".quantgate-stamp").is_file():
         pytest.skip("no serve environment (.venv-serve): make setup builds it")
     monkeypatch.setenv("QUANTGATE_SERVE_VENV", str(serve_env))
-    monkeypatch.delenv(host.EMULATE_ENV, raising=False)
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
     profile = host.host_profile()
     if not profile.host_class.startswith("cpu:"):
         pytest.skip(f"vLLM's CPU build's verdicts; this host is {profile.host_class}")

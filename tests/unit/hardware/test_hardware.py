@@ -13,8 +13,9 @@ import pytest
 from fakes import answered_probe
 
 from pipelines.errors import InputError
-from pipelines.hardware import host, targets
-from pipelines.hardware.host import HostFacts, HostProfile, classify, emulated_class, emulation_env, serve_dtype_for, shim_source
+from pipelines.hardware import emulation, targets
+from pipelines.hardware.emulation import emulated_class, emulation_env, shim_source
+from pipelines.hardware.host import HostFacts, HostProfile, classify, serve_dtype_for
 from pipelines.hardware.kernels import STANDARD_CASES, KernelCase, KernelFact, kernel_facts
 from pipelines.hardware.speed import ProbedSpeed, artifact_cases, estimate_scoring, probed_speed
 from pipelines.recipe import GroupScheme, load_recipe
@@ -69,18 +70,18 @@ def test_amx_is_always_hidden_and_emulation_hides_the_wider_isa() -> None:
     ("avx2", "cpu:avx512", False), ("arm", "cpu:avx2", False),
 ])
 def test_only_a_narrower_class_can_be_emulated(monkeypatch: pytest.MonkeyPatch, own: str, asked: str, ok: bool) -> None:
-    monkeypatch.setattr(host, "cpuinfo_class", lambda: own)
-    monkeypatch.setenv(host.EMULATE_ENV, asked)
+    monkeypatch.setattr(emulation, "cpuinfo_class", lambda: own)
+    monkeypatch.setenv(emulation.EMULATE_ENV, asked)
     if ok:
         assert emulated_class() == asked.removeprefix("cpu:")
     else:
         with pytest.raises(InputError) as raised:
             emulated_class()
-        assert raised.value.field == host.EMULATE_ENV and "cannot be added" in raised.value.message
+        assert raised.value.field == emulation.EMULATE_ENV and "cannot be added" in raised.value.message
 
 
 def test_an_unknown_emulated_class_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(host.EMULATE_ENV, "cpu:avx1024")
+    monkeypatch.setenv(emulation.EMULATE_ENV, "cpu:avx1024")
     with pytest.raises(InputError, match="only cpu:avx2 and cpu:avx512"):
         emulated_class()
 
