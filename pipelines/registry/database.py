@@ -88,12 +88,3 @@ def files_anchor(value: Path | str) -> Path:
     return current_settings().artifacts_dir / f"registry-{re.sub(r'[^A-Za-z0-9_.-]', '_', database)}" / "registry"
 
 
-def open_database(value: Path | str, field: str) -> Database:
-    url = postgres_url(value)
-    if url is not None:
-        from pipelines.registry.postgres_db import PostgresDatabase  # psycopg is imported only for a PostgreSQL registry
-
-        return PostgresDatabase(url, field)
-    from pipelines.registry.sqlite_db import SQLiteDatabase
-
-    return SQLiteDatabase(Path(value), field)

@@ -31,7 +31,7 @@ from pipelines.artifact import MANIFEST_FILES_KEY, MANIFEST_NAME, ArtifactCheck,
 from pipelines.errors import InputError
 from pipelines.files.hashing import sha256_json
 from pipelines.gate.schema import read_report
-from pipelines.registry.database import SCHEMA_VERSION, Connection, open_database, postgres_url  # noqa: F401 (re-exported)
+from pipelines.registry.database import SCHEMA_VERSION, Connection, Database, postgres_url  # noqa: F401 (re-exported)
 from pipelines.registry.evidence import verify_promotion
 from pipelines.registry.records import (  # noqa: F401 (re-exported: the records' public home stays importable from here)
     TRANSITIONS,
@@ -48,6 +48,7 @@ from pipelines.registry.records import (  # noqa: F401 (re-exported: the records
     version_from_row,
 )
 from pipelines.registry.signing import SignatureRecord, require_signed_bundle
+from pipelines.registry.sqlite_db import SQLiteDatabase
 from pipelines.settings import current as current_settings
 
 if TYPE_CHECKING:
@@ -72,6 +73,16 @@ def verify_version(version: Version) -> ArtifactCheck:
             file=artifact_dir / MANIFEST_NAME,
         )
     return check
+
+
+def open_database(value: Path | str, field: str) -> Database:
+    """The backend `value` names: a PostgreSQL URL, else a SQLite file."""
+    url = postgres_url(value)
+    if url is not None:
+        from pipelines.registry.postgres_db import PostgresDatabase  # psycopg is imported only for a PostgreSQL registry
+
+        return PostgresDatabase(url, field)
+    return SQLiteDatabase(Path(value), field)
 
 
 class Registry:

@@ -412,7 +412,7 @@ def test_a_run_reclaims_staging_folders_left_by_dead_runs(stack, workspace):
 
 
 def test_a_registry_that_cannot_be_written_fails_the_run_before_serving(stack, workspace, monkeypatch):
-    from pipelines.registry import store as registry_module
+    from pipelines.registry import sqlite_db as registry_module
 
     Registry(workspace.registry)
     monkeypatch.setattr(registry_module, "_writable", lambda path: False)  # an existing registry ...
