@@ -2,7 +2,7 @@
 
     QUANTGATE_ROOT           the repository root (recipes/, eval_sets/, models/, policies/); default: this checkout
     QUANTGATE_ARTIFACTS      where runs, jobs, caches, logs and the registry go; default: <root>/artifacts
-    QUANTGATE_REGISTRY       the registry database; default: <artifacts>/registry.db
+    QUANTGATE_REGISTRY       the registry database: a SQLite file or a postgresql:// URL; default: <artifacts>/registry.db
     QUANTGATE_SERVE_VENV     the serve environment holding vLLM; default: <root>/.venv-serve
     QUANTGATE_SERVE_TARGET   the serve target (`cpu`, `cuda:8.9`); default: the installed vLLM build's
     QUANTGATE_SERVE_FLAVOR   the vLLM build scripts/setup_env.sh installs (`cpu`, `cuda`)
