@@ -56,10 +56,6 @@ class Reference(BaseModel):
     baseline_topk: list[dict[str, float]]
 
 
-def _token_key(token_id: int) -> str:
-    return f"token_id:{token_id}"
-
-
 def _token_id(key: str) -> int:
     return int(key.split(":", 1)[1])
 

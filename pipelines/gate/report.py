@@ -257,10 +257,6 @@ def plan_tables(plan: dict[str, Any] | None) -> list[tuple[str, list[str], Rows]
     ]
 
 
-def _cell(value: Any) -> str:
-    return "" if value is None else str(value)
-
-
 # --- Markdown -------------------------------------------------------------------------------------
 
 def _md_table(columns: list[str], rows: Rows) -> str:

@@ -58,14 +58,6 @@ class Flips:
     n: int
 
     @property
-    def right_to_wrong_rate(self) -> float:
-        return self.right_to_wrong / self.n
-
-    @property
-    def wrong_to_right_rate(self) -> float:
-        return self.wrong_to_right / self.n
-
-    @property
     def discordance_rate(self) -> float:
         """Fraction of items on which the two models disagree."""
         return (self.right_to_wrong + self.wrong_to_right) / self.n
@@ -216,11 +208,6 @@ def tango_lower_bound(losses: float, gains: float, n: int, *, confidence: float 
     _check_table(losses, gains, n)
     critical = z_one_sided(confidence) if z is None else z
     return -1.0 if math.isinf(critical) else _tango_end(losses, gains, n, critical, -1)
-
-
-def wilson_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE) -> float:
-    """One-sided lower confidence bound of a binomial proportion (Wilson score, via scipy)."""
-    return float(binomtest(successes, n).proportion_ci(confidence_level=two_sided_level(confidence), method="wilson").low)
 
 
 def exact_lower_bound(successes: int, n: int, *, confidence: float = CONFIDENCE) -> float:

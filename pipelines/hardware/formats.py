@@ -16,7 +16,7 @@ from typing import Any
 
 from pipelines.hardware.host import host_profile
 from pipelines.hardware.kernels import FormatCase, KernelFact, kernel_facts
-from pipelines.hardware.targets import BITSANDBYTES_RFC, Layer, ServeTarget, checkpoint_format_problem
+from pipelines.hardware.targets import Layer, ServeTarget, checkpoint_format_problem
 
 
 def format_problem(method: str, config: dict[str, Any], in_features: int, out_features: int, target: ServeTarget) -> str | None:
@@ -47,6 +47,3 @@ def format_facts(cases: Iterable[FormatCase]) -> dict[str, KernelFact]:
     return {case.key: facts[case.key] for case in wanted}
 
 
-def format_caveat(method: str, target: ServeTarget) -> str | None:
-    """A note for a format `target` serves today but vLLM means to drop (for a manifest or report), else None."""
-    return BITSANDBYTES_RFC if method == "bitsandbytes" and target.kind == "cuda" else None

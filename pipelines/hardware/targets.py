@@ -97,7 +97,6 @@ CPU_FP8_KV_CLASSES = ("avx512", "avx512bf16")  # x86 with AVX-512 (AMX hosts are
 GPTQ_TYPES = ((4, True), (8, True))  # AutoGPTQConfig.TYPE_MAP: (bits, sym)
 GPTQ_ACT_DTYPES = ("float16", "bfloat16")  # AutoGPTQConfig.get_supported_act_dtypes
 BITSANDBYTES_MIN_CAPABILITY = 70  # BitsAndBytesConfig.get_min_capability
-BITSANDBYTES_RFC = "vLLM's RFC #39583 (github.com/vllm-project/vllm/issues/39583) proposes deprecating bitsandbytes support"
 # The vLLM library each CPU class loads (vllm/platforms/cpu.py import_kernels).
 CPU_LIBRARY: dict[str, str] = {"avx2": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "arm": "_C"}
 

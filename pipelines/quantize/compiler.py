@@ -405,11 +405,6 @@ def _algorithm_args(recipe: Recipe, method: Method) -> dict[str, Any]:
     }
 
 
-def methods_of(plan: dict[str, ModuleScheme]) -> dict[str, Method]:
-    """Module name -> the weight algorithm that quantizes it (quantized modules only; schemes concrete)."""
-    return {name: entry.scheme.algorithm or "rtn" for name, entry in plan.items() if entry.scheme is not None}
-
-
 def _config_groups(recipe: Recipe, layout: ModelLayout, plan: dict[str, ModuleScheme]) -> dict[Method, dict[str, Any]]:
     """Per weight algorithm, its config groups: one per (kind, scheme), named attention, mlp, attention_1, ...
     A quantized lm_head goes with the recipe's own algorithm."""

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import IO
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PR_GET_PDEATHSIG = 2
 STALE_AFTER_S = 60.0
 SHIM_PREFIX = "quantgate-vllm-"
 WATCHDOG_POLL_S = 0.5
@@ -89,15 +88,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
             os.kill(os.getpid(), sig)
 
     return preexec
-
-
-def current_parent_death_signal() -> int:
-    """This process's own parent-death signal (PR_GET_PDEATHSIG), 0 when none or not on Linux."""
-    if _PRCTL is None:
-        return 0
-    value = ctypes.c_int(0)
-    _PRCTL(PR_GET_PDEATHSIG, ctypes.byref(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    return value.value
 
 
 # --- processes: the watchdog ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ from fakes import answered_probe
 
 from pipelines.hardware import formats, host, kernels
 from pipelines.hardware.emulation import EMULATE_ENV
-from pipelines.hardware.formats import format_caveat, format_facts, format_kernel, format_problem
+from pipelines.hardware.formats import format_facts, format_kernel, format_problem
 from pipelines.hardware.host import HostProfile
 from pipelines.hardware.kernels import FormatCase
 from pipelines.hardware.targets import ServeTarget, parse_target
@@ -95,12 +95,9 @@ def test_every_cpu_target_refuses_bitsandbytes_by_the_written_rule_with_vllms_wo
     assert "Unknown quantization method: bitsandbytes" in why
 
 
-def test_cuda_serves_gptq_and_bitsandbytes_with_the_deprecation_noted() -> None:
+def test_cuda_serves_gptq_and_bitsandbytes_from_their_minimum_capability() -> None:
     ampere = parse_target("cuda:8.0")
     assert format_problem("gptq", GPTQ, 256, 256, ampere) is None and format_problem("bitsandbytes", BNB, 256, 256, ampere) is None
-    caveat = format_caveat("bitsandbytes", ampere)
-    assert caveat is not None and "39583" in caveat
-    assert format_caveat("bitsandbytes", parse_target("cpu")) is None and format_caveat("gptq", ampere) is None
     assert "7.0" in (format_problem("bitsandbytes", BNB, 256, 256, parse_target("cuda:6.1")) or "")
     assert "7.5" in (format_problem("gptq", GPTQ, 256, 256, parse_target("cuda:7.0")) or "")
 

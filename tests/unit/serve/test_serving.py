@@ -349,7 +349,8 @@ def test_a_grandchild_that_honours_sigterm_dies_at_once(tmp_path):
 
 
 def test_the_server_gets_a_parent_death_signal(tmp_path):
-    script = "from pipelines.serve.reclaim import current_parent_death_signal as c; print(c(), flush=True)"
+    # the child reads its own parent-death signal: prctl(PR_GET_PDEATHSIG = 2) through libc
+    script = "import ctypes; v = ctypes.c_int(0); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value, flush=True)"
     process, watchdog = serving.start_process_group([sys.executable, "-c", script], env=dict(os.environ), log_path=tmp_path / "log")
     process.wait(timeout=30)
     watchdog.stop()
