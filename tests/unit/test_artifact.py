@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -105,7 +106,14 @@ def test_the_manifest_recipe_is_read_alone_and_the_check_carries_the_recipe_text
 
 
 def test_verify_artifact_accepts_an_intact_artifact(tmp_path: Path) -> None:
-    verify_artifact(make_artifact(tmp_path / "a"))
+    folder = make_artifact(tmp_path / "a")
+    check = verify_artifact(folder)
+    listed = {"model.safetensors", "config.json", "sub/tokenizer.json"}
+    assert set(check.files) == listed and sorted(check.hashed) == sorted(listed)  # every file hashed: no fingerprint given
+    assert check.files["model.safetensors"] == hashlib.sha256(b"weights").hexdigest()
+    assert check.manifest_sha256 == hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+    assert set(check.fingerprint) == listed | {"manifest.json"}
+    assert verify_artifact(folder, fingerprint=check.fingerprint).hashed == []  # unchanged files are not read again
 
 
 @pytest.mark.parametrize(
