@@ -15,12 +15,13 @@ from pipelines.canary.client import API_KEY_ENV
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
 from pipelines.deploy.spec import served_spec
-from pipelines.errors import EXIT_OK, EXIT_REJECTED, InputError
+from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, InputError
 from pipelines.registry.store import open_registry
+from pipelines.serve.bounded_http import without_credentials
 from pipelines.settings import current as current_settings
 from pipelines.watch.exposition import metrics_url
 from pipelines.watch.report import WatchReport, WindowReport
-from pipelines.watch.session import WatchSettings, default_folder, finish, watch
+from pipelines.watch.session import WatchSettings, check_out_folder, default_folder, finish, watch
 from pipelines.watch.shadow import read_sample, shadow_report
 
 MAX_WINDOWS = 10_000
@@ -65,11 +66,12 @@ def _watch(args: argparse.Namespace) -> int:
                        check_runtime=_on_this_machine(args.url)) if args.version else None
     if spec is not None:
         spec.require_envelope()
-        progress(f"{spec.model} v{spec.version} verified; holding {args.url} to the envelope it was promoted on")
+        progress(f"{spec.model} v{spec.version} verified; holding {without_credentials(args.url)} to the envelope it was promoted on")
     settings = WatchSettings(url=args.url, window_s=args.window, windows=args.windows, timeout_s=args.timeout, prometheus=args.prometheus,
                              sample_every_s=args.sample_every or min(15.0, max(1.0, args.window / 30)), rollback_after=args.rollback_after,
                              api_key=os.environ.get(API_KEY_ENV) or None)
     out = args.out or default_folder(current_settings().artifacts_dir, spec)
+    check_out_folder(out)  # before the watch, not after it
     report, raw = watch(settings, spec, registry=registry, on_window=_window_line)
     if args.shadow is not None and spec is not None and registry is not None:
         gate = registry.show(spec.model, spec.version).gate
@@ -78,6 +80,9 @@ def _watch(args: argparse.Namespace) -> int:
         report.shadow = shadow_report(spec, gate, args.shadow, max_items=args.shadow_items, logs=out / "shadow")
     finish(report, raw, spec, out)
     emit(report.document(), as_json=args.json, render=lambda _: _render(report))
+    if report.verdict == "invalid":
+        progress(f"window(s) {', '.join(map(str, report.invalid_windows))} held figures no server can produce: not judged, exit 2")
+        return EXIT_ERROR
     return EXIT_REJECTED if report.verdict == "breach" else EXIT_OK
 
 
@@ -106,6 +111,8 @@ def _check_options(args: argparse.Namespace) -> None:
 def _window_line(window: WindowReport, total: int) -> None:
     f = window.figures
     state = f"BREACH ({', '.join(window.breached)})" if window.breached else ("within" if window.verdicts else "figures")
+    if window.invalid:
+        state = "INVALID, not judged" + (f"; BREACH ({', '.join(window.breached)})" if window.breached else "")
     progress(f"window {window.index}/{total}: {f.requests:g} requests, TTFT p95 {_s(f.ttft_p95_s)}, ITL p95 {_s(f.itl_p95_s)}, "
              f"KV peak {_pct(f.kv_cache_usage)}, {f.preemptions:g} preemptions, waiting p95 {_n(f.waiting_p95)}: {state}")
     if window.canary is not None:
@@ -165,7 +172,8 @@ def _render(report: WatchReport) -> None:
     if report.shadow is not None:
         for line in report.shadow.get("lines", []):
             say(f"shadow: {line}")
-    say(f"verdict: {report.verdict}" + (f" (windows {', '.join(map(str, report.breached_windows))})" if report.breached_windows else "")
+    flagged = report.breached_windows or report.invalid_windows
+    say(f"verdict: {report.verdict}" + (f" (windows {', '.join(map(str, flagged))})" if flagged else "")
         + f"; report {report.folder}/watch.json" + (f", plot {report.plot}" if report.plot else ""))
 
 

@@ -120,14 +120,20 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary sibling, fsync, rename over `path`; mode 0666 less the umask."""
+    """Write `text` (UTF-8) to a temporary sibling, fsync, rename over `path`; mode 0666 less the umask."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary sibling, fsync, rename over `path` (a symbolic link there is replaced, never followed);
+    mode 0666 less the umask."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), file_mode())
-            handle.write(text)
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

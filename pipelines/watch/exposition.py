@@ -24,7 +24,7 @@ from pydantic import Field
 from pipelines.bounds import MiB
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-from pipelines.serve.bounded_http import get_bounded
+from pipelines.serve.bounded_http import get_bounded, without_credentials
 from pipelines.serve.bounded_http import short as _short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -70,7 +70,7 @@ def metrics_url(url: str, field: str = "--url") -> str:
         port_ok = False
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise InputError("not an http(s) URL: give the vLLM server's base URL (http://HOST:PORT) or its metrics page "
-                         "(http://HOST:PORT/metrics)", file=url, field=field)
+                         "(http://HOST:PORT/metrics)", file=without_credentials(url), field=field)
     path = parts.path.rstrip("/")
     if path in BASE_PATHS:
         path = METRICS_PATH
@@ -85,7 +85,7 @@ def fetch_page(client: httpx.Client, url: str, timeout_s: float = SCRAPE_TIMEOUT
 
 def scrape(client: httpx.Client, url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> Scrape:
     at = time.time()
-    return parse_page(fetch_page(client, url, timeout_s), url, at)
+    return parse_page(fetch_page(client, url, timeout_s), without_credentials(url), at)
 
 
 def parse_page(data: bytes, source: str, at: float) -> Scrape:

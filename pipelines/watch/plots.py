@@ -1,10 +1,12 @@
 """One PNG of a watch session (matplotlib, Agg): per window, the latency percentiles and the load against their limits; the
-KV cache and the queue as sampled; breaching windows shaded."""
+KV cache and the queue as sampled; breaching windows shaded. An invalid window (pipelines/watch/plausible.py) is left out."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from pipelines.files.atomic import write_bytes_atomic
 from pipelines.watch.report import WatchReport
 
 
@@ -14,7 +16,7 @@ def write_plot(report: WatchReport, path: Path, samples: dict[str, list[tuple[fl
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    windows = report.windows
+    windows = [window for window in report.windows if not window.invalid]
     origin = windows[0].start if windows else 0.0
     ends = [(window.end - origin) / 60 for window in windows]
     limits = {verdict.figure: verdict.limit for verdict in (report.overall.verdicts if report.overall else [])}
@@ -55,12 +57,15 @@ def write_plot(report: WatchReport, path: Path, samples: dict[str, list[tuple[fl
                 panel.axvspan((window.start - origin) / 60, (window.end - origin) / 60, color="tab:red", alpha=0.08)
         panel.set_xlabel("minutes since the watch began")
         panel.grid(True, alpha=0.3)
-        panel.legend(fontsize=7, loc="upper left")
+        if panel.get_legend_handles_labels()[0]:
+            panel.legend(fontsize=7, loc="upper left")
     who = f"{report.version['model']} v{report.version['version']}" if report.version else report.url
     figure.suptitle(f"quantize watch: {who}, {len(windows)} window(s) of {report.window_s:g} s: {report.verdict}", fontsize=10)
     figure.tight_layout()
-    figure.savefig(path)
+    image = io.BytesIO()
+    figure.savefig(image, format="png")
     pyplot.close(figure)
+    write_bytes_atomic(path, image.getvalue())  # never through a symbolic link planted at `path`
     return path
 
 

@@ -21,7 +21,7 @@ import httpx
 from pipelines.bounds import MiB
 from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
-from pipelines.serve.bounded_http import get_bounded, short
+from pipelines.serve.bounded_http import get_bounded, short, without_credentials
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.exposition import kv_info
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -37,7 +37,7 @@ def instance_of(url: str) -> str:
     """The `instance` label Prometheus gives the target at `url` (HOST:PORT, the scheme's default port when none)."""
     parsed = urlparse(url)
     if not parsed.hostname:
-        raise InputError(f"not an http(s) URL (got {url!r})", field="--url")
+        raise InputError(f"not an http(s) URL (got {without_credentials(url)!r})", field="--url")
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
     return f"{host}:{port}"
@@ -48,8 +48,9 @@ class PrometheusWindows:
 
     def __init__(self, client: httpx.Client, base_url: str, instance: str, *, timeout_s: float = QUERY_TIMEOUT_S):
         if not urlparse(base_url).hostname:
-            raise InputError(f"not an http(s) URL (got {base_url!r})", field=FIELD)
+            raise InputError(f"not an http(s) URL (got {without_credentials(base_url)!r})", field=FIELD)
         self.client, self.base = client, base_url.rstrip("/")
+        self.shown = without_credentials(self.base)
         self.selector = f'instance="{_escape(instance)}"'
         self.instance, self.timeout_s = instance, timeout_s
 
@@ -80,7 +81,7 @@ class PrometheusWindows:
         result = self._query("/api/v1/query", {"query": f'count({{__name__=~"{VLLM_PREFIX}.+",{self.selector}}})', "time": _time(at)})
         if not result or _float(result[0].get("value", [0, "0"])[1], f"count of {VLLM_PREFIX}* series") <= 0:
             raise InputError(f"Prometheus holds no {VLLM_PREFIX}* series with instance={self.instance!r} now: is it scraping that vLLM server "
-                             "(and was the server started without --disable-log-stats)?", file=self.base, field=FIELD)
+                             "(and was the server started without --disable-log-stats)?", file=self.shown, field=FIELD)
 
     def _range(self, query: str, start: float, end: float, step: float) -> list[dict]:
         return self._query("/api/v1/query_range", {"query": query, "start": _time(start), "end": _time(end), "step": duration(step)})
@@ -100,7 +101,7 @@ class PrometheusWindows:
             totals: list[dict[str, float]] = [{} for _ in ends]
             rng = duration(window_s)
             for series in self._range(f"sum by (le) (increase({base}_bucket{{{self.selector}}}[{rng}]))", ends[0], ends[-1], window_s):
-                bound = _bound(series.get("metric", {}).get("le"), base, self.base)
+                bound = _bound(series.get("metric", {}).get("le"), base, self.shown)
                 for at, value in series.get("values", []):
                     index = _nearest(ends, float(at), window_s)
                     if index is not None:
@@ -132,20 +133,21 @@ class PrometheusWindows:
 
     def _query(self, path: str, params: dict[str, str]) -> list[dict]:
         url = self.base + path
+        shown = self.shown + path
         body = get_bounded(self.client, url, field=FIELD, max_bytes=MAX_ANSWER_BYTES, timeout_s=self.timeout_s, params=params,
                            what="answer")
         try:
             answer = json.loads(body)
         except (ValueError, RecursionError):
-            raise InputError(f"answered something that is not JSON to {params['query']!r}", file=url, field=FIELD) from None
+            raise InputError(f"answered something that is not JSON to {params['query']!r}", file=shown, field=FIELD) from None
         if not isinstance(answer, dict) or answer.get("status") != "success":
             error = answer.get("error") if isinstance(answer, dict) else None
-            raise InputError(f"refused {short(params['query'])!r}: {short(str(error or answer))}", file=url, field=FIELD)
+            raise InputError(f"refused {short(params['query'])!r}: {short(str(error or answer))}", file=shown, field=FIELD)
         result = (answer.get("data") or {}).get("result") if isinstance(answer.get("data"), dict) else None
         if not isinstance(result, list) or not all(isinstance(series, dict) for series in result):
-            raise InputError(f"answered {short(params['query'])!r} with no list of series", file=url, field=FIELD)
+            raise InputError(f"answered {short(params['query'])!r} with no list of series", file=shown, field=FIELD)
         if len(result) > MAX_SERIES:
-            raise InputError(f"answered {short(params['query'])!r} with {len(result)} series (at most {MAX_SERIES})", file=url, field=FIELD)
+            raise InputError(f"answered {short(params['query'])!r} with {len(result)} series (at most {MAX_SERIES})", file=shown, field=FIELD)
         return result
 
 

@@ -23,6 +23,7 @@ class WindowReport(StrictModel):
     figures: Figures
     verdicts: list[FigureVerdict] = Field(default_factory=list)
     breached: list[str] = Field(default_factory=list)
+    invalid: list[str] = Field(default_factory=list, description="why no server could have produced this window: it is not judged")
     canary: CanaryResult | None = None  # the golden set's probe after this window (pipelines.canary)
 
 
@@ -36,7 +37,8 @@ class WatchReport(StrictModel):
     limits: list[FigureLimit] = Field(default_factory=list)
     windows: list[WindowReport] = Field(default_factory=list)
     overall: WindowReport | None = None
-    verdict: Literal["within", "breach", "figures only"] = "figures only"
+    verdict: Literal["within", "breach", "figures only", "invalid"] = "figures only"  # invalid: no breach, but a window no server
+    invalid_windows: list[int] = Field(default_factory=list)  # could have produced (pipelines/watch/plausible.py): exit 2
     breached_windows: list[int] = Field(default_factory=list)
     recommendations: list[Recommendation] = Field(default_factory=list)
     recommendation_notes: list[str] = Field(default_factory=list)

@@ -33,8 +33,10 @@ from pipelines.errors import InputError
 from pipelines.files.atomic import storage_error, write_text_atomic
 from pipelines.registry.store import Registry
 from pipelines.schema import FrozenModel
+from pipelines.serve.bounded_http import without_credentials
 from pipelines.watch.exposition import scrape, window_between
 from pipelines.watch.figures import window_figures
+from pipelines.watch.plausible import implausible
 from pipelines.watch.plots import write_plot
 from pipelines.watch.prometheus import PrometheusWindows, instance_of
 from pipelines.watch.recommend import recommendations
@@ -64,7 +66,7 @@ def live_windows(client: httpx.Client, settings: WatchSettings, served_name: str
     first = scrape(client, settings.url, settings.timeout_s)
     if served_name is not None and first.model_names and served_name not in first.model_names:
         raise InputError(f"the server serves {', '.join(map(repr, first.model_names))}, not {served_name!r} (the version's served name; "
-                         "give --served-name if it was deployed under another)", file=settings.url, field="--url")
+                         "give --served-name if it was deployed under another)", file=without_credentials(settings.url), field="--url")
     for index in range(1, settings.windows + 1):
         deadline = time.monotonic() + settings.window_s
         samples = []
@@ -72,7 +74,7 @@ def live_windows(client: httpx.Client, settings: WatchSettings, served_name: str
             time.sleep(min(settings.sample_every_s, left))
             samples.append(scrape(client, settings.url, settings.timeout_s))
         last = samples[-1] if samples else scrape(client, settings.url, settings.timeout_s)
-        yield window_between(index, first, last, samples or [last], settings.url)
+        yield window_between(index, first, last, samples or [last], without_credentials(settings.url))
         first = last
 
 
@@ -87,7 +89,8 @@ def watch(settings: WatchSettings, spec: ServedSpec | None, *, registry: Registr
     """Watch and judge each window; roll back when told to. Returns the report and the windows' raw data (for `finish`)."""
     envelope = spec.require_envelope() if spec is not None else None
     held = limits(envelope) if envelope is not None else []
-    report = WatchReport(url=settings.url, source="prometheus" if settings.prometheus else "metrics", prometheus=settings.prometheus,
+    report = WatchReport(url=without_credentials(settings.url), source="prometheus" if settings.prometheus else "metrics",
+                         prometheus=without_credentials(settings.prometheus) if settings.prometheus else None,
                          window_s=settings.window_s, envelope=envelope, limits=held, version=_version(spec))
     raw: list[WindowData] = []
     run = 0
@@ -105,15 +108,19 @@ def watch(settings: WatchSettings, spec: ServedSpec | None, *, registry: Registr
             run = run + 1 if window.breached else 0
             if spec is not None and registry is not None and settings.rollback_after and run >= settings.rollback_after:
                 evidence = [_window_evidence(w) for w in report.windows[-run:]]
-                report.rollback = roll_back(registry, spec, evidence, url=settings.url)
+                report.rollback = roll_back(registry, spec, evidence, url=report.url)
                 break
     return report, raw
 
 
 def _judged(data: WindowData, held: list[FigureLimit]) -> WindowReport:
     figures = window_figures(data)
-    verdicts = judge(figures, held)
-    return WindowReport(index=data.index, start=data.start, end=data.end, figures=figures, verdicts=verdicts, breached=breached(verdicts))
+    invalid = implausible(data, figures)
+    if invalid:
+        progress(f"window {data.index} is invalid, not judged: {'; '.join(invalid[:3])}{' ...' if len(invalid) > 3 else ''}")
+    verdicts = judge(figures, held, invalid=bool(invalid))
+    return WindowReport(index=data.index, start=data.start, end=data.end, figures=figures, verdicts=verdicts, breached=breached(verdicts),
+                        invalid=invalid)
 
 
 def _golden(spec: ServedSpec | None, report: WatchReport) -> GoldenSet | None:
@@ -145,22 +152,34 @@ def _window_evidence(window: WindowReport) -> dict[str, Any]:
 
 def finish(report: WatchReport, raw: list[WindowData], spec: ServedSpec | None, out: Path) -> WatchReport:
     """The whole session's figures and verdict, the recommendations; watch.png and watch.json written into `out`."""
-    report.overall = _judged(merged(raw), report.limits) if raw else None
+    valid = [data for data, window in zip(raw, report.windows, strict=False) if not window.invalid]
+    report.overall = _judged(merged(valid), report.limits) if valid else None
     report.breached_windows = [window.index for window in report.windows if window.breached]
-    report.verdict = "figures only" if spec is None else ("breach" if report.breached_windows else "within")
+    report.invalid_windows = [window.index for window in report.windows if window.invalid]
+    report.verdict = ("breach" if report.breached_windows and spec is not None else "invalid" if report.invalid_windows
+                      else "figures only" if spec is None else "within")
     if spec is not None:
-        found, notes = recommendations(spec, [(w.index, w.start, w.end, w.figures) for w in report.windows],
+        found, notes = recommendations(spec, [(w.index, w.start, w.end, w.figures) for w in report.windows if not w.invalid],
                                        next((data.kv for data in reversed(raw) if data.kv is not None), None))
         report.recommendations, report.recommendation_notes = found, notes
+    check_out_folder(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise storage_error(error, out) from error
     report.folder = str(out)
     if raw:
-        report.plot = str(write_plot(report, out / PLOT_FILE, merged(raw).gauges))
+        report.plot = str(write_plot(report, out / PLOT_FILE, merged(valid).gauges if valid else {}))
     write_text_atomic(out / REPORT_FILE, json.dumps(report.document(), indent=2) + "\n")
     return report
+
+
+def check_out_folder(out: Path) -> None:
+    """A symbolic link as the report's folder is refused: what is written there must land in the folder named, not elsewhere."""
+    if out.is_symlink():
+        raise InputError("is a symbolic link: give the folder itself", file=out, field="--out")
+    if out.exists() and not out.is_dir():
+        raise InputError("is not a folder", file=out, field="--out")
 
 
 def _version(spec: ServedSpec | None) -> dict[str, Any] | None:
