@@ -5,7 +5,6 @@ kept-alive client connections lose no request. The proxy's log is read back thro
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import secrets
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from http_stand_in import HttpStandIn, Request
 
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.nginx import PROBE_PREFIX, ProxyLayout, Upstream, render_config, write_config
@@ -30,40 +30,18 @@ NGINX = shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin:/bin")
 pytestmark = pytest.mark.skipif(NGINX is None, reason="Debian's nginx is not installed (make setup)")
 
 
-class StandIn:
+class StandIn(HttpStandIn):
     """A route's server: answers every request with `status` (after `delay_s`), naming itself."""
 
     def __init__(self, name: str, status: int = 200, delay_s: float = 0.0):
         self.name, self.status, self.delay_s = name, status, delay_s
         self.entered = threading.Event()  # set when a request reaches it
-        outer = self
+        super().__init__(self._answer)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _answer(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.entered.set()
-                time.sleep(outer.delay_s)
-                data = json.dumps({"route": outer.name}).encode()
-                self.send_response(outer.status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def _answer(self, request: Request) -> tuple[int, bytes]:
+        self.entered.set()
+        time.sleep(self.delay_s)
+        return self.status, json.dumps({"route": self.name}).encode()
 
 
 class Proxy:

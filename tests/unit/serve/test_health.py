@@ -4,55 +4,39 @@ tells our server from another."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from http_stand_in import HttpStandIn, Request
 
 from pipelines.serve import health
 from pipelines.serve.serving import free_port
 
 
-class Server:
+class Server(HttpStandIn):
     """Answers /health with `status` after `delay_s`; /v1/models lists `name` to whoever sends `key`."""
 
     def __init__(self, status: int = 200, delay_s: float = 0.0, name: str = "m", key: str = "ours"):
         self.status, self.delay_s, self.name, self.key = status, delay_s, name, key
-        outer = self
+        super().__init__(self._answer)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    time.sleep(outer.delay_s)
-                    status, body = outer.status, b""
-                elif self.headers.get("Authorization") != f"Bearer {outer.key}":
-                    status, body = 401, b"{}"
-                else:
-                    status, body = 200, json.dumps({"data": [{"id": outer.name}]}).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _answer(self, request: Request) -> tuple[int, bytes]:
+        if request.path == "/health":
+            time.sleep(self.delay_s)
+            return self.status, b""
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            return 401, b"{}"
+        return 200, json.dumps({"data": [{"id": self.name}]}).encode()
 
 
 @pytest.fixture
 def server() -> Iterator[Server]:
     running = Server()
     yield running
-    running.server.shutdown()
-    running.server.server_close()
+    running.close()
 
 
 def test_healthy_is_200_from_health_and_nothing_else(server: Server) -> None:
