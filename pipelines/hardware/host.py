@@ -18,9 +18,8 @@ GPU has it (sm80+), float32 on other CPUs. On an AVX2 host vLLM's int8 W8A8 kern
 static activation scales with a bfloat16 output and falls to oneDNN's reference kernel (128-170x slower than
 16-bit in the probe, 93x end to end); with a float32 output it runs oneDNN's jit kernel (docs/hardware.md).
 
-An AVX-512 host can reproduce a narrower class (`QUANTGATE_EMULATE_HOST=cpu:avx2`): the server's sitecustomize
-reports the wider ISA checks false to torch (so vLLM loads that class's library), ONEDNN_MAX_CPU_ISA caps oneDNN
-and ATEN_CPU_CAPABILITY caps PyTorch's own kernels. A wider class than the host's cannot be emulated.
+An AVX-512 host can reproduce a narrower class (`QUANTGATE_EMULATE_HOST=cpu:avx2`: emulation.py). The facts are read
+inside the serve environment through its channel (serve_env.py: the probe script, the process environment, the cache).
 """
 
 from __future__ import annotations
