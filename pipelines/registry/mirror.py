@@ -9,8 +9,9 @@ idempotent (a version already in MLflow is reused, aliases are set to what the r
 partial failure finishes the work without duplicates.
 
 Credentials in the URL (https://user:secret@host) are never printed and never written: messages and the pending
-records carry the URL with its user part replaced by `***`; a retry takes the credentials from the target given
-to it (MLflow's own MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN work too, and keep the URL plain).
+records carry the URL with its user part replaced by `***` (a PostgreSQL registry's URL too); a retry takes the
+credentials from the target given to it and from QUANTGATE_REGISTRY (MLflow's own MLFLOW_TRACKING_USERNAME / _PASSWORD /
+_TOKEN work too, and keep the URL plain).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def retry_pending(url: str | None = None, *, quiet: bool = False) -> tuple[list[
         target = url if url is not None and redact(url) == tracking else tracking
         numbers = sorted({number for _, record in records for number in record.versions})
         try:
-            done.append(mirror_model(open_registry(Path(registry_location)), model, numbers, target))
+            done.append(mirror_model(_reopen(registry_location), model, numbers, target))
         except Exception as error:
             failed.append(f"{model} ({registry_location}) to {tracking}: {_message(error)}")
             if quiet:
@@ -141,12 +142,25 @@ def _grouped(url: str | None) -> dict[tuple[str, str, str], list[tuple[Path, Pen
 
 
 def _matching(url: str, registry: Registry, model: str) -> list[tuple[Path, Pending]]:
-    return _grouped(url).get((str(registry.path), model, redact(url)), [])
+    return _grouped(url).get((_location(registry), model, redact(url)), [])
+
+
+def _location(registry: Registry) -> str:
+    """The registry's file or PostgreSQL URL, its credentials left out (what a pending record may hold)."""
+    return redact(str(registry.location))
+
+
+def _reopen(location: str) -> Registry:
+    """A pending record's registry: its own location, or the default registry's when that is the same one with the
+    credentials a record never holds."""
+    if "***@" in location and _location(Registry(None)) == location:
+        return Registry(None)
+    return open_registry(location)
 
 
 def _record(registry: Registry, model: str, numbers: list[int], url: str, error: Exception) -> Pending:
     """Write the pending record of a failed call (one file per content: two failures of the same call, one file)."""
-    record = Pending(registry=str(registry.path), model=model, versions=sorted(set(numbers)), tracking=redact(url),
+    record = Pending(registry=_location(registry), model=model, versions=sorted(set(numbers)), tracking=redact(url),
                      error=_message(error), since=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     key = hashlib.sha256(f"{record.registry}\n{model}\n{record.tracking}\n{record.versions}".encode()).hexdigest()[:16]
     try:

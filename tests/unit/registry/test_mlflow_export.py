@@ -11,50 +11,27 @@ import socket
 from pathlib import Path
 
 import pytest
-from fakes import promote
+from fakes import promoted
+from signed_versions import GATE_REPORT, make_promoted
 
 from pipelines.cli import main
 from pipelines.errors import InputError
-from pipelines.evaluation.metrics import make_spec
 from pipelines.files.hashing import file_hashes
-from pipelines.gate.policy import DEFAULT_POLICY, load_policy
-from pipelines.gate.schema import GateReport
-from pipelines.gate.verdict import PairedItem, SetComparison, decide
-from pipelines.registry.mirror import PENDING_DIR, mirror_after, pending_records, redact, retry_pending
+from pipelines.registry.mirror import (
+    PENDING_DIR,
+    mirror_after,
+    mirror_target,
+    mirroring_to,
+    pending_records,
+    redact,
+    retry_pending,
+)
 from pipelines.registry.mlflow_export import export_to_mlflow, gate_tags
-from pipelines.registry.store import MANIFEST_FILES_KEY, NewVersion, Registry, Version
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None,
     reason="mlflow is not installed (optional extra `mlflow`; pip install 'quantgate[mlflow]')",
 )
-
-def comparison(name: str, lost: int, kl: float | None) -> SetComparison:
-    items = [PairedItem(item_id=f"{name}{i}", baseline=1.0, candidate=0.0 if i < lost else 1.0, kl=kl) for i in range(200)]
-    return SetComparison(eval_set=name, metric=make_spec("exact_match"), items=items, kl_method="top-20 logprobs" if kl is not None else None)
-
-
-# tickets: 3 of 200 lost (delta -1.5 points, flip rate 0.015), KL measured; orders: none lost, KL not measured.
-GATE_REPORT = GateReport(
-    inputs={"artifact": {"hash": "abc"}},
-    gate=decide([comparison("tickets", 3, 0.004), comparison("orders", 0, None)], load_policy(DEFAULT_POLICY), "w8a8"),
-)
-
-
-def make_promoted(tmp_path: Path, model: str = "demo-llama") -> tuple[Registry, Version]:
-    artifact = tmp_path / "artifact"
-    artifact.mkdir()
-    (artifact / "model.safetensors").write_bytes(b"int8 weights")
-    (artifact / "config.json").write_text("{}")
-    (artifact / "manifest.json").write_text(json.dumps({MANIFEST_FILES_KEY: file_hashes(artifact)}))
-    (tmp_path / "gate.json").write_text(GATE_REPORT.model_dump_json())
-    registry = Registry(tmp_path / "registry.db")
-    version = registry.register(NewVersion(
-        source_model=model, source_hash="src", artifact_path=artifact, recipe_name="w8a8", recipe_hash="rh",
-        gate_path=tmp_path / "gate.json",
-    ))
-    return registry, promote(registry, version)
-
 
 def test_gate_tags_carry_verdict_and_per_set_numbers() -> None:
     tags = gate_tags(GATE_REPORT)
@@ -146,7 +123,7 @@ def test_export_registers_a_model_version_with_tags_alias_and_files(tmp_path: Pa
     downloaded = Path(client.download_artifacts(result.run_id, "bundle", str(tmp_path / "download")))
     assert file_hashes(downloaded) == file_hashes(registry.verify_signature(version).bundle)
     assert result.source.endswith("/bundle") and exported.source == result.source
-    assert {"bundle", "gate.json"} <= {item.path for item in client.list_artifacts(result.run_id)}
+    assert {"bundle", "gate.json", "report.md"} <= {item.path for item in client.list_artifacts(result.run_id)}
     assert (Path(uri.removeprefix("sqlite:///")).parent / "mlflow-artifacts").is_dir()  # beside the store, not ./mlruns
 
     # The same version again: the first export is reused; the CLI goes through the same path.
@@ -237,3 +214,27 @@ def test_a_mirror_failure_never_prints_credentials(tmp_path: Path, monkeypatch, 
     assert "s3cret" not in path.read_text() and record.tracking == f"http://***@127.0.0.1:{port}"
     # A retry without the credentials cannot serve this record: it stays.
     assert retry_pending(None) == ([], []) and len(pending_records()) == 1
+
+
+def test_the_runs_flag_wins_over_the_setting(monkeypatch) -> None:
+    monkeypatch.setenv("QUANTGATE_MLFLOW", "http://setting:5000")
+    assert mirror_target() == "http://setting:5000"
+    with mirroring_to("http://flag:5000"):
+        assert mirror_target() == "http://flag:5000" and mirror_target("http://explicit:5000") == "http://explicit:5000"
+    with mirroring_to(None):
+        assert mirror_target() == "http://setting:5000"
+    monkeypatch.delenv("QUANTGATE_MLFLOW")
+    assert mirror_target() is None
+
+
+@needs_mlflow
+def test_a_gate_runs_promotion_is_mirrored(cli, workspace, shared_store: str, offline_mlflow, monkeypatch, capsys) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("QUANTGATE_MLFLOW", shared_store)
+    version = promoted(cli, workspace, model=workspace.baseline.name)
+    assert any(line.startswith(">") and "mirrored to MLflow" in line for line in capsys.readouterr().err.splitlines())
+    client = MlflowClient(tracking_uri=shared_store, registry_uri=shared_store)
+    [mirrored] = [found for found in client.search_model_versions(f"name = '{version.model}'")  # the store is shared
+                  if found.tags["quantgate.artifact_hash"] == version.artifact_hash]
+    assert mirrored.tags["quantgate.version"] == str(version.version) and mirrored.tags["gate.verdict"] == "promoted"
