@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import shlex
+import stat
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pipelines.bounds import MiB
 from pipelines.deploy.limits import FigureLimit, limits
 from pipelines.deploy.promql import duration, error_rates, job_name, selector
 from pipelines.deploy.rule_tests import rule_tests
@@ -31,6 +33,8 @@ from pipelines.deploy.slo import HEALTH_FIGURES, SLO_FIGURES, health_rules, slo_
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir, folder_mode
+from pipelines.files.jsonio import parse_json_strict
+from pipelines.files.yamlio import read_user_bytes
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import VLLM_SERVER_MODULE
 from pipelines.serve.vllm_series import (
@@ -47,6 +51,7 @@ SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, ALERT_TESTS, DASHBOARD, SPEC_FILE 
     "serve.sh", "prometheus.yml", "alert-rules.yml", "alert-rules.test.yml", "grafana-dashboard.json", "spec.json")
 DEPLOY_FILES = (SERVE_SCRIPT, PROMETHEUS_CONFIG, ALERT_RULES, ALERT_TESTS, DASHBOARD, SPEC_FILE)
 WRITTEN_BY = "quantize deploy"
+MAX_SPEC_BYTES = 16 * MiB  # an earlier spec.json, read back only for its written_by
 
 
 class DeploySettings(FrozenModel):
@@ -230,16 +235,29 @@ def render_files(spec: ServedSpec, settings: DeploySettings) -> dict[str, str]:
 
 
 def is_deploy_folder(folder: Path) -> bool:
-    """Whether `folder` holds only what an earlier `quantize deploy` wrote (then it may be replaced)."""
+    """Whether `folder` holds only what an earlier `quantize deploy` wrote (then it may be replaced). Its spec.json is read
+    as any input is: a link, a FIFO or a device there, or a file over MAX_SPEC_BYTES, is refused before it is opened."""
     names = {path.name for path in folder.iterdir()}
     if not names:
         return True
     if not names <= set(DEPLOY_FILES) or SPEC_FILE not in names:
         return False
+    spec_file = folder / SPEC_FILE
     try:
-        return json.loads((folder / SPEC_FILE).read_text()[:10_000_000]).get("written_by") == WRITTEN_BY
-    except (OSError, ValueError, AttributeError):
+        status = spec_file.lstat()
+    except OSError:
         return False
+    if not stat.S_ISREG(status.st_mode):
+        raise InputError(f"{SPEC_FILE} is not a regular file (a link, a FIFO or a device): not a folder `{WRITTEN_BY}` wrote",
+                         file=spec_file, field="--out")
+    if status.st_size > MAX_SPEC_BYTES:
+        raise InputError(f"{SPEC_FILE} is {status.st_size} bytes (a deployment's is kilobytes; at most {MAX_SPEC_BYTES}): not a folder "
+                         f"`{WRITTEN_BY}` wrote", file=spec_file, field="--out")
+    try:
+        document = parse_json_strict(read_user_bytes(spec_file, what=SPEC_FILE, field="--out", max_bytes=MAX_SPEC_BYTES), spec_file)
+    except InputError:
+        return False
+    return isinstance(document, dict) and document.get("written_by") == WRITTEN_BY
 
 
 def write_deployment(spec: ServedSpec, settings: DeploySettings, out: Path) -> dict[str, Path]:
