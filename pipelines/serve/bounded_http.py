@@ -121,6 +121,8 @@ def get_bounded(client: httpx.Client, url: str, *, field: str, max_bytes: int, t
                 raise too_slow
     except httpx.TimeoutException:
         raise failure(f"no answer within {timeout_s:g} s") from None
+    except (httpx.InvalidURL, ValueError) as error:  # a host no resolver takes (IDNA: a UnicodeError), a malformed URL
+        raise failure(f"not a valid URL ({type(error).__name__}: {short(str(error)) or 'no detail'})") from None
     except httpx.HTTPError as error:
         raise failure(f"unreachable ({type(error).__name__}: {short(str(error)) or 'no detail'})") from None
     return decoded(raw, encoding, max_bytes, failure, what)

@@ -63,11 +63,11 @@ def metrics_url(url: str, field: str = "--url") -> str:
     """The metrics page of `url`. A server's base URL (http://HOST:PORT, with or without a trailing slash, or its OpenAI base
     URL ending in /v1) means its /metrics; a path ending in /metrics is read without a trailing slash; any other path is read
     as given (a page there that is not a metrics page is refused by `parse_page`, a 404 by `fetch_page`, each with one line)."""
-    parts = urlsplit(url.strip())
     try:
+        parts = urlsplit(url.strip())
         port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
+    except ValueError:  # an unclosed IPv6 bracket, a port that is no number
+        parts, port_ok = urlsplit(""), False
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
         raise InputError("not an http(s) URL: give the vLLM server's base URL (http://HOST:PORT) or its metrics page "
                          "(http://HOST:PORT/metrics)", file=without_credentials(url), field=field)

@@ -35,10 +35,13 @@ FIELD = "--prometheus"
 
 def instance_of(url: str) -> str:
     """The `instance` label Prometheus gives the target at `url` (HOST:PORT, the scheme's default port when none)."""
-    parsed = urlparse(url)
-    if not parsed.hostname:
+    try:
+        parsed = urlparse(url)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:  # an unclosed IPv6 bracket, a port that is no number
+        parsed = None
+    if parsed is None or not parsed.hostname:
         raise InputError(f"not an http(s) URL (got {without_credentials(url)!r})", field="--url")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
     return f"{host}:{port}"
 
@@ -47,7 +50,7 @@ class PrometheusWindows:
     """Windows of one target's vLLM series, read from a Prometheus server."""
 
     def __init__(self, client: httpx.Client, base_url: str, instance: str, *, timeout_s: float = QUERY_TIMEOUT_S):
-        if not urlparse(base_url).hostname:
+        if not _hostname(base_url):
             raise InputError(f"not an http(s) URL (got {without_credentials(base_url)!r})", field=FIELD)
         self.client, self.base = client, base_url.rstrip("/")
         self.shown = without_credentials(self.base)
@@ -149,6 +152,13 @@ class PrometheusWindows:
         if len(result) > MAX_SERIES:
             raise InputError(f"answered {short(params['query'])!r} with {len(result)} series (at most {MAX_SERIES})", file=shown, field=FIELD)
         return result
+
+
+def _hostname(url: str) -> str | None:
+    try:
+        return urlparse(url).hostname
+    except ValueError:
+        return None
 
 
 def _escape(text: str) -> str:

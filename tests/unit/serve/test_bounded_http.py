@@ -123,3 +123,9 @@ def test_a_failure_names_the_url_without_its_password():
 ])
 def test_without_credentials(url, shown):
     assert without_credentials(url) == shown
+
+
+@pytest.mark.parametrize("host", ["a..b", "xn--", "a" * 300 + ".com"])
+def test_a_host_no_resolver_takes_is_one_line(host):
+    with httpx.Client() as client, pytest.raises(InputError, match="not a valid URL"):
+        get_bounded(client, f"http://{host}/metrics", field="--url", max_bytes=MiB, timeout_s=2.0)

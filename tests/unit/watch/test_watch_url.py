@@ -60,7 +60,8 @@ def test_a_page_that_is_not_metrics_is_one_line_exit_2(tmp_path, capsys):
     assert error.count("\n") == 1 and "--url" in error
 
 
-@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://127.0.0.1:8000/metrics", "http://127.0.0.1:99999", "http:///metrics", "metrics"])
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://127.0.0.1:8000/metrics", "http://127.0.0.1:99999", "http:///metrics", "metrics",
+                                 "http://[::1/metrics"])
 def test_what_is_not_an_http_url_is_refused_before_any_read(tmp_path, capsys, url):
     assert watch("--url", url, *FAST, "--out", str(tmp_path / "w")) == 2
     error = capsys.readouterr().err
