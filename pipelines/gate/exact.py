@@ -18,8 +18,14 @@ z >= z(c) with
 an exact unconditional test in the sense of Berger and Boos (the supremum over the nuisance parameter; Z_T orders
 the tables). The supremum is taken on a grid of splits and then checked on a finer grid and by local maximisation
 (scipy's bounded minimize_scalar) around the largest values; where the check finds an excess the critical value
-moves up to the next table. When no z can hold the rate (fewer than ln(1 - c) / ln(1 - T) items: a candidate losing
-a share T of items shows no loss at all more than 1 - c of the time) it is infinite: nothing passes.
+moves up to the next table. The same z must also hold the rate with the baseline's right/wrong fixed per item
+(`fixed_region_probability`: L ~ Binomial(R, q_lose) among its R right items, G ~ Binomial(n - R, q_gain) among the
+rest, R q_lose - (n - R) q_gain = n T): checked for baselines wrong on 1 to FEW_WRONG items, where that model's
+supremum sits (one wrong item reached 5.23% at n = 216 under the multinomial-only value), and at the scores of
+FIXED_BASELINES; an excess moves z above that model's own boundary. Above COARSE_START_MAX_N items the search starts
+at z(c); above CALIBRATED_MAX_N z is z(c) plus a stated margin. When no z can hold the rate (fewer than
+ln(1 - c) / ln(1 - T) items: a candidate losing a share T of items shows no loss at all more than 1 - c of the
+time) it is infinite: nothing passes.
 """
 
 from __future__ import annotations
@@ -34,8 +40,19 @@ from scipy.optimize import minimize_scalar
 from scipy.special import bdtrc, gammaln, xlog1py, xlogy
 from scipy.stats import binom, norm
 
-# Calibrated up to this many items; above it the asymptotic z(c) is used (its excess is then about 0.1 point).
-CALIBRATED_MAX_N = 20_000
+# Up to this many items the search starts from the boundaries of a coarse grid of splits (many tables to cross at
+# small n); above it from z(c), a few tables below the answer, and the checks move it there (z(c) itself passed 5.08%).
+COARSE_START_MAX_N = 20_000
+# Calibrated exactly up to this many items (6 s at most); above it z(c) plus LATTICE_STEPS steps of the loss count's
+# lattice, 1 / sqrt(n T (1 - T)) each in Z: the excess of z(c) is at most about one step (one pmf term of the losses
+# at the edge, plus a skewness shift of about a quarter step), checked by exact sums at sampled sizes to 2,000,000
+# (`gate_guarantees large`). Exact calibration costs 39 s and 0.2 GB at 1,000,000 items, 244 s and 4 GB at 2,000,000.
+CALIBRATED_MAX_N = 200_000
+LATTICE_STEPS = 2.0
+# The fixed-baseline model is checked at these baselines: wrong on 1..FEW_WRONG items, and these scores.
+FEW_WRONG = 4
+FIXED_BASELINES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+_FIXED_SPLITS = 41
 _COARSE_SPLITS = 32
 _FINE_SPLITS = 128
 _TAIL = 1e-12  # probability left out on each side of a binomial when the tables are enumerated
@@ -80,8 +97,7 @@ def _gain_share(p_gain: float, tolerance: float) -> float:
 
 def _loss_range(n: int, p_lose: float) -> np.ndarray:
     """Loss counts outside the negligible tails of Binomial(n, p_lose)."""
-    low, high = (int(v) for v in binom.ppf([_TAIL, 1 - _TAIL], n, p_lose))
-    return np.arange(max(low - 1, 0), min(high + 1, n) + 1)
+    return _tail_range(n, p_lose)
 
 
 def _tables(n: int, p_gain: float, tolerance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,7 +118,26 @@ def _tables(n: int, p_gain: float, tolerance: float) -> tuple[np.ndarray, np.nda
 def _split_boundary(n: int, p_gain: float, tolerance: float, alpha: float) -> float:
     """The largest Z value whose upper tail P(Z_T >= value) exceeds alpha at one split (-inf when none does): a valid
     critical value must lie above it."""
-    losses, gains, weight = _tables(n, p_gain, tolerance)
+    return _boundary(n, tolerance, alpha, *_tables(n, p_gain, tolerance))
+
+
+def _fixed_boundary(n: int, right: int, tolerance: float, p_gain: float, alpha: float) -> float:
+    """_split_boundary under the fixed-baseline model (baseline right on `right` items, fixed_promote_probability's split)."""
+    q_lose, q_gain = _fixed_rates(n, right, tolerance, p_gain)
+    losses = _tail_range(right, q_lose)
+    wrong_gains = _tail_range(n - right, q_gain)
+    grid_l, grid_g = (grid.ravel() for grid in np.meshgrid(losses, wrong_gains, indexing="ij"))
+    weight = _pmf(grid_l, right, q_lose) * _pmf(grid_g, n - right, q_gain)
+    return _boundary(n, tolerance, alpha, grid_l, grid_g, weight)
+
+
+def _tail_range(count: int, p: float) -> np.ndarray:
+    """Outcomes of Binomial(count, p) outside its negligible tails."""
+    low, high = (int(v) for v in binom.ppf([_TAIL, 1 - _TAIL], count, p))
+    return np.arange(max(low - 1, 0), min(high + 1, count) + 1)
+
+
+def _boundary(n: int, tolerance: float, alpha: float, losses: np.ndarray, gains: np.ndarray, weight: np.ndarray) -> float:
     values = np.round(tango_statistic(losses, gains, n, tolerance) / _TIE) * _TIE
     unique, inverse = np.unique(values, return_inverse=True)
     tail = np.cumsum(np.bincount(inverse, weights=weight, minlength=unique.size)[::-1])[::-1]  # P(Z >= unique[i])
@@ -156,33 +191,73 @@ def fixed_region_probability(n: int, right: int, passing_gains: np.ndarray, p_lo
     Binomial(n - right, p_gain) among its wrong ones, for a region {G >= passing_gains[L]}."""
     if p_lose > 1.0 or p_gain > 1.0:
         return 0.0
-    losses = np.arange(right + 1)
+    losses = _tail_range(right, p_lose)
     fewest = passing_gains[losses]
     passing = _sf(fewest - 1, n - right, p_gain) if right < n else (fewest <= 0).astype(float)
     return float(np.sum(_pmf(losses, right, p_lose) * np.where(fewest <= n - losses, passing, 0.0)))
 
 
+def _fixed_rates(n: int, right: int, tolerance: float, p_gain: float) -> tuple[float, float]:
+    """(q_lose per right item, q_gain per wrong item) of a fixed baseline right on `right` of n items, at a true worsening
+    of T and an expected gain of p_gain n items."""
+    return (p_gain + tolerance) * n / right, (p_gain * n / (n - right) if right < n else 0.0)
+
+
+def fixed_promote_probability(n: int, right: int, tolerance: float, passing: np.ndarray, p_gain: float) -> float:
+    """P(promote) for the region {G >= passing[L]} with the baseline right on `right` of n items held fixed, true
+    worsening T, expected gains p_gain n (_fixed_rates)."""
+    return fixed_region_probability(n, right, passing, *_fixed_rates(n, right, tolerance, p_gain))
+
+
+def fixed_baseline_rights(n: int, tolerance: float) -> list[int]:
+    """The baselines the calibration checks, as right counts: wrong on 1..FEW_WRONG items, and FIXED_BASELINES' scores
+    (a baseline right on fewer than T n items cannot lose T n of them; wrong on none is the multinomial's losses only)."""
+    rights = {n - wrong for wrong in range(1, FEW_WRONG + 1)} | {round(score * n) for score in FIXED_BASELINES}
+    return sorted(right for right in rights if tolerance * n <= right < n)
+
+
+def fixed_baseline_worst(n: int, tolerance: float, passing: np.ndarray, rights: list[int] | None = None) -> tuple[float, int, float]:
+    """(worst P(promote), the baseline's right count, p_gain) with the baseline fixed, over `rights` (default
+    fixed_baseline_rights) and every split each allows (p_gain up to the fewer of its spare right and its wrong items)."""
+    worst = (0.0, n, 0.0)
+    for right in fixed_baseline_rights(n, tolerance) if rights is None else rights:
+        probability = partial(fixed_promote_probability, n, right, tolerance, passing)
+        top = min(right / n - tolerance, (n - right) / n)
+        rate, split = worst_split(probability, tolerance, splits=_FIXED_SPLITS, top=top) if top > 0 else (probability(0.0), 0.0)
+        if rate > worst[0]:
+            worst = (rate, right, split)
+    return worst
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """The critical value of one (n, T, c) and the worst P(promote) it leaves (the rate it guarantees)."""
+    """The critical value of one (n, T, c) and the worst P(promote) it leaves (the rate it guarantees) under each model."""
 
     z: float
-    worst_rate: float
+    worst_rate: float  # multinomial model
     worst_gain: float  # the p_gain where the worst rate is reached (0: losses only)
+    fixed_rate: float = math.nan  # fixed-baseline model, over fixed_baseline_rights
+    fixed_right: int = 0  # the baseline's right count where fixed_rate is reached
 
 
 def _calibrate(n: int, tolerance: float, confidence: float) -> Calibration:
     alpha, nominal = 1.0 - confidence, float(norm.ppf(confidence))
-    boundary = max(_split_boundary(n, float(p), tolerance, alpha) for p in _splits(tolerance, _COARSE_SPLITS))
+    boundary = -math.inf
+    if n <= COARSE_START_MAX_N:
+        boundary = max(_split_boundary(n, float(p), tolerance, alpha) for p in _splits(tolerance, _COARSE_SPLITS))
     while True:
         z = max(nominal, _above(n, tolerance, boundary))
         if math.isinf(z):
             return Calibration(z=math.inf, worst_rate=0.0, worst_gain=0.0)
-        rate, split = worst_split(partial(region_probability, n, tolerance, _smallest_passing_gains(n, tolerance, z)), tolerance)
-        if rate <= alpha + 1e-12:
-            return Calibration(z=z, worst_rate=rate, worst_gain=split)
-        # the fine check found a split the coarse grid missed: its own boundary lies at or above z
-        boundary = max(boundary, _split_boundary(n, split, tolerance, alpha), z)
+        passing = _smallest_passing_gains(n, tolerance, z)
+        rate, split = worst_split(partial(region_probability, n, tolerance, passing), tolerance)
+        if rate > alpha + 1e-12:  # the fine check found a split the coarse grid missed: its own boundary lies at or above z
+            boundary = max(boundary, _split_boundary(n, split, tolerance, alpha), z)
+            continue
+        fixed, right, fixed_split = fixed_baseline_worst(n, tolerance, passing)
+        if fixed <= alpha + 1e-12:
+            return Calibration(z=z, worst_rate=rate, worst_gain=split, fixed_rate=fixed, fixed_right=right)
+        boundary = max(boundary, _fixed_boundary(n, right, tolerance, fixed_split, alpha), z)
 
 
 def _above(n: int, tolerance: float, value: float) -> float:
@@ -190,22 +265,28 @@ def _above(n: int, tolerance: float, value: float) -> float:
     that no table's statistic comes near, so the rounding of the bound cannot move a table across it."""
     if value == -math.inf:
         return -math.inf
+    return (value + _next_table_value(n, tolerance, value)) / 2.0
+
+
+def _next_table_value(n: int, tolerance: float, value: float) -> float:
+    """The smallest Z value of any table above `value` (infinity when none is)."""
     losses = np.arange(n + 1)
     gains = _smallest_passing_gains(n, tolerance, value + _TIE)
     at_edge = gains <= n - losses
     if not at_edge.any():
         return math.inf
-    following = float(tango_statistic(losses[at_edge], gains[at_edge], n, tolerance).min())
-    return (value + following) / 2.0
+    return float(tango_statistic(losses[at_edge], gains[at_edge], n, tolerance).min())
 
 
 @lru_cache(maxsize=4096)
 def calibration(n: int, tolerance: float, confidence: float) -> Calibration:
-    """The calibrated critical value of Tango's test at the tolerance (module docstring); z(c) above CALIBRATED_MAX_N."""
+    """The calibrated critical value of Tango's test at the tolerance (module docstring); above CALIBRATED_MAX_N z(c) plus
+    a margin of LATTICE_STEPS lattice steps (worst rates not computed: nan)."""
     if n <= 0 or not 0.0 < tolerance < 1.0:
         raise ValueError(f"need n > 0 and a tolerance in (0, 1) (got {n}, {tolerance})")
     if n > CALIBRATED_MAX_N:
-        return Calibration(z=float(norm.ppf(confidence)), worst_rate=math.nan, worst_gain=math.nan)
+        margin = LATTICE_STEPS / math.sqrt(n * tolerance * (1.0 - tolerance))
+        return Calibration(z=float(norm.ppf(confidence)) + margin, worst_rate=math.nan, worst_gain=math.nan)
     return _calibrate(n, tolerance, confidence)
 
 
@@ -224,7 +305,7 @@ def identical_items_needed(tolerance: float, confidence: float) -> int:
     if tolerance >= 1.0:
         return 1
     n = max(1, math.ceil(math.log(1.0 - confidence) / math.log(1.0 - tolerance) - 1e-9))
-    while not identical_passes(n, tolerance, confidence) and n <= CALIBRATED_MAX_N:
+    while not identical_passes(n, tolerance, confidence) and n <= COARSE_START_MAX_N:
         n += 1
     return n
 
