@@ -61,9 +61,10 @@ test-unit: setup
 	$(PY) -m pytest tests/unit
 
 ## The fast tier while developing: the unit tests (tests/unit/, no lint, no real vLLM server) but those marked `slow`
-## (a repair search, a real subprocess under load, a simulation: `make test` runs them).
+## (a repair search, a real subprocess under load, a simulation, a real llm-compressor run or model conversion: `make test`
+## runs them), on two pytest-xdist workers (the unit tests are independent: `make test` spreads them one by one too).
 test-fast: setup
-	$(PY) -m pytest -m "unit and not integration and not slow" tests/unit
+	$(PY) -m pytest -n 2 -m "unit and not integration and not slow" tests/unit
 
 test-integration: setup
 	$(PY) -m pytest tests/integration

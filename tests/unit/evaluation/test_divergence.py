@@ -59,6 +59,7 @@ def _random_pair(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.n
     return p / p.sum(), q / q.sum()
 
 
+@pytest.mark.slow
 def test_coarse_kl_never_exceeds_the_full_kl_in_20000_random_cases():
     rng = np.random.default_rng(0)
     vocab, violations = 200, []

@@ -46,6 +46,7 @@ def simulated_promote_rate(rules: SetPolicy, n: int, drop: float, discordance: f
     return float(np.mean([verdicts[t] for t in zip(lost.tolist(), gained.tolist(), strict=True)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("drop", "discordance"), [(0.0, 0.06), (0.055, 0.1)])
 def test_the_exact_rate_of_the_shipped_rules_matches_a_simulation_through_judge_set(drop, discordance):
     rules = load_policy(DEFAULT_POLICY).for_set("w8a8", "ticket_routing")

@@ -497,6 +497,7 @@ def write_family_gguf(family: str, source: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", tuple(GGUF_ARCHITECTURE))
 def test_a_tiny_model_of_each_family_converts_to_the_same_logits_with_a_verified_tokenizer(tmp_path: Path, family: str) -> None:
     """About 4 s a family: a random-weight model of tests/families.py written as llama.cpp writes it, converted by

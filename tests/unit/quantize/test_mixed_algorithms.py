@@ -61,6 +61,7 @@ def dequantized(artifact: Path, module: str) -> torch.Tensor:
     return codes * scale.repeat_interleave(shape[1] // scale.shape[1], dim=1)
 
 
+@pytest.mark.slow
 def test_each_module_is_quantized_by_its_own_algorithm_in_one_run(tiny_llama_dir: Path, calibration_set_dir: Path, tmp_path: Path):
     from safetensors.torch import load_file
 

@@ -108,6 +108,7 @@ def assert_counts_follow_llmcompressor(bar: Bar, timeline: list[tuple[Any, ...]]
     assert bar.line().startswith(f"quantize: subgraph {expected_total}/{expected_total}, ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3"])
 def test_two_passes_count_every_subgraph_after_llmcompressor_finished_it(family: str, family_dir, monkeypatch) -> None:
     model_dir = family_dir(family)
@@ -120,6 +121,7 @@ def test_two_passes_count_every_subgraph_after_llmcompressor_finished_it(family:
     assert ("bar", layers + 1, 2 * (layers + 1)) in timeline
 
 
+@pytest.mark.slow
 def test_gptq_counts_a_subgraph_once_its_layers_are_quantized(family_dir, monkeypatch) -> None:
     bar, timeline = run(family_dir("gemma3"), gptq_down_proj(), monkeypatch)
     assert_counts_follow_llmcompressor(bar, timeline, expected_total=5)

@@ -119,6 +119,7 @@ def test_a_gemma_style_wrong_mapping_is_refused_before_calibration(family_dir, t
     assert list((tmp_path / "artifacts").iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_llm_compressors_own_mapping_for_gemma_fails_the_trace_and_the_check(family_dir, family: str) -> None:
     model, dataset = load(family_dir(family))
@@ -198,6 +199,7 @@ groups:
 """
 
 
+@pytest.mark.slow
 def test_quantize_smooths_gemma_by_the_traced_mapping_and_the_manifest_records_it(family_dir, tmp_path: Path) -> None:
     import yaml
 

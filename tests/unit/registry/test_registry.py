@@ -301,6 +301,7 @@ def test_the_first_open_waits_for_another_process_holding_the_write_lock(tmp_pat
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+@pytest.mark.slow
 def test_concurrent_processes_lose_no_update(tmp_path: Path) -> None:
     artifacts = [[str(make_artifact(tmp_path / f"w{w}-{i}", f"{w}-{i}".encode())) for i in range(PER_WORKER)]
                  for w in range(WORKERS)]

@@ -762,6 +762,7 @@ def test_a_quantized_kv_cache_moves_up_first_and_alone_when_that_passes(parent: 
     assert result.found.weight_bytes == recipe_bytes(shape_of(parent.model_dir), parent.recipe.recipe)
 
 
+@pytest.mark.slow
 def test_a_kv_move_that_fails_stays_in_every_later_proposal(parent: ParentRun, tmp_path: Path):
     kv_parent = _with_kv(parent, tmp_path, "fp8")
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(3))

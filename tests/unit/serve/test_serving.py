@@ -404,6 +404,7 @@ def _fake_servers(tmp_path: Path) -> list[int]:
     return [pid for pid, cmdline in _cmdlines().items() if needle in cmdline and _alive(pid)]
 
 
+@pytest.mark.slow
 def test_a_start_up_starved_of_cpu_is_started_again_and_serves(tmp_path, starving, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_VLLM_MODE", "starved-once")
     with serving.vllm_server(starving, log_path=tmp_path / "server.log") as server:
@@ -414,6 +415,7 @@ def test_a_start_up_starved_of_cpu_is_started_again_and_serves(tmp_path, starvin
     assert _fake_servers(tmp_path) == [] and _watchdogs_of(os.getpid()) == []
 
 
+@pytest.mark.slow
 def test_a_start_up_starved_every_time_waits_out_its_time_out_on_the_last_start_and_leaves_nothing(tmp_path, starving, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_VLLM_MODE", "starved")
     settings = serving.ServeSettings(startup_timeout_s=8)
