@@ -71,10 +71,10 @@ class PrometheusWindows:
         histograms = self._histograms(ends, window_s)
         gauges = self._gauges(ends[0] - window_s, end, window_s, count)
         kv = self._kv_info(end)
+        per_window = _gauges_by_window(gauges, ends, window_s)
         return [
             WindowData(index=i + 1, start=window_end - window_s, end=window_end, counters=counters[i], histograms=histograms[i],
-                       gauges={key: [(t, v) for t, v in samples if window_end - window_s < t <= window_end] for key, samples in gauges.items()},
-                       kv=kv)
+                       gauges=per_window[i], kv=kv)
             for i, window_end in enumerate(ends)
         ]
 
@@ -82,7 +82,9 @@ class PrometheusWindows:
 
     def _require_series(self, at: float) -> None:
         result = self._query("/api/v1/query", {"query": f'count({{__name__=~"{VLLM_PREFIX}.+",{self.selector}}})', "time": _time(at)})
-        if not result or _float(result[0].get("value", [0, "0"])[1], f"count of {VLLM_PREFIX}* series") <= 0:
+        value = result[0].get("value") if result else None
+        count = value[1] if isinstance(value, list) and len(value) == 2 else "0"
+        if _float(count, f"count of {VLLM_PREFIX}* series") <= 0:
             raise InputError(f"Prometheus holds no {VLLM_PREFIX}* series with instance={self.instance!r} now: is it scraping that vLLM server "
                              "(and was the server started without --disable-log-stats)?", file=self.shown, field=FIELD)
 
@@ -91,11 +93,11 @@ class PrometheusWindows:
 
     def _fill(self, into: list[dict[str, float]], ends: list[float], window_s: float, query: str, key_of) -> None:
         for series in self._range(query, ends[0], ends[-1], window_s):
-            key = key_of(series.get("metric", {}))
-            for at, value in series.get("values", []):
-                index = _nearest(ends, float(at), window_s)
+            key = key_of(_metric(series, query))
+            for at, value in _points(series, query):
+                index = _nearest(ends, at, window_s)
                 if index is not None:
-                    into[index][key] = into[index].get(key, 0.0) + _float(value, query)
+                    into[index][key] = into[index].get(key, 0.0) + value
 
     def _histograms(self, ends: list[float], window_s: float) -> list[dict[str, Histogram]]:
         found: list[dict[str, Histogram]] = [{} for _ in ends]
@@ -104,11 +106,11 @@ class PrometheusWindows:
             totals: list[dict[str, float]] = [{} for _ in ends]
             rng = duration(window_s)
             for series in self._range(f"sum by (le) (increase({base}_bucket{{{self.selector}}}[{rng}]))", ends[0], ends[-1], window_s):
-                bound = _bound(series.get("metric", {}).get("le"), base, self.shown)
-                for at, value in series.get("values", []):
-                    index = _nearest(ends, float(at), window_s)
+                bound = _bound(_metric(series, base).get("le"), base, self.shown)
+                for at, value in _points(series, base):
+                    index = _nearest(ends, at, window_s)
                     if index is not None:
-                        buckets[index][bound] = _float(value, base)
+                        buckets[index][bound] = value
             self._fill(totals, ends, window_s, f"sum(increase({base}_sum{{{self.selector}}}[{rng}]))", lambda _: "sum")
             self._fill(totals, ends, window_s, f"sum(increase({base}_count{{{self.selector}}}[{rng}]))", lambda _: "count")
             for index, per_bound in enumerate(buckets):
@@ -125,14 +127,14 @@ class PrometheusWindows:
         gauges: dict[str, list[tuple[float, float]]] = {}
         for key, name in GAUGES.items():
             for series in self._range(f"sum({name}{{{self.selector}}})", start, end, step):
-                gauges[key] = [(float(at), _float(value, name)) for at, value in series.get("values", [])]
+                gauges[key] = _points(series, name)
         return gauges
 
     def _kv_info(self, at: float) -> KvCacheInfo | None:
         result = self._query("/api/v1/query", {"query": f"{CACHE_INFO}{{{self.selector}}}", "time": _time(at)})
         if not result:
             return None
-        return kv_info({str(k): str(v) for k, v in result[0].get("metric", {}).items()})
+        return kv_info({str(k): str(v) for k, v in _metric(result[0], CACHE_INFO).items()})
 
     def _query(self, path: str, params: dict[str, str]) -> list[dict]:
         url = self.base + path
@@ -161,6 +163,30 @@ def _hostname(url: str) -> str | None:
         return None
 
 
+def _metric(series: dict, what: str) -> dict:
+    metric = series.get("metric", {})
+    if not isinstance(metric, dict):
+        raise InputError(f"Prometheus answered a series whose labels are not an object for {short(what)}", field=FIELD)
+    return metric
+
+
+def _points(series: dict, what: str) -> list[tuple[float, float]]:
+    """A range series' [time, value] pairs: each time a finite number, each value a finite non-negative one."""
+    values = series.get("values", [])
+    if not isinstance(values, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in values):
+        raise InputError(f"Prometheus answered {short(what)} with values that are not [time, value] pairs", field=FIELD)
+    points = []
+    for at, value in values:
+        try:
+            moment = float(at)
+        except (TypeError, ValueError):
+            moment = math.nan
+        if not math.isfinite(moment):
+            raise InputError(f"Prometheus answered the time {short(str(at), 40)!r} for {short(what)}: not a finite number", field=FIELD)
+        points.append((moment, _float(value, what)))
+    return points
+
+
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
@@ -170,8 +196,27 @@ def _time(epoch: float) -> str:
 
 
 def _nearest(ends: list[float], at: float, window_s: float) -> int | None:
-    index = min(range(len(ends)), key=lambda i: abs(ends[i] - at))
+    """The window ending nearest `at` (ends are `window_s` apart), if within half a window: O(1) a point, so an answer of
+    half a million points against 10,000 windows costs half a million steps, not 5e9."""
+    if not math.isfinite(at):
+        return None
+    index = min(max(round((at - ends[0]) / window_s), 0), len(ends) - 1)
     return index if abs(ends[index] - at) <= window_s / 2 else None
+
+
+def _gauges_by_window(gauges: dict[str, list[tuple[float, float]]], ends: list[float],
+                      window_s: float) -> list[dict[str, list[tuple[float, float]]]]:
+    """Each gauge sample in the window (end - window_s, end] that holds it, found by arithmetic (one step a sample)."""
+    found: list[dict[str, list[tuple[float, float]]]] = [{key: [] for key in gauges} for _ in ends]
+    for key, samples in gauges.items():
+        for at, value in samples:
+            if not math.isfinite(at):
+                continue
+            guess = math.ceil((at - ends[0]) / window_s)  # (end_i - w, end_i] holds at when guess == i (give or take rounding)
+            index = next((i for i in (guess, guess - 1) if 0 <= i < len(ends) and ends[i] - window_s < at <= ends[i]), None)
+            if index is not None:
+                found[index][key].append((at, value))
+    return found
 
 
 def _float(value: object, what: str) -> float:

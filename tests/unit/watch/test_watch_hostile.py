@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import time
 
@@ -15,6 +16,7 @@ from test_loadtest_runner import servers, tool  # noqa: F401 (fixtures)
 from test_watch import FAST, MODEL, busy, promoted_versions, watch
 
 from pipelines.registry.store import Registry
+from pipelines.watch.prometheus import _gauges_by_window, _nearest
 
 TTFT_BUCKET = re.compile(r'(vllm:time_to_first_token_seconds_bucket\{[^}]*le=")([0-9.e+]+)("\}) ([0-9.e+]+)')
 
@@ -138,3 +140,45 @@ def test_a_trickling_server_and_a_gzip_bomb_are_one_line_exit_2(tmp_path, capsys
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and message in error, error
         assert time.monotonic() - began < 10
+
+
+def _prometheus_answering(range_result: list) -> callable:
+    """A Prometheus that holds the target's series and answers every range query with `range_result`."""
+    def respond(handler) -> None:
+        if handler.path.startswith("/api/v1/query_range"):
+            result = range_result
+        elif "cache_config_info" in handler.path:
+            result = []
+        else:
+            result = [{"metric": {}, "value": [0, "12"]}]
+        send(handler, json.dumps({"status": "success", "data": {"resultType": "matrix", "result": result}}).encode())
+
+    return respond
+
+
+@pytest.mark.parametrize(("result", "message"), [
+    ([{"metric": {}, "values": [[1, 2, 3]]}], "not [time, value] pairs"),
+    ([{"metric": {}, "values": "nope"}], "not [time, value] pairs"),
+    ([{"metric": {}, "values": [["soon", "1"]]}], "the time 'soon'"),
+    ([{"metric": "le", "values": []}], "labels are not an object"),
+])
+def test_a_prometheus_answering_malformed_series_is_one_line_exit_2(result, message, capsys):
+    with serving(_prometheus_answering(result)) as prometheus:
+        base = prometheus.url.removesuffix("/metrics")
+        assert watch("--url", "http://127.0.0.1:8000/metrics", "--prometheus", base, "--window", "1m", "--timeout", "5s") == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and message in error, error
+
+
+def test_points_are_matched_to_windows_by_arithmetic_one_step_a_point():
+    """200,000 points against 10,000 windows (what a 16 MiB answer and --windows 10000 allow): a scan of every window per
+    point was 2e9 steps; by arithmetic it is a fraction of a second. Each point lands in the window that holds it."""
+    ends = [1000.0 + 60.0 * i for i in range(10_000)]
+    began = time.process_time()
+    matched = [_nearest(ends, 1000.0 + 3.0 * i, 60.0) for i in range(200_000)]
+    assert time.process_time() - began < 5
+    assert matched[:3] == [0, 0, 0] and matched[10] == 0 and matched[11] == 1 and matched[20] == 1
+    assert _nearest(ends, math.nan, 60.0) is None and _nearest(ends, 1e300, 60.0) is None and _nearest(ends, -1e300, 60.0) is None
+    samples = {"waiting": [(1000.0, 1.0), (1000.5, 2.0), (1060.0, 3.0), (1060.0 + 1e-9, 4.0), (940.0, 5.0), (math.inf, 6.0)]}
+    by_window = _gauges_by_window(samples, [1000.0, 1060.0, 1120.0], 60.0)
+    assert [window["waiting"] for window in by_window] == [[(1000.0, 1.0)], [(1000.5, 2.0), (1060.0, 3.0)], [(1060.0 + 1e-9, 4.0)]]
