@@ -242,6 +242,8 @@ def is_deploy_folder(folder: Path) -> bool:
         return True
     if not names <= set(DEPLOY_FILES) or SPEC_FILE not in names:
         return False
+    if any(not _regular(folder / name) for name in names - {SPEC_FILE}):
+        return False  # deploy writes files only: a folder or a link under one of its names is someone else's (never removed)
     spec_file = folder / SPEC_FILE
     try:
         status = spec_file.lstat()
@@ -258,6 +260,13 @@ def is_deploy_folder(folder: Path) -> bool:
     except InputError:
         return False
     return isinstance(document, dict) and document.get("written_by") == WRITTEN_BY
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def write_deployment(spec: ServedSpec, settings: DeploySettings, out: Path) -> dict[str, Path]:

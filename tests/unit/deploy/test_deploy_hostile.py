@@ -3,6 +3,7 @@ sparse file is refused from its metadata (one line, exit 2, at once), never read
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -36,3 +37,17 @@ def test_a_spec_json_that_is_no_regular_file_or_is_huge_is_refused_without_readi
         (line,) = [line for line in error.splitlines() if not line.startswith("> ")]
         assert line.startswith("quantize: error:") and message in line and "--out" in line, error
         assert time.monotonic() - began < 5 and (out / "spec.json").exists()
+
+
+def test_a_folder_or_link_under_a_deploy_files_name_keeps_the_folder_someone_elses(tmp_path):
+    from pipelines.deploy.files import SERVE_SCRIPT, SPEC_FILE, WRITTEN_BY, is_deploy_folder
+
+    (tmp_path / SPEC_FILE).write_text(json.dumps({"written_by": WRITTEN_BY}))
+    assert is_deploy_folder(tmp_path)
+    (tmp_path / SERVE_SCRIPT).mkdir()
+    (tmp_path / SERVE_SCRIPT / "notes.txt").write_text("mine")
+    assert not is_deploy_folder(tmp_path)
+    (tmp_path / SERVE_SCRIPT / "notes.txt").unlink()
+    (tmp_path / SERVE_SCRIPT).rmdir()
+    (tmp_path / SERVE_SCRIPT).symlink_to(tmp_path / SPEC_FILE)
+    assert not is_deploy_folder(tmp_path)
