@@ -22,7 +22,8 @@ working fallback. A primary that cannot start is an error (exit 2): there is not
 
 Every process started here dies with this one, however it ends: each vLLM server through the product's own
 `vllm_server` (its process group, parent-death signal and watchdog: pipelines/serve/serving.py and reclaim.py), nginx
-through its process life in proxy.py, the same guarantees. A server's health is the product's one probe (serve/health.py). Ctrl-C and SIGTERM (`quantize serve stop` sends it) stop them all.
+through its process life in proxy.py, the same guarantees. A server's health is the product's one probe (serve/health.py).
+Ctrl-C and SIGTERM (`quantize serve stop` sends it) stop them all.
 """
 
 from __future__ import annotations
