@@ -25,7 +25,7 @@ from pipelines.fleet.deployment import Deployment, load_deployment
 from pipelines.fleet.drill import MAX_DRILL_S, MAX_REQUESTS, DrillSettings
 from pipelines.fleet.state import ServeState, find_state, stop_deployment
 from pipelines.planner.gpus import GiB
-from pipelines.registry.store import Registry
+from pipelines.registry.store import Registry, registry_exists
 from pipelines.settings import current as current_settings
 
 ACTIONS = ("check", "status", "stop", "export", "drill")
@@ -66,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _registry(args: argparse.Namespace) -> Registry:
     path = args.registry or current_settings().registry_path
-    if not path.is_file():
+    if not registry_exists(path):
         raise InputError("no registry database here: promote a version first (`quantize --recipe ...`)", file=path, field="--registry")
     return Registry(path)
 

@@ -75,6 +75,12 @@ def verify_version(version: Version) -> ArtifactCheck:
     return check
 
 
+def registry_exists(value: Path | str | None) -> bool:
+    """Whether `value` names a registry that can be opened without creating one: a PostgreSQL URL (its database is the
+    server's), or an existing SQLite file."""
+    return value is not None and (postgres_url(value) is not None or Path(value).is_file())
+
+
 def open_database(value: Path | str, field: str) -> Database:
     """The backend `value` names: a PostgreSQL URL, else a SQLite file."""
     url = postgres_url(value)

@@ -19,7 +19,7 @@ from pipelines.planner import ModelShape
 from pipelines.quantize.compiler import cannot_apply
 from pipelines.quantize.layout import ModelLayout
 from pipelines.recipe import load_recipe, shipped_recipes
-from pipelines.registry.store import Registry
+from pipelines.registry.store import Registry, registry_exists
 from pipelines.repair.pricing import recipe_bytes
 
 
@@ -71,7 +71,7 @@ def shipped_comparison(shape: ModelShape, layout: ModelLayout, target: ServeTarg
 
 def registered_versions(registry_path: Path | None, model: str) -> list[Registered]:
     """The model's versions in the registry (none when there is no registry or no such model)."""
-    if registry_path is None or not Path(registry_path).is_file():
+    if not registry_exists(registry_path):
         return []
 
     try:

@@ -33,7 +33,7 @@ from pipelines.gate.schema import GateReport, read_report
 from pipelines.planner import gpu_spec
 from pipelines.quantize.calibration import source_of
 from pipelines.recipe import LoadedRecipe, RecipeIdentity, parse_recipe
-from pipelines.registry.store import Registry
+from pipelines.registry.store import Registry, registry_exists
 from pipelines.runs.runner import GateSettings
 from pipelines.serve.serving import ServeSettings
 
@@ -152,7 +152,7 @@ def verify_recorded_run(run_dir: Path, recorded: dict[str, Any], artifact_dir: P
 
 def _registered_version(gate_json: Path, registry_path: Path | None) -> Version | None:
     """The registry's version whose evidence is gate_json, or None (no registry, or not in it)."""
-    if registry_path is None or not Path(registry_path).is_file():
+    if not registry_exists(registry_path):
         return None
 
     target = gate_json.resolve().as_posix()

@@ -29,7 +29,7 @@ from pipelines.hardware.targets import ServeTarget, installed_target
 from pipelines.quantize.compiler import scheme_summary
 from pipelines.quantize.layout import layout_from_model_dir
 from pipelines.recipe import GroupScheme, RecipeIdentity, parse_recipe
-from pipelines.registry.store import Registry
+from pipelines.registry.store import Registry, registry_exists
 from pipelines.repair import frontier
 from pipelines.repair.compare import ShippedRecipe, measured_bytes, registered_versions, shipped_comparison
 from pipelines.repair.ladder import LoadedLadder, UnitLadder, calibration_available, kv_options, load_ladder, unit_ladder
@@ -458,7 +458,7 @@ def closest(attempts: list[Attempt]) -> dict[str, Any] | None:
 
 def parent_version(parent: ParentRun) -> int | None:
     """The registry version the rejected run registered (its gate.json is the version's evidence), if any."""
-    if parent.settings.registry_path is None or not Path(parent.settings.registry_path).exists():
+    if not registry_exists(parent.settings.registry_path):
         return None
 
     gate = parent.gate_json.resolve().as_posix()
