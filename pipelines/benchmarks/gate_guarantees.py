@@ -1,14 +1,19 @@
 """The gate's stated guarantees, checked: what docs/gate-json.md ("Known error rates") reports and how it was measured.
 
     python -m pipelines.benchmarks.gate_guarantees scan [--sizes 47:1000] [--out FILE]
+    python -m pipelines.benchmarks.gate_guarantees large [--sizes 20001,...,2000000]
     python -m pipelines.benchmarks.gate_guarantees skewed [--reps 1000]
     python -m pipelines.benchmarks.gate_guarantees concentrated [--sims 200]
-    make bench-guarantees   (all three at their defaults; an hour on a shared 2-core machine)
+    make bench-guarantees   (all four at their defaults; an hour on a shared 2-core machine)
 
 scan: for every n, the worst P(promote) of a pass/fail candidate whose true worsening is exactly the tolerance, through the
 gate's own decision function (verdict.table_rejects, the shipped policy): under the multinomial model over every split of
-the discordance (p_gain from 0, losses only, to (1 - T) / 2), and with the baseline's score held fixed (baselines 30% to
-100%, every split its items allow). Exact sums, no simulation.
+the discordance (p_gain from 0, losses only, to (1 - T) / 2), and with the baseline's right/wrong held fixed (baselines
+30% to 100%, and wrong on 1 to exact.FEW_WRONG items, the corner where that model's supremum sits; every split its
+items allow). Exact sums, no simulation.
+
+large: the same two models at sizes above 20,000 items, through Tango's test at the critical value alone (the other rules
+of a pass/fail set only reject more; table_rejects one table at a time is too slow there), beside the old z(c).
 
 skewed: averaged per-item metrics (token F1, ROUGE-like, in [0, 1]) when a few items break outright and many move
 slightly: the one-sided miss P(bound < true worsening) of the bound the tolerance reads, at a true worsening of the
@@ -21,7 +26,6 @@ P(pass) through judge_set, simulated (gate_oc.corpus_promote_rate with `share`; 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from functools import partial
 from pathlib import Path
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.benchmarks.gate_oc import corpus_promote_rate
+from pipelines.files.atomic import write_json_atomic
 from pipelines.gate import exact, stats
 from pipelines.gate.policy import DEFAULT_POLICY, SetPolicy, load_policy
 from pipelines.gate.verdict import table_rejects, tolerance
@@ -39,29 +44,15 @@ POOL = 400_000
 
 # --- pass/fail: every n, both sampling models -----------------------------------------------------------------------
 
-def fixed_baseline_worst(n: int, allowed: float, gains: np.ndarray) -> tuple[float, float, float]:
-    """(worst P(promote), baseline score, p_gain) with the baseline's score held fixed: L ~ Bin(R, (p_gain + T) n / R),
-    G ~ Bin(n - R, p_gain n / (n - R)), over SCAN_BASELINES and every split those allow."""
-    worst = (0.0, 1.0, 0.0)
-    for score in SCAN_BASELINES:
-        right = round(score * n)
-        if right / n < allowed:
-            continue
-        top = max(0.0, min(right / n - allowed, (n - right) / n)) if right < n else 0.0
-
-        probability = partial(_fixed_probability, n, right, allowed, gains)
-        rate, split = exact.worst_split(probability, allowed, splits=41, top=top) if top > 0 else (probability(0.0), 0.0)
-        if rate > worst[0]:
-            worst = (rate, score, split)
-    return worst
+def fixed_baseline_worst(n: int, allowed: float, gains: np.ndarray) -> tuple[float, int, float]:
+    """(worst P(promote), the baseline's right count, p_gain) with the baseline held fixed (exact.fixed_baseline_worst):
+    SCAN_BASELINES and the baselines wrong on 1 to exact.FEW_WRONG items."""
+    rights = {round(score * n) for score in SCAN_BASELINES} | {n - wrong for wrong in range(1, exact.FEW_WRONG + 1)}
+    return exact.fixed_baseline_worst(n, allowed, gains, sorted(right for right in rights if allowed * n <= right <= n))
 
 
 def _promotes(rules: SetPolicy, n: int, right: int, lost: int, gained: int) -> bool:
     return not table_rejects(rules, True, n, right, lost, gained)
-
-
-def _fixed_probability(n: int, right: int, allowed: float, gains: np.ndarray, p_gain: float) -> float:
-    return exact.fixed_region_probability(n, right, gains, (p_gain + allowed) * n / right, p_gain * n / (n - right) if right < n else 0.0)
 
 
 def scan(rules: SetPolicy, sizes: list[int]) -> list[dict]:
@@ -74,10 +65,32 @@ def scan(rules: SetPolicy, sizes: list[int]) -> list[dict]:
         right = round(0.8 * n)  # the default rules do not read the baseline's score; max_rel_drop would
         gains = exact.passing_gains(partial(_promotes, rules, n, right), n)
         multinomial, split = exact.worst_split(partial(exact.region_probability, n, fraction, gains), fraction)
-        fixed, score, fixed_split = fixed_baseline_worst(n, fraction, gains)
+        fixed, right, fixed_split = fixed_baseline_worst(n, fraction, gains)
         rows.append({"n": n, "multinomial": multinomial, "multinomial_p_gain": split,
-                     "fixed": fixed, "fixed_baseline": score, "fixed_p_gain": fixed_split})
+                     "fixed": fixed, "fixed_wrong": n - right, "fixed_p_gain": fixed_split})
         table_rejects.cache_clear()
+    return rows
+
+
+LARGE_SIZES = "20001,20187,25000,50000,100000,200000,200001,500000,1000000,2000000"
+
+
+def large(rules: SetPolicy, sizes: list[int]) -> list[dict]:
+    """Per n: the worst P(promote | true worsening = T) of Tango's test at the shipped critical value and at z(c), both
+    models (the fixed one over exact.fixed_baseline_rights)."""
+    fraction = (tolerance(True, rules, 80.0) or 0.0) / 100
+    rows = []
+    for n in sizes:
+        row: dict = {"n": n}
+        for name, z in (("shipped", exact.critical_value(n, fraction, rules.confidence)), ("z_c", stats.z_one_sided(rules.confidence))):
+            gains = exact._smallest_passing_gains(n, fraction, z)
+            multinomial, _ = exact.worst_split(partial(exact.region_probability, n, fraction, gains), fraction)
+            fixed, right, _ = exact.fixed_baseline_worst(n, fraction, gains)
+            row[name] = {"z": z, "multinomial": multinomial, "fixed": fixed, "fixed_wrong": n - right}
+        rows.append(row)
+        shipped, nominal = row["shipped"], row["z_c"]
+        print(f"  n {n:9,d}: shipped z {shipped['z']:.5f}: {100 * shipped['multinomial']:.4f}% multinomial, {100 * shipped['fixed']:.4f}% fixed; "
+              f"z(c): {100 * nominal['multinomial']:.4f}% / {100 * nominal['fixed']:.4f}%", flush=True)
     return rows
 
 
@@ -85,9 +98,10 @@ def print_scan(rows: list[dict], confidence: float) -> None:
     alpha = 1 - confidence
     for model in ("multinomial", "fixed"):
         worst = max(rows, key=lambda row: row[model])
+        where = f"p_gain {worst['multinomial_p_gain']:.4f}" if model == "multinomial" else f"baseline wrong on {worst['fixed_wrong']}"
         over = [row["n"] for row in rows if row[model] > alpha + 1e-12]
         print(f"{model}: worst P(promote | worsening = T) {100 * worst[model]:.2f}% at n = {worst['n']} "
-              f"({'p_gain ' + format(worst[model + '_p_gain'], '.4f') if model == 'multinomial' else 'baseline ' + str(worst['fixed_baseline'])}); "
+              f"({where}); "
               f"{len(over)} of {len(rows)} sizes above {100 * alpha:.0f}%" + (f": {over[:10]}{' ...' if len(over) > 10 else ''}" if over else ""))
 
 
@@ -144,24 +158,26 @@ CONCENTRATED_GRID = [(203, 0.02), (250, 0.02), (135, 0.03), (250, 0.03), (80, 0.
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=("scan", "skewed", "concentrated"))
+    parser.add_argument("check", choices=("scan", "large", "skewed", "concentrated"))
     parser.add_argument("--policy", type=Path, default=DEFAULT_POLICY)
     parser.add_argument("--recipe", default="w8a8")
-    parser.add_argument("--sizes", default="47:1000", help="scan: FIRST:LAST or a comma-separated list of n")
-    parser.add_argument("--out", type=Path, help="scan: write every n's figures to this JSON file")
+    parser.add_argument("--sizes", help="scan: FIRST:LAST or a comma-separated list of n (default 47:1000); large: a list")
+    parser.add_argument("--out", type=Path, help="scan, large: write every n's figures to this JSON file")
     parser.add_argument("--reps", type=int, default=1000, help="skewed: simulated sets per cell")
     parser.add_argument("--sims", type=int, default=200, help="concentrated: simulated sets per cell")
     args = parser.parse_args(argv)
     started = time.monotonic()
     policy = load_policy(args.policy)
-    if args.check == "scan":
-        first, _, last = args.sizes.partition(":")
-        sizes = list(range(int(first), int(last) + 1)) if last else [int(part) for part in args.sizes.split(",")]
+    if args.check in ("scan", "large"):
+        wanted = args.sizes or ("47:1000" if args.check == "scan" else LARGE_SIZES)
+        first, _, last = wanted.partition(":")
+        sizes = list(range(int(first), int(last) + 1)) if last else [int(part) for part in wanted.split(",")]
         rules = policy.for_set(args.recipe, "(a pass/fail set)")
-        rows = scan(rules, sizes)
+        rows = scan(rules, sizes) if args.check == "scan" else large(rules, sizes)
         if args.out is not None:
-            args.out.write_text(json.dumps(rows, indent=1))
-        print_scan(rows, rules.confidence)
+            write_json_atomic(args.out, rows)
+        if args.check == "scan":
+            print_scan(rows, rules.confidence)
     elif args.check == "skewed":
         rules = policy.for_set(args.recipe, "(an averaged set)")
         target = rules.ni_margin / 100
