@@ -39,6 +39,15 @@ def short(text: str, limit: int = _DETAIL_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+MAX_URL_CHARS = 2048  # what browsers and proxies take; a longer URL is refused, so that no error line carries 100 KB of it
+
+
+def checked_url_length(url: str, field: str) -> str:
+    if len(url) > MAX_URL_CHARS:
+        raise InputError(f"a URL of {len(url):,} characters (at most {MAX_URL_CHARS}): {short(without_credentials(url), 80)}", field=field)
+    return url
+
+
 def without_credentials(url: str) -> str:
     """`url` as it may be shown or saved: a user name and password in it replaced by '***' (the one place that does this)."""
     try:

@@ -24,7 +24,7 @@ from pydantic import Field
 from pipelines.bounds import MiB
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-from pipelines.serve.bounded_http import get_bounded, without_credentials
+from pipelines.serve.bounded_http import checked_url_length, get_bounded, without_credentials
 from pipelines.serve.bounded_http import short as _short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -63,6 +63,7 @@ def metrics_url(url: str, field: str = "--url") -> str:
     """The metrics page of `url`. A server's base URL (http://HOST:PORT, with or without a trailing slash, or its OpenAI base
     URL ending in /v1) means its /metrics; a path ending in /metrics is read without a trailing slash; any other path is read
     as given (a page there that is not a metrics page is refused by `parse_page`, a 404 by `fetch_page`, each with one line)."""
+    checked_url_length(url, field)
     try:
         parts = urlsplit(url.strip())
         port_ok = parts.port is None or parts.port > 0

@@ -21,7 +21,7 @@ import httpx
 from pipelines.bounds import MiB
 from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
-from pipelines.serve.bounded_http import get_bounded, short, without_credentials
+from pipelines.serve.bounded_http import checked_url_length, get_bounded, short, without_credentials
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.exposition import kv_info
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -35,6 +35,7 @@ FIELD = "--prometheus"
 
 def instance_of(url: str) -> str:
     """The `instance` label Prometheus gives the target at `url` (HOST:PORT, the scheme's default port when none)."""
+    checked_url_length(url, "--url")
     try:
         parsed = urlparse(url)
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
@@ -50,6 +51,7 @@ class PrometheusWindows:
     """Windows of one target's vLLM series, read from a Prometheus server."""
 
     def __init__(self, client: httpx.Client, base_url: str, instance: str, *, timeout_s: float = QUERY_TIMEOUT_S):
+        checked_url_length(base_url, FIELD)
         if not _hostname(base_url):
             raise InputError(f"not an http(s) URL (got {without_credentials(base_url)!r})", field=FIELD)
         self.client, self.base = client, base_url.rstrip("/")

@@ -182,3 +182,12 @@ def test_points_are_matched_to_windows_by_arithmetic_one_step_a_point():
     samples = {"waiting": [(1000.0, 1.0), (1000.5, 2.0), (1060.0, 3.0), (1060.0 + 1e-9, 4.0), (940.0, 5.0), (math.inf, 6.0)]}
     by_window = _gauges_by_window(samples, [1000.0, 1060.0, 1120.0], 60.0)
     assert [window["waiting"] for window in by_window] == [[(1000.0, 1.0)], [(1000.5, 2.0), (1060.0, 3.0)], [(1060.0 + 1e-9, 4.0)]]
+
+
+@pytest.mark.parametrize("option", ["--url", "--prometheus"])
+def test_a_100_kb_url_is_refused_in_a_short_line(option, capsys):
+    huge = "http://admin:hunter2@127.0.0.1:1/" + "a" * 100_000
+    args = ["--url", huge] if option == "--url" else ["--url", "http://127.0.0.1:1/metrics", "--prometheus", huge]
+    assert watch(*args, *FAST) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and len(error) < 300 and option in error and "hunter2" not in error, error
