@@ -119,20 +119,20 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) to a temporary sibling, fsync, rename over `path`; mode 0666 less the umask."""
-    write_bytes_atomic(path, text.encode("utf-8"))
+def write_text_atomic(path: Path, text: str, *, mode: int | None = None) -> None:
+    """Write `text` (UTF-8) to a temporary sibling, fsync, rename over `path`; mode 0666 less the umask, or `mode`."""
+    write_bytes_atomic(path, text.encode("utf-8"), mode=mode)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Write `data` to a temporary sibling, fsync, rename over `path` (a symbolic link there is replaced, never followed);
-    mode 0666 less the umask."""
+    mode 0666 less the umask, or `mode` (0o600 for a file holding keys: the sibling has it before a byte is written)."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
         with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), file_mode())
+            os.fchmod(handle.fileno(), file_mode() if mode is None else mode)
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

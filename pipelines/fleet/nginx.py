@@ -50,6 +50,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from pipelines.files.atomic import write_text_atomic
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.traffic import BUSY, BUSY_STATUS, PROBE_PREFIX
 from pipelines.schema import StrictModel
@@ -245,11 +246,8 @@ def _probe(index: int, upstream: Upstream, deployment: Deployment) -> list[str]:
 
 
 def write_config(layout: ProxyLayout, text: str) -> None:
-    """The config, written 0600 (it holds keys) by write-then-rename; the temp folders nginx's workers write into."""
+    """The config, written 0600 (it holds keys) through the product's atomic writer (a link at the path is replaced,
+    never followed); the temp folders nginx's workers write into."""
     layout.prefix.mkdir(parents=True, exist_ok=True)
     layout.temp.mkdir(exist_ok=True)
-    staging = layout.conf.with_name(f".{layout.conf.name}.tmp")
-    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(text)
-    os.replace(staging, layout.conf)
+    write_text_atomic(layout.conf, text, mode=0o600)

@@ -43,7 +43,7 @@ from pydantic import Field
 from pipelines.canary.golden import GoldenSet
 from pipelines.console.output import progress
 from pipelines.errors import InputError, ServeError
-from pipelines.files.atomic import storage_error
+from pipelines.files.atomic import storage_error, write_text_atomic
 from pipelines.fleet.cores import CorePlan, allowed_cores, plan_cores
 from pipelines.fleet.deployment import Deployment
 from pipelines.fleet.fit import FitReport, check_fit
@@ -278,9 +278,7 @@ class Supervisor:
                 shutil.rmtree(previous, ignore_errors=True)
                 self.folder.rename(previous)
             self.folder.mkdir(parents=True)
-            key = os.open(self.folder / CLIENT_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(key, "w") as handle:
-                handle.write(self.layout.client_key + "\n")
+            write_text_atomic(self.folder / CLIENT_KEY_FILE, self.layout.client_key + "\n", mode=0o600)
         except OSError as error:
             raise storage_error(error, self.folder) from error
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.files.atomic import atomic_dir, hidden_sibling, remove_orphaned_siblings
+from pipelines.files.atomic import atomic_dir, hidden_sibling, remove_orphaned_siblings, write_text_atomic
 
 
 def _dead_pid() -> int:
@@ -36,3 +36,13 @@ def test_a_live_writers_and_another_hosts_folders_are_kept(tmp_path: Path) -> No
     assert remove_orphaned_siblings(final) == []
     assert live.is_dir() and other_host.is_dir() and unrelated.is_dir()
     assert live.name.startswith(f".{final.name}.tmp-{socket.gethostname()}-")
+
+
+def test_a_file_holding_keys_is_written_0600_and_a_link_at_its_path_is_replaced_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("theirs\n")
+    target = tmp_path / "nginx.conf"
+    target.symlink_to(outside)
+    write_text_atomic(target, "secret\n", mode=0o600)
+    assert outside.read_text() == "theirs\n" and not target.is_symlink()
+    assert target.read_text() == "secret\n" and (target.stat().st_mode & 0o777) == 0o600
