@@ -72,6 +72,8 @@ def _watch(args: argparse.Namespace) -> int:
                              api_key=os.environ.get(API_KEY_ENV) or None)
     out = args.out or default_folder(current_settings().artifacts_dir, spec)
     check_out_folder(out)  # before the watch, not after it
+    if args.shadow is not None:
+        check_out_folder(out / "shadow")  # the replay's server logs
     report, raw = watch(settings, spec, registry=registry, on_window=_window_line)
     if args.shadow is not None and spec is not None and registry is not None:
         gate = registry.show(spec.model, spec.version).gate

@@ -191,3 +191,19 @@ def test_a_100_kb_url_is_refused_in_a_short_line(option, capsys):
     assert watch(*args, *FAST) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and len(error) < 300 and option in error and "hunter2" not in error, error
+
+
+def test_a_symlinked_shadow_log_folder_is_refused_before_anything_is_served(tool, servers, workspace, tmp_path, capsys):
+    promoted_versions(workspace, 1)
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text('{"prompt": "a"}\n')
+    out, elsewhere = tmp_path / "w", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "shadow").symlink_to(elsewhere)
+    capsys.readouterr()
+    assert watch("--url", "http://127.0.0.1:9/metrics", "--version", f"{MODEL}@production", "--registry", str(workspace.registry),
+                 "--shadow", str(sample), "--out", str(out)) == 2
+    error = capsys.readouterr().err
+    (line,) = [line for line in error.splitlines() if not line.startswith("> ")]
+    assert "symbolic link" in line and "shadow" in line and list(elsewhere.iterdir()) == [], error
