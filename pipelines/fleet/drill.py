@@ -10,7 +10,9 @@ bounded in time) goes through the deployment's endpoint while the drill, in orde
 
 Every request is recorded at the client (sent, answered with which route: the proxy's X-Quantgate-Route header, or
 failed and why); the breaker's open and close times come from the supervisor's reading of nginx's logs (state.json).
-Loopback only: the endpoint is the deployment's own, on 127.0.0.1.
+Loopback only: the endpoint is the deployment's own, on an IPv4 loopback address; the key is read from the run folder's
+own key file (never a path the state names), and a pid is signalled only when it is the server the live supervisor
+started (pipelines/fleet/run_files.py): the state file is input, not an order.
 
 The verdict is a list of criteria, each with its measured figure and its limit; the drill passes when all hold:
 - a working fallback: at least one route after the faulted one is up before any fault (else no fault is run: the
@@ -38,7 +40,8 @@ from pydantic import Field
 from pipelines.console.output import progress
 from pipelines.errors import InputError, QuantGateError, ServeError
 from pipelines.fleet.nginx import ROUTE_HEADER
-from pipelines.fleet.state import RouteState, ServeState, read_state, supervisor_alive
+from pipelines.fleet.run_files import loopback_endpoint, read_client_key
+from pipelines.fleet.state import CLIENT_KEY_FILE, STATE_FILE, RouteState, ServeState, read_state, route_process_verified, supervisor_alive
 from pipelines.fleet.traffic import BreakerEvent
 from pipelines.schema import StrictModel
 
@@ -183,6 +186,9 @@ def _route_pid(folder: Path, label: str) -> tuple[int, ServeState]:
         raise InputError(f"deployment {state.name!r} has no route {label!r} (routes: {', '.join(r.label for r in state.routes)})", field="--route")
     if route.pid is None or route.status != "up":
         raise ServeError(f"route {label} of {state.name!r} is not up ({route.status}: {route.why})")
+    if not route_process_verified(state, route):
+        raise InputError(f"route {label}'s pid {route.pid} is not the server its supervisor started (start time, command line or parent "
+                         "differ from what it recorded); nothing signalled", file=folder / STATE_FILE, field="pid")
     return route.pid, state
 
 
@@ -227,8 +233,8 @@ def run_drill(folder: Path, settings: DrillSettings) -> DrillReport:
     up, why = _fallbacks_up(state, settings.route)
     if not up:  # a fault now is an outage the drill would cause: the verdict is known
         return _report(state, settings, [], [], began, fallbacks=(up, why))
-    key = Path(state.client_key_file).read_text().strip()
-    load = Load(state, key, settings)
+    loopback_endpoint(state.endpoint, folder / STATE_FILE)
+    load = Load(state, read_client_key(folder, CLIENT_KEY_FILE), settings)
     faults: list[Fault] = []
     with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
         for _ in range(settings.concurrency):

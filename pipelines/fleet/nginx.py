@@ -57,6 +57,7 @@ from pipelines.schema import StrictModel
 from pipelines.serve.health import HEALTH_TIMEOUT_S, LOOPBACK
 from pipelines.serve.serving import ServeSettings
 
+ACCESS_LOG = "access.log"
 ROUTE_HEADER = "X-Quantgate-Route"
 FAILURE_STATUSES = "500 502 504"  # a route's failure: counted toward its breaker (proxy_next_upstream)
 BUSY_STATUSES = " ".join(map(str, BUSY))  # a busy route's answer: handed down the chain, never counted (rules.overload.on_http_503)
@@ -112,7 +113,7 @@ class ProxyLayout(StrictModel):
 
     @property
     def access_log(self) -> Path:
-        return self.prefix / "access.log"
+        return self.prefix / ACCESS_LOG
 
     @property
     def error_log(self) -> Path:

@@ -7,8 +7,10 @@ and `serve stop`.
         nginx.conf nginx.pid access.log error.log tmp/      the proxy (pipelines/fleet/nginx.py)
         <label>-server.log           each route's vLLM log (a restarted server appends its own after the last)
 
-No key is in state.json. A supervisor is alive when its pid is a live process that started when the state says
-(its /proc start time), so a reused pid is never signalled.
+No key is in state.json. The state is read as input (pipelines/fleet/run_files.py): the NAME is a safe path component
+under artifacts/serve, the file a bounded regular file (never a link or a FIFO) naming its own folder. A supervisor is
+alive, and signalled by `serve stop`, only when its pid is the process the supervisor recorded itself as: the same
+/proc start time and command line (a forged state naming another process, or recording no start time, is never obeyed).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import psutil
 from pydantic import Field, ValidationError
 
 from pipelines.errors import InputError
 from pipelines.files.atomic import write_json_atomic
-from pipelines.files.yamlio import read_user_bytes
+from pipelines.files.safepath import safe_component
 from pipelines.fleet.routes import Latency
+from pipelines.fleet.run_files import is_own_group_leader, is_recorded_process, read_run_file
 from pipelines.fleet.traffic import Traffic
 from pipelines.schema import StrictModel
 from pipelines.settings import current as current_settings
@@ -54,6 +56,8 @@ class RouteState(StrictModel):
     why: str = ""
     port: int | None = None
     pid: int | None = None
+    process_started: float | None = Field(default=None, description="its vLLM server's /proc start time: the drill signals only that process")
+    cmdline: list[str] = Field(default_factory=list, description="its vLLM server's command line, as /proc gave it at the start")
     log: str
     ports: list[PortEra] = Field(default_factory=list)
     started_at: float | None = None
@@ -95,6 +99,8 @@ class ServeState(StrictModel):
     client_key_file: str
     supervisor_pid: int
     supervisor_started: float | None = Field(description="the supervisor's start time from /proc (epoch s), to tell a reused pid")
+    supervisor_cmdline: list[str] = Field(default_factory=list, description="the supervisor's command line from /proc: with the start "
+                                                                          "time, what makes a pid the supervisor's")
     started_at: float
     phase: Literal["starting", "serving", "stopping", "stopped"] = "starting"
     routes: list[RouteState]
@@ -112,7 +118,7 @@ def serve_root() -> Path:
 
 
 def run_dir(name: str) -> Path:
-    return serve_root() / name
+    return serve_root() / safe_component(name, "DEPLOYMENT")
 
 
 def write_state(folder: Path, state: ServeState) -> None:
@@ -121,11 +127,16 @@ def write_state(folder: Path, state: ServeState) -> None:
 
 def read_state(folder: Path) -> ServeState:
     path = folder / STATE_FILE
-    data = read_user_bytes(path, what="deployment state", max_bytes=MAX_STATE_BYTES)
+    if folder.is_symlink():
+        raise InputError("the deployment's run folder is a symbolic link; refused", file=folder)
+    data = read_run_file(path, "deployment state", MAX_STATE_BYTES)
     try:
-        return ServeState.model_validate_json(data)
+        state = ServeState.model_validate_json(data)
     except ValidationError as error:
         raise InputError(f"not a deployment state this quantgate reads ({error.errors()[0]['msg']})", file=path) from None
+    if state.name != folder.name:
+        raise InputError(f"names deployment {state.name[:80]!r}, not its own folder's {folder.name!r}; refused", file=path, field="name")
+    return state
 
 
 def find_state(name: str | None) -> tuple[Path, ServeState]:
@@ -133,7 +144,7 @@ def find_state(name: str | None) -> tuple[Path, ServeState]:
     root = serve_root()
     if name is not None:
         folder = run_dir(name)
-        if not (folder / STATE_FILE).is_file():
+        if not os.path.lexists(folder / STATE_FILE):
             raise InputError(f"no deployment {name!r} has run here ({folder} has no {STATE_FILE})", field="DEPLOYMENT")
         return folder, read_state(folder)
     folders = sorted(path.parent for path in root.glob(f"*/{STATE_FILE}") if not path.parent.name.endswith(".previous")) if root.is_dir() else []
@@ -145,20 +156,16 @@ def find_state(name: str | None) -> tuple[Path, ServeState]:
     return chosen[0], read_state(chosen[0])
 
 
-def process_start_time(pid: int) -> float | None:
-    """When process `pid` started (epoch seconds), or None when there is no such process (or only its zombie)."""
-    try:
-        process = psutil.Process(pid)
-        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
 def supervisor_alive(state: ServeState) -> bool:
-    started = process_start_time(state.supervisor_pid)
-    if started is None or state.phase == "stopped":
-        return False
-    return state.supervisor_started is None or abs(started - state.supervisor_started) < 2.0
+    """Whether the state's supervisor runs: its pid is the process it recorded (start time and command line)."""
+    return state.phase != "stopped" and is_recorded_process(state.supervisor_pid, state.supervisor_started, state.supervisor_cmdline)
+
+
+def route_process_verified(state: ServeState, route: RouteState) -> bool:
+    """Whether the route's pid is the server its live supervisor started: recorded start time and command line, the
+    supervisor's child, leading its own process group (so a group signal reaches that server and nothing else)."""
+    return (supervisor_alive(state) and route.pid is not None and is_recorded_process(route.pid, route.process_started, route.cmdline)
+            and is_own_group_leader(route.pid, state.supervisor_pid))
 
 
 def stop_deployment(folder: Path, state: ServeState, *, timeout_s: float = 120.0) -> float:
@@ -171,7 +178,7 @@ def stop_deployment(folder: Path, state: ServeState, *, timeout_s: float = 120.0
     except ProcessLookupError:
         return 0.0
     while time.monotonic() - began < timeout_s:
-        if process_start_time(state.supervisor_pid) is None:
+        if not supervisor_alive(state):
             return time.monotonic() - began
         time.sleep(0.2)
     raise InputError(f"deployment {state.name!r} did not stop within {timeout_s:.0f} s (pid {state.supervisor_pid})", file=folder / STATE_FILE)

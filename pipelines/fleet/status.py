@@ -13,12 +13,15 @@ from 503 (every route down).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from pydantic import Field
 
-from pipelines.fleet.state import Event, RouteState, ServeState, supervisor_alive
+from pipelines.fleet.nginx import ACCESS_LOG
+from pipelines.fleet.run_files import read_run_tail
+from pipelines.fleet.state import Event, RouteState, ServeState, run_dir, supervisor_alive
 from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
 from pipelines.schema import StrictModel
 from pipelines.serve.health import HEALTH_TIMEOUT_S, Health, probe_health
@@ -68,13 +71,12 @@ class StatusReport(StrictModel):
 
 
 def recent_requests(access_log: Path, sentinel_port: int, now: float) -> list[Request]:
-    try:
-        with access_log.open("rb") as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - TAIL_BYTES))
-            lines = handle.read(TAIL_BYTES).decode("utf-8", errors="replace").splitlines()[1:]  # the first may be cut
-    except OSError:
+    """The last RECENT_S of traffic in the proxy's access log (its last TAIL_BYTES); none before nginx wrote one. A log that
+    is not a regular file (a FIFO, a device, a link) is refused without being opened: InputError."""
+    if not os.path.lexists(access_log):
         return []
+    tail = read_run_tail(access_log, "proxy's access log", TAIL_BYTES)
+    lines = tail.decode("utf-8", errors="replace").splitlines()[1:]  # the first may be cut
     parsed = [parse_access_line(line, sentinel_port) for line in lines]
     return recent([request for request in parsed if request is not None and request.uri not in NOT_TRAFFIC], RECENT_S, now)
 
@@ -113,7 +115,7 @@ def _route(state: RouteState, traffic: RouteTraffic | None, health: Health, runn
 def status_report(state: ServeState) -> StatusReport:
     running = supervisor_alive(state)
     now = time.time()
-    window = recent_requests(Path(state.proxy.access_log), state.proxy.sentinel_port, now) if running else []
+    window = recent_requests(run_dir(state.name) / ACCESS_LOG, state.proxy.sentinel_port, now) if running else []
     traffic = state.traffic
     rows = []
     for index, route in enumerate(state.routes):

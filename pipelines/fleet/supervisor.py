@@ -60,13 +60,13 @@ from pipelines.fleet.nginx import (
 )
 from pipelines.fleet.proxy import NginxProcess, ProxyError, check_config, find_nginx
 from pipelines.fleet.routes import ResolvedRoute, resolve_routes
+from pipelines.fleet.run_files import process_identity
 from pipelines.fleet.state import (
     CLIENT_KEY_FILE,
     PortEra,
     ProxyState,
     RouteState,
     ServeState,
-    process_start_time,
     read_state,
     run_dir,
     supervisor_alive,
@@ -255,7 +255,7 @@ class Supervisor:
     # --- the run folder and its state ---------------------------------------------------------------
 
     def _initial_state(self) -> ServeState:
-        me = os.getpid()
+        me, (started, cmdline) = os.getpid(), process_identity(os.getpid()) or (None, [])
         routes = [
             RouteState(label=route.label, ref=route.ref, kind=route.kind, model=route.model, version=route.version, model_dir=str(route.model_dir),
                        verified=route.verified, log=str(server.log), timeout_s=route.timeout_s, timeout_basis=route.timeout_basis,
@@ -266,7 +266,7 @@ class Supervisor:
         return ServeState(
             name=self.deployment.name, deployment_file=str(self.prepared.source), served_model_name=self.deployment.model_name,
             endpoint=f"http://{self.layout.listen_host}:{self.layout.listen_port}/v1", client_key_file=str(self.folder / CLIENT_KEY_FILE),
-            supervisor_pid=me, supervisor_started=process_start_time(me), started_at=time.time(), routes=routes,
+            supervisor_pid=me, supervisor_started=started, supervisor_cmdline=cmdline, started_at=time.time(), routes=routes,
             proxy=ProxyState(conf=str(self.layout.conf), access_log=str(self.layout.access_log), error_log=str(self.layout.error_log),
                              sentinel_port=self.layout.sentinel_port, check=self.prepared.nginx_check),
         )
@@ -342,6 +342,7 @@ class Supervisor:
             self.note(f"{state.label}: its first completion did not answer within {WARM_UP_TIMEOUT_S:g} s; let in cold")
         state.status, state.why = "up", ""
         state.port, state.pid, state.started_at, state.startup_s = running.port, running.process.pid, time.time(), running.startup_s
+        state.process_started, state.cmdline = process_identity(running.process.pid) or (None, [])
         state.ports = [*state.ports, PortEra(port=running.port, since=time.time())]
         self.save()
 
