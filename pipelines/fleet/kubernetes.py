@@ -13,7 +13,8 @@ at start (envsubst, only variables named QUANTGATE_*). A Service in front: what 
 
 Every object is validated against the Kubernetes 1.37 JSON schemas that kubernetes-validate bundles (strict: an
 unknown field is an error), offline. The files go to --out DIR, all or nothing; the Secret file holds fresh random
-keys and is written 0600.
+keys and is written 0600. An existing --out is replaced only when it is an earlier export as written, known by its
+marker (pipelines/fleet/export_folder.py), never by a file name users also use.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import yaml
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir
 from pipelines.fleet.deployment import Deployment
+from pipelines.fleet.export_folder import MARKER, check_out, marker_document
 from pipelines.fleet.fit import route_memory
 from pipelines.fleet.nginx import Chain, ProxyLayout, Upstream, max_conns, render_chain, render_config, write_config
 from pipelines.fleet.proxy import check_config, find_nginx
@@ -224,7 +226,7 @@ def check_proxy_template(deployment: Deployment, routes: list[ResolvedRoute]) ->
 
 def export_manifests(deployment: Deployment, routes: list[ResolvedRoute], out: Path, *, machine_bytes: int | None = None) -> Exported:
     """Write and validate the manifests into `out` (all or nothing); `out` must be new, empty, or an earlier export."""
-    _check_out(out)
+    check_out(out)
     largest = machine_bytes or 2**40  # the planner's fit is the cluster's business here: only each route's own need is asked
     objects: list[dict[str, Any]] = []
     for route in routes:
@@ -233,25 +235,18 @@ def export_manifests(deployment: Deployment, routes: list[ResolvedRoute], out: P
     secret = secret_object(deployment, routes)
     validated = validate([*objects, secret])
     proxy_check = check_proxy_template(deployment, routes)
-    listed: list[ExportedObject] = []
+    listed = [ExportedObject(file=f"{item['metadata']['name']}-{item['kind'].lower()}.yaml", kind=item["kind"], name=item["metadata"]["name"])
+              for item in [*objects, secret]]
+    texts = {entry.file: yaml.dump(item, Dumper=_ManifestDumper, sort_keys=False, width=1000) for entry, item in zip(listed, [*objects, secret],
+                                                                                                                      strict=True)}
+    texts[KUSTOMIZATION] = yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                                           "resources": [item.file for item in listed]}, sort_keys=False)
+    secrets_files = {entry.file for entry in listed if entry.kind == "Secret"}
     with atomic_dir(out) as staging:
-        for item in [*objects, secret]:
-            file = f"{item['metadata']['name']}-{item['kind'].lower()}.yaml"
-            path = staging / file
-            text = yaml.dump(item, Dumper=_ManifestDumper, sort_keys=False, width=1000)
-            if item["kind"] == "Secret":
-                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SECRET_FILE_MODE)
-                with os.fdopen(descriptor, "w") as handle:
-                    handle.write(text)
-            else:
-                path.write_text(text)
-            listed.append(ExportedObject(file=file, kind=item["kind"], name=item["metadata"]["name"]))
-        (staging / KUSTOMIZATION).write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [item.file for item in listed]}, sort_keys=False))
+        for file, text in texts.items():
+            mode = SECRET_FILE_MODE if file in secrets_files else 0o666
+            with os.fdopen(os.open(staging / file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "w") as handle:
+                handle.write(text)
+        (staging / MARKER).write_text(marker_document(texts))
     return Exported(folder=out, objects=listed, validated_against=validated, proxy_check=proxy_check)
 
-
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / KUSTOMIZATION).is_file())):
-        raise InputError("exists and is not an earlier export (no kustomization.yaml): choose a new folder", file=out, field="--out")

@@ -329,6 +329,34 @@ def test_the_export_validates_offline_and_keeps_the_keys_private(tmp_path: Path,
         export_manifests(deployment, resolve(workspace, path), workspace.root / "models")
 
 
+def test_the_export_replaces_only_its_own_earlier_export(tmp_path: Path, workspace: SimpleNamespace, promoted) -> None:
+    """A user's kustomize folder (kustomization.yaml, app.yaml, overlays/) is refused untouched; an earlier export is
+    replaced; one a user edited since, or added a file to, is refused (nothing deletes a file it did not write)."""
+    version = promoted()
+    path = write_deployment(tmp_path, {"primary": f"{MODEL}@{version.version}"})
+    deployment, routes = load_deployment(path), resolve(workspace, path)
+    users = tmp_path / "users"
+    (users / "overlays" / "prod").mkdir(parents=True)
+    for name in ("kustomization.yaml", "app.yaml", "overlays/prod/kustomization.yaml"):
+        (users / name).write_text(f"# the user's {name}\n")
+    with pytest.raises(InputError, match="not an earlier export"):
+        export_manifests(deployment, routes, users)
+    assert sorted(p.relative_to(users).as_posix() for p in users.rglob("*")) == [
+        "app.yaml", "kustomization.yaml", "overlays", "overlays/prod", "overlays/prod/kustomization.yaml"]
+    out = tmp_path / "k8s"
+    first = export_manifests(deployment, routes, out)
+    second = export_manifests(deployment, routes, out)  # an earlier export, as written: replaced
+    assert [item.file for item in first.objects] == [item.file for item in second.objects]
+    (out / "notes.md").write_text("mine\n")
+    with pytest.raises(InputError, match="not written by the export"):
+        export_manifests(deployment, routes, out)
+    (out / "notes.md").unlink()
+    (out / "kustomization.yaml").write_text("# edited\n")
+    with pytest.raises(InputError, match="changed since"):
+        export_manifests(deployment, routes, out)
+    assert (out / "kustomization.yaml").read_text() == "# edited\n"
+
+
 def test_an_object_the_schema_refuses_names_its_field() -> None:
     bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}, "spec": {"replicas": "two", "selector": {}, "template": {}}}
     error = refused(validate, [bad])
