@@ -80,11 +80,14 @@ def job_registry(workspace: Workspace, name: str) -> Path:
     return folder / "registry.db"
 
 
-def write_job(workspace: Workspace, name: str, recipes: list[str], job_inputs: tuple[str, Path], extra: str = "") -> Path:
+def write_job(workspace: Workspace, name: str, recipes: list[str], job_inputs: tuple[str, Path], extra: str = "", *,
+              registry_line: bool = True) -> Path:
+    """The job file; without `registry_line` the job's registry is $QUANTGATE_REGISTRY as the command runs."""
     eval_set, policy = job_inputs
     path = workspace.root / f"{name}.yaml"
+    registry = f"registry: {job_registry(workspace, name)}\n" if registry_line else ""
     path.write_text(
-        f"name: {name}\nregistry: {job_registry(workspace, name)}\n{extra}"
+        f"name: {name}\n{registry}{extra}"
         f"defaults:\n  eval_sets: [{eval_set}]\n  policy: {policy}\n"
         f"candidates:\n  - model: {DEMO_MODEL_DIR}\n    recipes: [{', '.join(recipes)}]\n"
     )
@@ -114,21 +117,28 @@ def _first_decision(stderr: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ray_job_file(workspace: Workspace, job_inputs) -> Path:
-    return write_job(workspace, "ray-demo", list(RECIPES), job_inputs, extra="executor: ray\n")
+def ray_registry(postgres) -> str:
+    """The Ray job promotes into PostgreSQL (a database of the session's throwaway cluster), named by QUANTGATE_REGISTRY."""
+    return postgres.create_database("ray_demo")
 
 
 @pytest.fixture(scope="module")
-def killed_driver(workspace: Workspace, ray_job_file: Path, ray_address: str, local_job) -> tuple[CommandRun, dict[str, dict]]:
+def ray_job_file(workspace: Workspace, job_inputs) -> Path:
+    return write_job(workspace, "ray-demo", list(RECIPES), job_inputs, extra="executor: ray\n", registry_line=False)
+
+
+@pytest.fixture(scope="module")
+def killed_driver(workspace: Workspace, ray_job_file: Path, ray_address: str, ray_registry: str, local_job) -> tuple[CommandRun, dict[str, dict]]:
     """The Ray job's driver SIGTERMed once the first candidate is decided, and the ledger it left."""
-    run = ray_job_run(workspace, ray_job_file, ray_address, terminate_when=_first_decision, grace_s=0.2)
+    run = ray_job_run(workspace, ray_job_file, ray_address, terminate_when=_first_decision, grace_s=0.2,
+                      env={"QUANTGATE_REGISTRY": ray_registry})
     return run, ledger(workspace, "ray-demo")
 
 
 @pytest.fixture(scope="module")
-def ray_job(workspace: Workspace, ray_job_file: Path, ray_address: str, killed_driver) -> CommandRun:
+def ray_job(workspace: Workspace, ray_job_file: Path, ray_address: str, ray_registry: str, killed_driver) -> CommandRun:
     """The same job again: it resumes from the ledger the killed driver left."""
-    return ray_job_run(workspace, ray_job_file, ray_address)
+    return ray_job_run(workspace, ray_job_file, ray_address, env={"QUANTGATE_REGISTRY": ray_registry})
 
 
 def test_a_killed_driver_leaves_a_ledger_of_what_was_decided(killed_driver):
@@ -158,12 +168,14 @@ def _content(entries: dict[str, dict]) -> dict[str, dict]:
     return {key: {field: value for field, value in entry.items() if field not in CIRCUMSTANCES} for key, entry in entries.items()}
 
 
-def test_the_ledger_and_registry_match_the_local_run(workspace, ray_job, local_job):
+def test_the_ledger_and_registry_match_the_local_run(workspace, ray_job, ray_registry, local_job, monkeypatch):
     assert _content(ledger(workspace, "ray-demo")) == _content(ledger(workspace, "ray-local"))
     from pipelines.registry.store import Registry
 
+    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(workspace.artifacts))  # where a PostgreSQL registry keeps its files
+
     def versions(name: str) -> list[tuple]:
-        registry = Registry(job_registry(workspace, name))
+        registry = Registry(ray_registry if name == "ray-demo" else job_registry(workspace, name))
         return sorted(
             (v.model, v.recipe_name, v.status, v.artifact_path, v.artifact_hash, v.source_hash, v.recipe_hash, v.manifest_hash,
              tuple((s.name, s.hash) for s in v.eval_sets), v.reason, v.verdict)
@@ -172,6 +184,8 @@ def test_the_ledger_and_registry_match_the_local_run(workspace, ray_job, local_j
 
     assert versions("ray-demo") == versions("ray-local")
     assert len(versions("ray-demo")) == len(RECIPES)
+    promoted = [v for v in Registry(ray_registry).list() if v.status == "promoted"]
+    assert promoted and all(Registry(ray_registry).verify_signature(v, required=True) for v in promoted)
 
 
 def test_the_ledger_records_node_and_wall_time(workspace, ray_job):
