@@ -64,6 +64,16 @@ def read_run_tail(path: Path, what: str, max_bytes: int) -> bytes:
         return handle.read(max_bytes)
 
 
+def read_run_from(path: Path, what: str, offset: int, max_bytes: int) -> tuple[int, bytes]:
+    """At most `max_bytes` of the regular file at `path` from `offset` (from its start when it is now shorter: truncated
+    or replaced), with the offset actually read from."""
+    descriptor, status = _open_regular(path, what)
+    start = offset if status.st_size >= offset else 0
+    with os.fdopen(descriptor, "rb") as handle:
+        handle.seek(start)
+        return start, handle.read(max_bytes)
+
+
 def read_client_key(folder: Path, file_name: str) -> str:
     """The deployment's client key from the folder's own key file: one short line of URL-safe characters."""
     path = folder / file_name

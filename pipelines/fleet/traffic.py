@@ -28,6 +28,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipelines.errors import InputError
+from pipelines.fleet.run_files import read_run_from
 from pipelines.schema import StrictModel
 
 MAX_LINE = 16 * 1024
@@ -132,14 +134,11 @@ class LogTail:
         self.offset = offset
 
     def new_lines(self) -> list[str]:
+        """None yet, or nothing readable: no lines. A log swapped for a FIFO, a device or a link is not opened
+        (pipelines/fleet/run_files.py): it would block the supervisor, or feed it another file's bytes."""
         try:
-            with self.path.open("rb") as handle:
-                size = handle.seek(0, 2)
-                if size < self.offset:  # truncated or replaced: read from the start
-                    self.offset = 0
-                handle.seek(self.offset)
-                data = handle.read(MAX_READ)
-        except OSError:
+            self.offset, data = read_run_from(self.path, "log", self.offset, MAX_READ)
+        except (InputError, OSError):
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end

@@ -22,6 +22,7 @@ from pipelines.fleet.drill import DrillSettings, run_drill
 from pipelines.fleet.run_files import process_identity, read_client_key, read_run_tail
 from pipelines.fleet.state import CLIENT_KEY_FILE, STATE_FILE, ProxyState, RouteState, ServeState, find_state, write_state
 from pipelines.fleet.status import status_report
+from pipelines.fleet.traffic import LogTail
 
 
 @pytest.fixture
@@ -205,3 +206,25 @@ def test_the_log_tail_reads_only_the_tail(tmp_path: Path) -> None:
     before = psutil.Process().memory_info().rss
     assert read_run_tail(log, "log", 1024).endswith(b"last line\n")
     assert psutil.Process().memory_info().rss - before < 64 * 1024**2
+
+
+def test_the_supervisors_log_tail_skips_a_log_swapped_for_a_fifo_or_a_link(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    log.write_text("one\ntwo\npartial")
+    tail = LogTail(log)
+    assert tail.new_lines() == ["one", "two"]
+    log.unlink()
+    os.mkfifo(log)
+    lines: list[list[str]] = []
+    worker = threading.Thread(target=lambda: lines.append(tail.new_lines()), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the supervisor's log tail blocked on a FIFO"
+    assert lines == [[]]
+    log.unlink()
+    (tmp_path / "outside").write_text("secret\n")
+    log.symlink_to(tmp_path / "outside")
+    assert tail.new_lines() == []
+    log.unlink()
+    log.write_text("new\n")  # replaced by a shorter file: read from its start
+    assert tail.new_lines() == ["new"]
