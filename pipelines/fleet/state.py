@@ -171,7 +171,8 @@ def route_process_verified(state: ServeState, route: RouteState) -> bool:
 def stop_deployment(folder: Path, state: ServeState, *, timeout_s: float = 120.0) -> float:
     """SIGTERM the deployment's supervisor (it stops every process it started) and wait until it is gone; the seconds it took."""
     if not supervisor_alive(state):
-        raise InputError(f"deployment {state.name!r} is not running (its supervisor, pid {state.supervisor_pid}, is gone)", file=folder / STATE_FILE)
+        raise InputError(f"deployment {state.name!r} is not running: pid {state.supervisor_pid} is not the supervisor it recorded (gone, or "
+                         "another process: its start time or command line differ, or none was recorded); nothing signalled", file=folder / STATE_FILE)
     began = time.monotonic()
     try:
         os.kill(state.supervisor_pid, signal.SIGTERM)
