@@ -3,6 +3,7 @@ what the MLflow export and mirror tests (unit and integration) mirror."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -30,8 +31,8 @@ GATE_REPORT = GateReport(
 
 def make_candidate(root: Path, model: str = "demo-llama", weights: bytes = b"int8 weights",
                    registry: Registry | None = None) -> tuple[Registry, Version]:
-    """A registered candidate: an artifact under root/<weights' name>, its gate.json and report.md beside it."""
-    run = root / f"run-{weights.hex()[:16]}"
+    """A registered candidate: an artifact under root/run-<weights' hash>/, its gate.json and report.md beside it."""
+    run = root / f"run-{hashlib.sha256(weights).hexdigest()[:16]}"
     artifact = run / "artifact"
     artifact.mkdir(parents=True)
     (artifact / "model.safetensors").write_bytes(weights)
