@@ -57,6 +57,7 @@ _COARSE_SPLITS = 32
 _FINE_SPLITS = 128
 _TAIL = 1e-12  # probability left out on each side of a binomial when the tables are enumerated
 _TIE = 1e-11  # Z values closer than this are one value
+_WHOLE_RANGE = 400
 
 
 def tango_statistic(losses: np.ndarray, gains: np.ndarray, n: int, tolerance: float) -> np.ndarray:
@@ -132,7 +133,10 @@ def _fixed_boundary(n: int, right: int, tolerance: float, p_gain: float, alpha: 
 
 
 def _tail_range(count: int, p: float) -> np.ndarray:
-    """Outcomes of Binomial(count, p) outside its negligible tails."""
+    """Outcomes of Binomial(count, p) outside its negligible tails; every outcome up to _WHOLE_RANGE trials (cheaper
+    than binom.ppf, whose argument checks cost more than the sums there)."""
+    if count <= _WHOLE_RANGE:
+        return np.arange(count + 1)
     low, high = (int(v) for v in binom.ppf([_TAIL, 1 - _TAIL], count, p))
     return np.arange(max(low - 1, 0), min(high + 1, count) + 1)
 
