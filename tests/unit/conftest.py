@@ -29,6 +29,7 @@ from fakes import FakeStack, gate_workspace
 
 from pipelines.evaluation import baseline as baseline_cache
 from pipelines.evaluation import evalsets
+from pipelines.evaluation.budget import new_command_budget
 from pipelines.hardware import targets
 from pipelines.hardware.host import HostProfile
 from pipelines.hardware.targets import TARGET_ENV
@@ -56,6 +57,13 @@ def cpu_serve_target(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TARGET_ENV, "cpu")
     monkeypatch.setattr(targets, "host_profile", lambda: UNIT_HOST)
     monkeypatch.setattr(serving, "host_profile", lambda: UNIT_HOST)
+
+
+@pytest.fixture(autouse=True)
+def fresh_command_budget() -> None:
+    """Each test is a command of its own for the eval-set rendering budget (pipelines.cli starts one per command): a
+    test that shrinks the budget, or renders a lot, leaves nothing to the next test in the same worker."""
+    new_command_budget()
 
 
 @pytest.fixture(autouse=True)
