@@ -8,13 +8,14 @@ from typing import Any
 
 from pipelines.commands.args import int_arg
 from pipelines.console.output import emit, say, table
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 from pipelines.files.jsonio import read_json_object
 from pipelines.files.yamlio import MAX_JSON_BYTES
 from pipelines.loadtest.render import headline
 from pipelines.registry.copying import copy_registry
 from pipelines.registry.evidence import PromotionCheck
-from pipelines.registry.mirror import mirror_after, mirror_target, redact, retry_pending
+from pipelines.registry.mirror import mirror_after, mirror_target, retry_pending
 from pipelines.registry.mlflow_export import export_to_mlflow, mirror_model
 from pipelines.registry.promotion import promote_signed
 from pipelines.registry.reference import MAX_VERSION, split_reference, version_or_alias
@@ -216,10 +217,10 @@ def _mirror(args: argparse.Namespace) -> int:
     except InputError:
         raise
     except Exception as error:  # MLflow's errors (server down, refused request) are the user's to fix: one line
-        raise InputError(f"MLflow mirror failed: {redact(str(getattr(error, 'message', error))).splitlines()[0]}",
-                         file=redact(url), field="--mlflow") from None
+        raise InputError(f"MLflow mirror failed: {without_credentials(str(getattr(error, 'message', error))).splitlines()[0]}",
+                         file=without_credentials(url), field="--mlflow") from None
     emit(result, as_json=args.json, render=lambda value: say(
-        f"{value.registered_model}: versions {value.versions or '-'}, aliases {value.aliases or '-'} at {redact(url)}"))
+        f"{value.registered_model}: versions {value.versions or '-'}, aliases {value.aliases or '-'} at {without_credentials(url)}"))
     return 0
 
 

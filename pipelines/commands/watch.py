@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 from pipelines.canary.client import API_KEY_ENV
 from pipelines.commands.args import duration_arg, int_arg
 from pipelines.console.output import emit, progress, say, table
+from pipelines.console.redact import without_credentials
 from pipelines.deploy.spec import served_spec
 from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, InputError
 from pipelines.registry.store import open_registry
-from pipelines.serve.bounded_http import without_credentials
 from pipelines.settings import current as current_settings
 from pipelines.watch.exposition import metrics_url
 from pipelines.watch.report import WatchReport, WindowReport

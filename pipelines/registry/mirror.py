@@ -17,7 +17,6 @@ _TOKEN work too, and keep the URL plain).
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipelines.console.output import progress
+from pipelines.console.redact import without_credentials
 from pipelines.errors import QuantGateError
 from pipelines.files.atomic import write_json_atomic
 from pipelines.files.jsonio import read_json_object
@@ -39,7 +39,6 @@ from pipelines.settings import current as current_settings
 PENDING_DIR = "mirror-pending"
 _MAX_RECORD_BYTES = 64 * 1024
 _MAX_MESSAGE = 240
-_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 _target: ContextVar[str | None] = ContextVar("quantgate_mlflow_target", default=None)
 
 
@@ -68,11 +67,6 @@ def mirror_target(explicit: str | None = None) -> str | None:
     return explicit or _target.get() or current_settings().mlflow
 
 
-def redact(text: str) -> str:
-    """`text` with the user part of every URL in it (user:password@) replaced by ***@."""
-    return _CREDENTIALS.sub(r"\1***@", text)
-
-
 def mirror_after(registry: Registry, model: str, versions: list[int] | None = None, *, target: str | None = None) -> None:
     """Mirror `versions` of `model` and its aliases, if a mirror is configured; never raises (one line on failure)."""
     url = mirror_target(target)
@@ -86,11 +80,11 @@ def mirror_after(registry: Registry, model: str, versions: list[int] | None = No
         result = mirror_model(registry, model, numbers, url)
     except Exception as error:  # the promotion stands whatever MLflow did: report, record, go on
         record = _record(registry, model, numbers, url, error)
-        progress(f"MLflow mirror to {redact(url)} failed ({record.error}); the registry is unchanged, recorded for "
+        progress(f"MLflow mirror to {without_credentials(url)} failed ({record.error}); the registry is unchanged, recorded for "
                  f"retry (quantize registry mirror --retry)")
         return
     _forget(path for path, _ in pending)
-    progress(f"mirrored to MLflow at {redact(url)} in {time.monotonic() - started:.1f} s: {_summary(result)}")
+    progress(f"mirrored to MLflow at {without_credentials(url)} in {time.monotonic() - started:.1f} s: {_summary(result)}")
     retry_pending(url, quiet=True)
 
 
@@ -100,7 +94,7 @@ def retry_pending(url: str | None = None, *, quiet: bool = False) -> tuple[list[
     done: list[MirrorResult] = []
     failed: list[str] = []
     for (registry_location, model, tracking), records in _grouped(url).items():
-        target = url if url is not None and redact(url) == tracking else tracking
+        target = url if url is not None and without_credentials(url) == tracking else tracking
         numbers = sorted({number for _, record in records for number in record.versions})
         try:
             done.append(mirror_model(_reopen(registry_location), model, numbers, target))
@@ -135,19 +129,19 @@ def pending_records() -> list[tuple[Path, Pending]]:
 def _grouped(url: str | None) -> dict[tuple[str, str, str], list[tuple[Path, Pending]]]:
     groups: dict[tuple[str, str, str], list[tuple[Path, Pending]]] = {}
     for path, record in pending_records():
-        usable = (url is not None and redact(url) == record.tracking) or (url is None and "***@" not in record.tracking)
+        usable = (url is not None and without_credentials(url) == record.tracking) or (url is None and "***@" not in record.tracking)
         if usable:
             groups.setdefault((record.registry, record.model, record.tracking), []).append((path, record))
     return groups
 
 
 def _matching(url: str, registry: Registry, model: str) -> list[tuple[Path, Pending]]:
-    return _grouped(url).get((_location(registry), model, redact(url)), [])
+    return _grouped(url).get((_location(registry), model, without_credentials(url)), [])
 
 
 def _location(registry: Registry) -> str:
     """The registry's file or PostgreSQL URL, its credentials left out (what a pending record may hold)."""
-    return redact(str(registry.location))
+    return without_credentials(str(registry.location))
 
 
 def _reopen(location: str) -> Registry:
@@ -160,7 +154,7 @@ def _reopen(location: str) -> Registry:
 
 def _record(registry: Registry, model: str, numbers: list[int], url: str, error: Exception) -> Pending:
     """Write the pending record of a failed call (one file per content: two failures of the same call, one file)."""
-    record = Pending(registry=_location(registry), model=model, versions=sorted(set(numbers)), tracking=redact(url),
+    record = Pending(registry=_location(registry), model=model, versions=sorted(set(numbers)), tracking=without_credentials(url),
                      error=_message(error), since=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     key = hashlib.sha256(f"{record.registry}\n{model}\n{record.tracking}\n{record.versions}".encode()).hexdigest()[:16]
     try:
@@ -177,7 +171,7 @@ def _forget(paths: Iterator[Path] | list[Path]) -> None:
 
 def _message(error: Exception) -> str:
     text = getattr(error, "message", None) or str(error) or type(error).__name__
-    first = redact(str(text)).strip().splitlines()[0] if str(text).strip() else type(error).__name__
+    first = without_credentials(str(text)).strip().splitlines()[0] if str(text).strip() else type(error).__name__
     return first if len(first) <= _MAX_MESSAGE else first[:_MAX_MESSAGE - 3] + "..."
 
 

@@ -26,7 +26,6 @@ that promotes (QUANTGATE_SIGNING_KEY names a key every driver shares; the artifa
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +34,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection, files_anchor
 from pipelines.registry.sqlite_db import empty_registry
@@ -94,12 +94,6 @@ SCHEMA = (
 )
 
 
-def masked(url: str) -> str:
-    """The URL without its password (in the authority or as a `password=` parameter)."""
-    url = re.sub(r"(://[^:/@?]*:)[^@/?]*@", r"\1***@", url)
-    return re.sub(r"(password=)[^&]*", r"\1***", url)
-
-
 class _Connection:
     """psycopg under the Connection interface: qmark placeholders as psycopg's %s."""
 
@@ -118,7 +112,7 @@ class PostgresDatabase:
 
     def __init__(self, url: str, field: str = "QUANTGATE_REGISTRY"):
         self.url = url
-        self.location = masked(url)
+        self.location = without_credentials(url)
         self.field = field
         try:
             conninfo_to_dict(url)  # malformed: refused before any connection

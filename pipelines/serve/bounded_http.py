@@ -21,11 +21,11 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from pipelines.bounds import MiB
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 
 _DETAIL_CHARS = 160
@@ -46,18 +46,6 @@ def checked_url_length(url: str, field: str) -> str:
     if len(url) > MAX_URL_CHARS:
         raise InputError(f"a URL of {len(url):,} characters (at most {MAX_URL_CHARS}): {short(without_credentials(url), 80)}", field=field)
     return url
-
-
-def without_credentials(url: str) -> str:
-    """`url` as it may be shown or saved: a user name and password in it replaced by '***' (the one place that does this)."""
-    try:
-        parts = urlsplit(url)
-        if parts.username is None and parts.password is None:
-            return url
-        host = parts.netloc.rsplit("@", 1)[1]
-    except ValueError:  # a malformed netloc: show nothing of what precedes the host
-        return url.split("@", 1)[1] if "@" in url else url
-    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
 
 
 class _Watchdog:

@@ -22,9 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 
 from pipelines.bounds import MiB
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-from pipelines.serve.bounded_http import checked_url_length, get_bounded, without_credentials
+from pipelines.serve.bounded_http import checked_url_length, get_bounded
 from pipelines.serve.bounded_http import short as _short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key

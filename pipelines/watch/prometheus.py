@@ -19,9 +19,10 @@ from urllib.parse import urlparse
 import httpx
 
 from pipelines.bounds import MiB
+from pipelines.console.redact import without_credentials
 from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
-from pipelines.serve.bounded_http import checked_url_length, get_bounded, short, without_credentials
+from pipelines.serve.bounded_http import checked_url_length, get_bounded, short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.exposition import kv_info
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key

@@ -27,13 +27,13 @@ from pipelines.canary.client import server_root
 from pipelines.canary.golden import GoldenSet, golden_path, load_golden
 from pipelines.canary.probe import probe_canary
 from pipelines.console.output import progress
+from pipelines.console.redact import without_credentials
 from pipelines.deploy.limits import FigureLimit, limits
 from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import storage_error, write_text_atomic
 from pipelines.registry.store import Registry
 from pipelines.schema import FrozenModel
-from pipelines.serve.bounded_http import without_credentials
 from pipelines.watch.exposition import scrape, window_between
 from pipelines.watch.figures import window_figures
 from pipelines.watch.plausible import implausible

@@ -15,6 +15,7 @@ from fakes import promoted
 from signed_versions import GATE_REPORT, make_promoted
 
 from pipelines.cli import main
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 from pipelines.files.hashing import file_hashes
 from pipelines.registry.mirror import (
@@ -23,7 +24,6 @@ from pipelines.registry.mirror import (
     mirror_target,
     mirroring_to,
     pending_records,
-    redact,
     retry_pending,
 )
 from pipelines.registry.mlflow_export import export_to_mlflow, gate_tags
@@ -150,7 +150,7 @@ def test_export_refuses_a_tampered_artifact(tmp_path: Path, offline_mlflow, caps
 
 def test_credentials_in_urls_are_redacted() -> None:
     text = "API request to https://alice:s3cret@mlflow.example/api failed; retry http://bob@h:5000/x and sqlite:///a.db"
-    assert redact(text) == "API request to https://***@mlflow.example/api failed; retry http://***@h:5000/x and sqlite:///a.db"
+    assert without_credentials(text) == "API request to https://***@mlflow.example/api failed; retry http://***@h:5000/x and sqlite:///a.db"
 
 
 @needs_mlflow

@@ -11,9 +11,9 @@ import pytest
 from fakes import make_artifact, make_gate, new_version, promote
 
 from pipelines.cli import main
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 from pipelines.registry.database import postgres_url
-from pipelines.registry.postgres_db import masked
 from pipelines.registry.store import Registry, open_registry
 
 _names = itertools.count()
@@ -75,8 +75,8 @@ def test_a_url_carried_as_a_path_is_found_again() -> None:
     assert postgres_url(Path(url)) == url
     assert postgres_url(Path("/work/main") / Path(url)) == url  # a job file's path resolved against its folder
     assert postgres_url(Path("/tmp/registry.db")) is None
-    assert masked(url) == "postgresql://quant:***@/registry?host=/tmp/sock"
-    assert masked("postgresql://u@h/db?password=secret&sslmode=disable") == "postgresql://u@h/db?password=***&sslmode=disable"
+    assert without_credentials(url) == "postgresql://***@/registry?host=/tmp/sock"
+    assert without_credentials("postgresql://u@h/db?password=secret&sslmode=disable") == "postgresql://***@h/db?password=***&sslmode=disable"
 
 
 def _refused(capsys, registry: str, setting: str, *expected: str, secret: str = "") -> None:
@@ -92,7 +92,7 @@ def test_bad_postgres_urls_are_one_line_naming_the_setting(postgres, capsys, tmp
     socket = str(postgres.socket_dir)
     _refused(capsys, "postgresql://postgres@/db?host=/x&nonsense=1", "--registry", "not a PostgreSQL URL")
     _refused(capsys, f"postgresql://postgres@/no_such_database?host={socket}", "--registry", "cannot connect", "no_such_database")
-    _refused(capsys, "postgresql://postgres:hunter2@/db?host=/nonexistent/folder", "--registry", "cannot connect", ":***@",
+    _refused(capsys, "postgresql://postgres:hunter2@/db?host=/nonexistent/folder", "--registry", "cannot connect", "//***@",
              secret="hunter2")
     # Wrong credentials: a role with a password, the cluster asking it for one (the rest of the cluster trusts).
     hba = postgres.data_dir / "pg_hba.conf"

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from pipelines.bounds import MiB
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
-from pipelines.serve.bounded_http import get_bounded, without_credentials
+from pipelines.serve.bounded_http import get_bounded
 
 
 @contextmanager
@@ -120,6 +121,7 @@ def test_a_failure_names_the_url_without_its_password():
 @pytest.mark.parametrize(("url", "shown"), [
     ("http://u:p@host:9090/x?q=1", "http://***@host:9090/x?q=1"), ("https://token@host/", "https://***@host/"),
     ("http://host:80/metrics", "http://host:80/metrics"), ("not a url", "not a url"),
+    ("http://u:p@ss@host/x", "http://***@host/x"), ("postgresql:///db?password=pw&sslmode=off", "postgresql:///db?password=***&sslmode=off"),
 ])
 def test_without_credentials(url, shown):
     assert without_credentials(url) == shown
