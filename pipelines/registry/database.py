@@ -28,6 +28,59 @@ MIGRATE_1_TO_2 = (
     "ALTER TABLE versions ADD COLUMN fingerprint TEXT",
 )
 
+
+def table_statements(identity: str, reference: str) -> tuple[str, ...]:
+    """The three tables as every backend creates them; `identity` is the dialect's auto-numbered primary key and
+    `reference` the type of a column holding one.
+
+    - versions: one row per (source model, artifact, gate evidence); the version number counts per model.
+    - aliases:  the current target of each (model, alias) plus a stack of earlier targets for rollback.
+    - events:   every registration, status change and alias move, append-only (each backend adds its own trigger).
+    """
+    return (
+        f"""CREATE TABLE IF NOT EXISTS versions (
+            id {identity},
+            model TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            source_hash TEXT NOT NULL,
+            artifact_path TEXT NOT NULL,
+            artifact_hash TEXT NOT NULL,
+            recipe_name TEXT NOT NULL,
+            recipe_hash TEXT NOT NULL,
+            eval_sets TEXT NOT NULL,
+            gate_path TEXT,
+            gate TEXT,
+            gate_hash TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('candidate', 'promoted', 'rejected', 'error')),
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            manifest_hash TEXT,
+            fingerprint TEXT,
+            UNIQUE (model, version),
+            UNIQUE (model, artifact_hash, gate_hash))""",
+        # The alias stack: the highest seq is the current target; rollback pops to an earlier one.
+        f"""CREATE TABLE IF NOT EXISTS aliases (
+            model TEXT NOT NULL,
+            alias TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            version_id {reference} NOT NULL REFERENCES versions(id),
+            at TEXT NOT NULL,
+            PRIMARY KEY (model, alias, seq))""",
+        f"""CREATE TABLE IF NOT EXISTS events (
+            id {identity},
+            at TEXT NOT NULL,
+            model TEXT NOT NULL,
+            version INTEGER,
+            kind TEXT NOT NULL,
+            alias TEXT,
+            from_version INTEGER,
+            to_version INTEGER,
+            reason TEXT NOT NULL,
+            evidence TEXT)""",
+    )
+
+
 # A URL carried as a Path (settings, `--registry` parsed as a path, a job file's resolved path) has its "//" collapsed
 # and may have the working directory in front: the URL is found again from its scheme on.
 _URL_START = re.compile(r"postgres(?:ql)?:/+")

@@ -21,51 +21,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipelines.errors import InputError
-from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection
+from pipelines.registry.database import MIGRATE_1_TO_2, SCHEMA_VERSION, Connection, table_statements
 
 BUSY_TIMEOUT_S = 60.0
 
 SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS versions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        model TEXT NOT NULL,
-        version INTEGER NOT NULL,
-        source_hash TEXT NOT NULL,
-        artifact_path TEXT NOT NULL,
-        artifact_hash TEXT NOT NULL,
-        recipe_name TEXT NOT NULL,
-        recipe_hash TEXT NOT NULL,
-        eval_sets TEXT NOT NULL,
-        gate_path TEXT,
-        gate TEXT,
-        gate_hash TEXT NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('candidate', 'promoted', 'rejected', 'error')),
-        created_at TEXT NOT NULL,
-        updated_at TEXT NOT NULL,
-        reason TEXT NOT NULL,
-        manifest_hash TEXT,
-        fingerprint TEXT,
-        UNIQUE (model, version),
-        UNIQUE (model, artifact_hash, gate_hash))""",
-    # The alias stack: the highest seq is the current target; rollback pops to an earlier one.
-    """CREATE TABLE IF NOT EXISTS aliases (
-        model TEXT NOT NULL,
-        alias TEXT NOT NULL,
-        seq INTEGER NOT NULL,
-        version_id INTEGER NOT NULL REFERENCES versions(id),
-        at TEXT NOT NULL,
-        PRIMARY KEY (model, alias, seq))""",
-    """CREATE TABLE IF NOT EXISTS events (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        at TEXT NOT NULL,
-        model TEXT NOT NULL,
-        version INTEGER,
-        kind TEXT NOT NULL,
-        alias TEXT,
-        from_version INTEGER,
-        to_version INTEGER,
-        reason TEXT NOT NULL,
-        evidence TEXT)""",
+    *table_statements(identity="INTEGER PRIMARY KEY AUTOINCREMENT", reference="INTEGER"),
     """CREATE TRIGGER IF NOT EXISTS events_no_update BEFORE UPDATE ON events
         BEGIN SELECT RAISE(ABORT, 'registry events are append-only'); END""",
     """CREATE TRIGGER IF NOT EXISTS events_no_delete BEFORE DELETE ON events
