@@ -25,7 +25,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-PG_BIN = Path(os.environ.get("QUANTGATE_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+def find_pg_bin(versions_root: Path = Path("/usr/lib/postgresql")) -> Path:
+    """QUANTGATE_PG_BIN, else the newest Debian PostgreSQL's bin folder (the `postgresql` package installs the release's
+    own major version: 15 on bookworm, 17 on trixie), else the folder of an `initdb` on PATH."""
+    if override := os.environ.get("QUANTGATE_PG_BIN"):
+        return Path(override)
+    installed = [path.parent for path in versions_root.glob("*/bin/initdb") if path.parent.parent.name.isdigit()]
+    if installed:
+        return max(installed, key=lambda folder: int(folder.parent.name))
+    on_path = shutil.which("initdb")
+    return Path(on_path).resolve().parent if on_path else versions_root / "15" / "bin"
+
+
+PG_BIN = find_pg_bin()
 SUPERUSER = "postgres"
 START_TIMEOUT_S = 60
 # A test cluster holds nothing worth a fsync; the registry's own durability is PostgreSQL's, not under test here.
