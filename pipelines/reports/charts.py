@@ -108,9 +108,17 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
     return [low + i * step for i in range(count)]
 
 
+def _whole_ticks(low: float, high: float, most: int = 10) -> list[float]:
+    """Whole numbers within [low, high] (version numbers), at most `most` of them, evenly stepped."""
+    first, last = math.ceil(low), math.floor(high)
+    step = max(1, math.ceil((last - first + 1) / most))
+    return [float(value) for value in range(first, last + 1, step)]
+
+
 def scatter_svg(points: Sequence[Point], x_label: str, y_label: str, *, title: str, y_line: float | None = None,
-                width: int = 640, height: int = 340) -> Markup:
-    """Points (with vertical error bars where given) on linear axes; `y_line`: a dashed reference (a ratio of 1)."""
+                whole_x: bool = False, width: int = 640, height: int = 340) -> Markup:
+    """Points (with vertical error bars where given) on linear axes; `y_line`: a dashed reference (a ratio of 1);
+    `whole_x`: the x axis counts (version numbers), so its ticks are whole numbers."""
     if not points:
         return Markup("")
     xs = _finite([p.x for p in points])
@@ -126,7 +134,7 @@ def scatter_svg(points: Sequence[Point], x_label: str, y_label: str, *, title: s
 
     parts = [Markup('<text x="{}" y="16" font-weight="600">{}</text>').format(left, title),
              Markup('<rect x="{}" y="{}" width="{}" height="{}" fill="none" stroke="#9aa3b2"/>').format(left, top, right - left, bottom - top)]
-    for value in _ticks(x_lo, x_hi):
+    for value in _whole_ticks(x_lo, x_hi) if whole_x else _ticks(x_lo, x_hi):
         parts.append(Markup('<text x="{}" y="{}" text-anchor="middle">{}</text>').format(px(value), bottom + 14, _number(value)))
     for value in _ticks(y_lo, y_hi):
         parts.append(Markup('<text x="{}" y="{}" text-anchor="end">{}</text>').format(left - 4, py(value) + 4, _number(value)))

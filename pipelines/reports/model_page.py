@@ -84,7 +84,8 @@ def verdicts_over_time(history: ModelHistory) -> Markup:
             points.append(Point(x=float(v.version), y=share, label=f"v{v.version} {v.recipe_name} ({v.status})",
                                 colour=STATUS_COLOURS.get(v.status, NEUTRAL)))
     return scatter_svg(points, "version (registration order)", "worst set's bound / its tolerance",
-                       title=f"{history.model}: share of the tolerance used, per version (1 = at the tolerance)", y_line=1.0)
+                       title=f"{history.model}: share of the tolerance used, per version (1 = at the tolerance)", y_line=1.0,
+                       whole_x=True)
 
 
 def alias_rows(history: ModelHistory) -> list[list[str]]:
@@ -107,7 +108,7 @@ def _banner(history: ModelHistory) -> Markup:
         counts[v.status] = counts.get(v.status, 0) + 1
     lines = [f"newest version v{newest.version} ({newest.recipe_name}, {newest.created_at}): {newest.status}",
              "aliases: " + (", ".join(f"{a.alias} -> v{a.version}" for a in history.aliases) or "none"),
-             f"{len(history.versions)} versions: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))]
+             _counted(len(history.versions), "version") + ": " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))]
     return verdict_banner(newest.verdict or newest.status, f"Model {history.model}", lines)
 
 
@@ -128,3 +129,6 @@ def render_model_page(history: ModelHistory) -> str:
                           bullets([f"{len(history.events)} events, {len(signed)} promotions (each through the signed door)"]), anchor="events"))
     return page(f"Model {history.model}", *blocks)
 
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")

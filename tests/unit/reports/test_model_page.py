@@ -54,6 +54,8 @@ def test_verdicts_over_time_draw_each_versions_share_of_its_tolerance(history: M
     chart = html.split("Verdicts over time", 1)[1].split("</svg>", 1)[0]
     assert chart.count("<circle") == 3 and "v2 w8a8 (rejected)" in chart and 'stroke-dasharray="4,3"' in chart
     assert f"{shares[1]:.0%}" in html
+    x_ticks = re.findall(r'<text x="[\d.]+" y="310" text-anchor="middle">([^<]*)</text>', chart)
+    assert x_ticks == ["1", "2", "3"]  # version numbers: whole ticks, never 1.5
 
 
 def test_the_event_log_lists_registrations_promotions_and_alias_moves(history: ModelHistory):
