@@ -105,10 +105,11 @@ class NginxProcess:
         return check_config(self.nginx, self.layout)
 
     def reload(self) -> bool:
-        """SIGHUP: nginx re-reads its config (check it first); False when none runs."""
-        if self.running is None:
+        """SIGHUP: nginx re-reads its config (check it first); False when none runs. An nginx that died is never signalled:
+        once reaped, its pid may be another process's."""
+        if self.running is None or self.running[0].poll() is not None:
             return False
-        os.kill(self.running[0].pid, signal.SIGHUP)
+        self.running[0].send_signal(signal.SIGHUP)
         return True
 
     def exit_code(self) -> int | None:
