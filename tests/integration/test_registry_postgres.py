@@ -126,6 +126,7 @@ def stress(location: str, root: Path) -> dict:
     holder = context.Process(target=_hold_a_write_transaction, args=(location, str(ready)))
     holder.start()
     while not ready.exists():
+        assert holder.is_alive(), f"the lock holder died before taking the lock (exit {holder.exitcode})"
         time.sleep(0.02)
     started = time.monotonic()
     drivers = [context.Process(target=_drive, args=(i, location, str(root))) for i in range(DRIVERS)]
@@ -139,6 +140,9 @@ def stress(location: str, root: Path) -> dict:
     os.kill(victim.pid, signal.SIGKILL)  # a random moment: inside a transaction, a signature, or between two
     for process in drivers:
         process.join(timeout=300)
+        if process.is_alive():  # stuck: killed, so no driver outlives the test
+            process.kill()
+            process.join()
     seconds = time.monotonic() - started
     assert [p.exitcode for p in drivers[:-1]] == [0] * (DRIVERS - 1), [p.exitcode for p in drivers]
     events = [json.loads(line) for i in range(DRIVERS) for line in (root / f"d{i}.log").read_text().splitlines()]
