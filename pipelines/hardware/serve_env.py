@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from pipelines.errors import ServeError
-from pipelines.files.atomic import write_text_atomic
+from pipelines.files.atomic import StorageError, write_text_atomic
 from pipelines.hardware.emulation import CpuIsa, emulated_class, emulation_env, shim_source
 from pipelines.settings import current as current_settings
 
@@ -33,7 +33,7 @@ def store_cache(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, text)
-    except OSError:
+    except (OSError, StorageError):  # write_text_atomic reports a refused write as a StorageError
         pass  # a cache that cannot be written costs a re-read, nothing else
 
 

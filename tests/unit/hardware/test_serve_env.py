@@ -22,3 +22,10 @@ def _script_constant(name: str) -> str:
 def test_the_probe_prints_the_marker_the_channel_reads() -> None:
     assert _script_constant("MARKER") == serve_env.PROBE_MARKER
 
+
+
+def test_a_cache_that_cannot_be_written_costs_nothing(tmp_path) -> None:
+    taken = tmp_path / "host.json"
+    taken.mkdir()  # the disk refuses the write (EISDIR), as a read-only or full one would
+    serve_env.store_cache(taken, "{}")
+    assert taken.is_dir()
