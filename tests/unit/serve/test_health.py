@@ -49,10 +49,10 @@ def test_healthy_is_200_from_health_and_nothing_else(server: Server) -> None:
 
 def test_a_server_slower_than_the_one_timeout_is_no_answer(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(health, "HEALTH_TIMEOUT_S", 0.2)  # the policy's value, shortened for the test's time
-    server.delay_s = 1.0
+    server.delay_s = 5.0  # far past the timeout: the bound below holds on a loaded CI host and still needs the timeout
     started = time.monotonic()
     assert health.probe_health(server.port) == "no answer"
-    assert time.monotonic() - started < 0.9
+    assert time.monotonic() - started < 3.0
 
 
 def test_the_key_check_tells_our_server_from_another(server: Server) -> None:
