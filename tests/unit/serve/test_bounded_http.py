@@ -75,7 +75,7 @@ def test_a_server_trickling_its_headers_is_cut_off_at_the_total_deadline():
         began = time.monotonic()
         with pytest.raises(InputError, match="no answer within 1 s") as error:
             get_bounded(client, url, field="--url", max_bytes=MiB, timeout_s=1.0)
-        assert time.monotonic() - began < 2.5  # a per-read timeout of 1 s never trips: a byte comes every 0.2 s
+        assert time.monotonic() - began < 5  # a per-read timeout of 1 s never trips: a byte comes every 0.2 s for 200 s
     assert error.value.field == "--url"
 
 
