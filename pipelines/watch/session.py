@@ -139,7 +139,9 @@ def _golden(spec: ServedSpec | None, report: WatchReport) -> GoldenSet | None:
 def _with_canary(window: WindowReport, golden: GoldenSet, settings: WatchSettings, served_name: str) -> WindowReport:
     result = probe_canary(server_root(settings.url), model=served_name, golden=golden, api_key=settings.api_key,
                           timeout_s=settings.canary_timeout_s)
-    breached = window.breached + ([CANARY] if not result.healthy else [])
+    # An invalid window is never judged (docs/watch.md): the probe is recorded, its failure breaches nothing and so
+    # cannot continue a run of breaching windows into a rollback.
+    breached = window.breached + ([CANARY] if not result.healthy and not window.invalid else [])
     return window.model_copy(update={"canary": result, "breached": breached})
 
 
