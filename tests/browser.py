@@ -41,7 +41,7 @@ def console_messages(stderr: str) -> list[str]:
 def open_page(page: Path, screenshot: Path, *, width: int = 1280, height: int = 2000, timeout_s: float = TIMEOUT_S) -> Seen:
     assert CHROMIUM is not None, "chromium is not installed (scripts/setup_system.sh installs it)"
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
-        command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+        command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--disable-extensions",
                    "--enable-logging=stderr", "--v=0", f"--user-data-dir={profile}", f"--window-size={width},{height}",
                    "--dump-dom", f"--screenshot={screenshot}", page.resolve().as_uri()]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",

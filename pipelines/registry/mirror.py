@@ -165,8 +165,14 @@ def _record(registry: Registry, model: str, numbers: list[int], url: str, error:
 
 
 def _forget(paths: Iterator[Path] | list[Path]) -> None:
+    """Pending records mirrored since: removed where the disk lets us (one left behind is retried, and mirroring is
+    idempotent, so it costs a lookup, never the promotion's exit code)."""
     for path in paths:
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            progress(f"MLflow mirror: could not remove the mirrored pending record {path.name} ({error.strerror}); "
+                     "it will be retried harmlessly")
 
 
 def _message(error: Exception) -> str:

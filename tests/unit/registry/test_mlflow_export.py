@@ -238,3 +238,17 @@ def test_a_gate_runs_promotion_is_mirrored(cli, workspace, shared_store: str, of
     [mirrored] = [found for found in client.search_model_versions(f"name = '{version.model}'")  # the store is shared
                   if found.tags["quantgate.artifact_hash"] == version.artifact_hash]
     assert mirrored.tags["quantgate.version"] == str(version.version) and mirrored.tags["gate.verdict"] == "promoted"
+
+
+def test_a_pending_record_the_disk_will_not_remove_never_reaches_the_exit_code(tmp_path: Path, monkeypatch, capsys) -> None:
+    from pipelines.registry import mirror
+
+    record = tmp_path / "pending.json"
+    record.write_text("{}")
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    mirror._forget([record])  # no exception: the promotion it follows keeps its exit code
+    assert "could not remove the mirrored pending record pending.json" in capsys.readouterr().err
