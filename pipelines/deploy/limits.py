@@ -29,12 +29,14 @@ class FigureLimit(StrictModel):
 def limits(envelope: Envelope) -> list[FigureLimit]:
     """The figures production is held to, each with its limit."""
     production, level = envelope.production, envelope.level
-    found = [
+    latencies = [
         _latency("ttft_p95_s", "TTFT", level.ttft_ms.p95, envelope, production.ttft_p95_ms, "ttft_p95_ms", envelope.slo.ttft_ms,
                  "ttft_ms"),
         _latency("itl_p95_s", "TPOT (the load test's ITL was read in bursts)" if itl_bursty(envelope) else "ITL",
                  level.tpot_ms.p95 if itl_bursty(envelope) else level.itl_ms.p95, envelope, production.itl_p95_ms, "itl_p95_ms",
                  envelope.slo.tpot_ms, "tpot_ms"),
+    ]
+    found = [limit for limit in latencies if limit is not None] + [
         FigureLimit(figure="error_rate", limit=production.max_error_rate,
                     source=f"policy production.max_error_rate (the load test had {level.failed} failed of {level.requests})"),
         FigureLimit(figure="corrupted_requests", limit=0.0,
@@ -65,13 +67,15 @@ def itl_bursty(envelope: Envelope) -> bool:
 
 
 def _latency(figure: str, name: str, measured_ms: float, envelope: Envelope, production_ms: float | None, production_field: str,
-             slo_ms: float | None, slo_field: str) -> FigureLimit:
-    """The tighter of the production SLO (default: the load test's own SLO target) and the envelope's p95 x tolerance."""
+             slo_ms: float | None, slo_field: str) -> FigureLimit | None:
+    """The tighter of the production SLO (default: the load test's own SLO target) and the envelope's p95 x tolerance;
+    None where neither holds anything (no target set and a p95 of 0 measured: no limit, rather than an infinite one)."""
     tolerance = envelope.production.envelope_tolerance
     target_ms, target_field = (production_ms, f"production.{production_field}") if production_ms else (slo_ms, f"slo.{slo_field}")
     kind = figure.removesuffix("_p95_s")
     source = _latency_source(name, measured_ms, target_ms, tolerance, envelope.concurrency, target_field)
-    return _at_resolution(figure, _tighter(target_ms, measured_ms * tolerance) / 1000, FIRST_LATENCY_BUCKET_S[kind], source)
+    limit_ms = _tighter(target_ms, measured_ms * tolerance)
+    return None if limit_ms is None else _at_resolution(figure, limit_ms / 1000, FIRST_LATENCY_BUCKET_S[kind], source)
 
 
 def _waiting(envelope: Envelope) -> FigureLimit:
@@ -82,11 +86,11 @@ def _waiting(envelope: Envelope) -> FigureLimit:
                        source=f"the measured max_num_seqs ({batch}): a queue longer than one full batch")
 
 
-def _tighter(slo: float | None, envelope: float) -> float:
+def _tighter(slo: float | None, envelope: float) -> float | None:
     # A load test on an idle machine can measure an ITL p95 of a few ms: the SLO, when set, is a floor for the envelope's
     # tolerance only where the envelope is the looser (min); an envelope of 0 ms (no gaps measured) leaves the SLO alone.
     if envelope <= 0:
-        return slo if slo is not None else float("inf")
+        return slo
     return min(slo, envelope) if slo is not None else envelope
 
 

@@ -54,3 +54,9 @@ def test_a_latency_limit_below_the_histogram_s_first_bound_is_raised_to_it(raw_s
     limit = _at_resolution("itl_p95_s", raw_s, first, "load test")
     assert limit.limit == held_s
     assert ("raised to the histogram's first bucket bound" in limit.source) == (held_s != raw_s)
+
+
+def test_no_target_and_no_gap_measured_leave_the_itl_without_a_limit_not_an_infinite_one():
+    # One-token answers: the load test measured no gap between tokens (p95 0 ms), and no SLO or production target is set.
+    held = {limit.figure for limit in limits(_envelope((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)))}
+    assert "itl_p95_s" not in held and {"ttft_p95_s", "error_rate", "kv_cache_usage"} <= held
