@@ -18,7 +18,7 @@ import pytest
 from helpers import Workspace
 
 from pipelines.errors import ServeError
-from pipelines.hardware.host import EMULATE_ENV, cpuinfo_class
+from pipelines.hardware.emulation import EMULATE_ENV, cpuinfo_class
 from pipelines.hardware.targets import parse_target
 from pipelines.paths import DEMO_MODEL_DIR
 from pipelines.quantize.oneshot import quantize_model
