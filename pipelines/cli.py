@@ -37,7 +37,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from pipelines.console.output import printable
-from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, QuantGateError
+from pipelines.errors import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, MAX_LINE_CHARS, QuantGateError, bounded
 from pipelines.evaluation.budget import new_command_budget
 from pipelines.settings import current as current_settings
 
@@ -145,8 +145,9 @@ def _raise_keyboard_interrupt_on_sigterm() -> None:
 
 
 def _one_line(text: object) -> str:
-    """One line, control characters shown as \\xNN (a name in an error cannot drive the terminal)."""
-    return printable(" ".join(str(text).split()))
+    """One bounded line (errors.MAX_LINE_CHARS), control characters shown as \\xNN (a name in an error cannot drive the
+    terminal, a 100 KB value cannot flood it)."""
+    return bounded(printable(str(text)), MAX_LINE_CHARS)
 
 
 def _report(line: str, as_json: bool, document: dict[str, Any]) -> int:

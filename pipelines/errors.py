@@ -9,6 +9,17 @@ from pydantic import ValidationError
 # The exit contract (docs/exit-codes.md): 0 promoted / success, 1 rejected by the gate, 2 every error.
 EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
 
+# An error line is read by a person: a hostile value (a 100 KB URL, file name or JSON field) must not flood the terminal.
+MAX_MESSAGE_CHARS = 500
+MAX_WHERE_CHARS = 300  # the file (a path, a URL) and the field each
+MAX_LINE_CHARS = MAX_MESSAGE_CHARS + 2 * MAX_WHERE_CHARS + 40
+
+
+def bounded(text: str, limit: int) -> str:
+    """`text` on one line (whitespace runs folded), cut to `limit` characters with "..." when longer."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class QuantGateError(Exception):
     """An error caused by input or environment; the CLI prints it on one line and exits with code 2."""
@@ -16,16 +27,15 @@ class QuantGateError(Exception):
     exit_code = EXIT_ERROR
 
     def __init__(self, message: str, *, file: str | Path | None = None, field: str | None = None):
-        self.file = str(file) if file is not None else None
-        self.field = field
-        self.message = message
+        self.file = bounded(str(file), MAX_WHERE_CHARS) if file is not None else None
+        self.field = bounded(field, MAX_WHERE_CHARS) if field is not None else None
+        self.message = bounded(str(message), MAX_MESSAGE_CHARS)
         self.details: dict[str, object] | None = None  # extra fields of the --json error object (cli.main)
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
         where = ": ".join(part for part in (self.file, self.field) if part)
-        text = f"{where}: {self.message}" if where else self.message
-        return " ".join(text.split())
+        return f"{where}: {self.message}" if where else self.message
 
 
 class InputError(QuantGateError):
