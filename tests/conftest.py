@@ -103,6 +103,22 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresClust
 
 # The end-to-end files with models, runs and servers of their own (no session fixture of the demo model's runs): one work unit.
 OWN_MODELS = ("tests/integration/test_families_e2e.py", "tests/integration/test_formats_e2e.py", "tests/integration/test_real_model.py")
+# End-to-end files that read nothing of the demo-model unit's session (their own artifacts root, server or database, no
+# w8a8/aggressive run, no quantized artifact of its root): each a work unit of its own, taken by whichever worker is free.
+ON_THEIR_OWN = ("tests/integration/test_lifecycle.py", "tests/integration/test_mlflow_mirror.py", "tests/integration/test_plain_lm_eval.py",
+                "tests/integration/test_registry_postgres.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit a test belongs to under `make test` (docs/testing.md): own-models, demo-model, an end-to-end file on
+    its own (its path), or the test itself (every unit test)."""
+    if not nodeid.startswith("tests/integration/"):
+        return nodeid
+    if nodeid.startswith(OWN_MODELS):
+        return "own-models"
+    if nodeid.startswith(ON_THEIR_OWN):
+        return nodeid.split("::", 1)[0]
+    return "demo-model"
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
@@ -114,6 +130,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     demo-model unit 51 minutes, the family jobs 28.5 beside it, then the unit tier; the real model (7 minutes) moved over.
     Again on 4 December (AVX-512 host, 40 min of pytest): the demo-model unit was still the longest; the formats file (FP8
     and KV runs on their own sets, 10-11 min) moved over, and the family jobs calibrate on 16 samples (about 5 min less).
+    7 December: the end-to-end files that share nothing with the demo-model unit's session (ON_THEIR_OWN) left it, each a
+    unit of its own for whichever worker is free (docs/testing.md maps what each unit costs).
     (xdist's own loadgroup marks do not reach its scheduler under pytest 9: it renames a node id pytest no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -121,9 +139,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class SuiteScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith("tests/integration/"):
-                return "own-models" if nodeid.startswith(OWN_MODELS) else "demo-model"
-            return nodeid
+            return work_unit(nodeid)
 
     return SuiteScheduling(config, log)
 
@@ -142,7 +158,8 @@ class _WorkerClock:
     def add(self, worker: str, nodeid: str, seconds: float) -> None:
         import time
 
-        unit = "own-models" if nodeid.startswith(OWN_MODELS) else "demo-model" if nodeid.startswith("tests/integration/") else "unit tests"
+        scope = work_unit(nodeid)
+        unit = "unit tests" if scope == nodeid else "e2e on their own" if scope.startswith(ON_THEIR_OWN) else scope
         per_unit = self.busy.setdefault(worker, {})
         per_unit[unit] = per_unit.get(unit, 0.0) + seconds
         self.last_end[worker] = time.monotonic() - self.started
