@@ -1,10 +1,12 @@
 """JSON read with bounds: the one JSON reader for files a user or another run gives (a manifest, gate.json, evidence,
-a job ledger). NaN and Infinity, bad UTF-8, bad syntax, absurd nesting and files over a size are an InputError naming
+a job ledger). NaN, Infinity and numbers too large for a float (1e999),
+bad UTF-8, bad syntax, absurd nesting and files over a size are an InputError naming
 the file (and the line). Its constant guard is the JSON Lines reader's too (pipelines.files.jsonl)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,20 @@ def refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def finite_float(text: str) -> float:
+    """A JSON number as a float; one too large for a float (`1e999`, read as infinity) is refused as NaN/Infinity are."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is not a finite number (too large for a float)")
+    return value
+
+
 def parse_json_strict(raw: bytes, path: Path | str) -> Any:
-    """JSON from bytes (a UTF-8 byte-order mark is dropped); NaN/Infinity, bad UTF-8, bad syntax and
+    """JSON from bytes (a UTF-8 byte-order mark is dropped); NaN/Infinity/1e999, bad UTF-8, bad syntax and
     absurd nesting are an InputError naming `path` (and the line, where there is one)."""
     text = decode_utf8(raw, path)
     try:
-        return json.loads(text, parse_constant=refuse_constant)
+        return json.loads(text, parse_constant=refuse_constant, parse_float=finite_float)
     except json.JSONDecodeError as error:
         raise InputError(f"not valid JSON: {error.msg} (column {error.colno})", file=path, field=f"line {error.lineno}") from None
     except ValueError as error:

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from pipelines.bounds import MiB
 from pipelines.errors import InputError
-from pipelines.files.jsonio import refuse_constant
+from pipelines.files.jsonio import finite_float, refuse_constant
 
 MAX_LINE_BYTES = MiB  # one item: a rendered template is held to 1,000,000 characters (pipelines.evaluation.templates)
 MAX_FILE_BYTES = 64 * MiB  # one data file: about 60,000 items of 1 KiB; calibration keeps every text in memory
@@ -118,7 +118,8 @@ def _parse_line(raw: bytes, number: int, where: str, non_finite: bool = False) -
     if not line.strip():
         return None
     try:
-        value = json.loads(line, parse_constant=float if non_finite else refuse_constant)
+        value = json.loads(line, parse_constant=float if non_finite else refuse_constant,
+                           parse_float=float if non_finite else finite_float)
     except json.JSONDecodeError as error:
         raise InputError(f"invalid JSON: {error.msg} (column {error.colno})", file=where, field=field) from None
     except ValueError as error:
