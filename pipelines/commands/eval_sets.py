@@ -13,12 +13,15 @@ from pipelines.evaluation.evalsets import CalibrationSet, EvalSet, discover_eval
 from pipelines.files.safepath import MAX_COMPONENT, safe_component
 from pipelines.gate.policy import load_gate_policy
 from pipelines.gate.power import GUARANTEES, power_rows, whole_run_rows
+from pipelines.gate.price import SECONDS, price_rows
 from pipelines.paths import EVAL_SETS_DIR
 from pipelines.recipe import RecipeIdentity, load_recipe, resolve_recipe_path
+from pipelines.settings import current as current_settings
 
 POWER_DISCORDANCES = (0.02, 0.04, 0.1)
 MAX_RECIPE_NAME = 64  # pipelines.recipe.Recipe's name
 MAX_DISCORDANCES = 16  # each is an exact sum over every 2x2 table of every set: seconds, not minutes
+MAX_PRICE_SECONDS = 60.0  # per set: the unchanged candidate's simulation
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              help="comma-separated shares of items the candidate may answer differently (default: %(default)s)")
             sub.add_argument("--baseline-score", type=float, default=0.8,
                              help="baseline accuracy assumed for the whole-run false-rejection figure (default: %(default)s)")
+            sub.add_argument("--price-seconds", type=float, default=SECONDS,
+                             help="per set, the time the unchanged candidate's simulation may take (default: %(default)s)")
 
 
 def _row(found: EvalSet | CalibrationSet) -> dict:
@@ -120,6 +125,8 @@ def power_sets(args: argparse.Namespace) -> int:
     discordances = _fractions(args.discordance, "--discordance")
     if not 0.0 < args.baseline_score < 1.0:
         raise InputError(f"must lie in (0, 1) (got {args.baseline_score})", field="--baseline-score")
+    if not 0.0 < args.price_seconds <= MAX_PRICE_SECONDS:
+        raise InputError(f"must lie in (0, {MAX_PRICE_SECONDS:g}] (got {args.price_seconds})", field="--price-seconds")
     names = eval_set_names(args.eval_sets)
     recipe = recipe_identity(args.recipe)
     found = discover_eval_sets(args.root)
@@ -127,8 +134,10 @@ def power_sets(args: argparse.Namespace) -> int:
         raise next(iter(found.broken.values()))
     eval_sets = select_eval_sets(names, found)
     policy, policy_path = load_gate_policy(args.policy)
+    prices = price_rows(eval_sets, policy, recipe, args.baseline_score, current_settings().baseline_cache_dir, seconds=args.price_seconds)
     document = {
-        "policy": str(policy_path), "recipe": recipe.name if recipe else None, "sets": power_rows(eval_sets, policy, recipe, discordances),
+        "policy": str(policy_path), "recipe": recipe.name if recipe else None,
+        "sets": [row | prices[row["name"]] for row in power_rows(eval_sets, policy, recipe, discordances)],
         "whole_run": whole_run_rows(eval_sets, policy, recipe, discordances, args.baseline_score),
         "baseline_score": args.baseline_score,
     }
@@ -157,6 +166,7 @@ def _render_power(document: dict) -> None:
         rows.append(cells)
     say(table(f"Sizing against {document['policy']} (one-sided bounds; an unchanged candidate passing 80% of the time; P(promote at "
               f"T): a true worsening of the tolerance, worst split, multinomial model, exact)", columns, rows))
+    _render_price(sets)
     for row in sets:
         if row["refused"]:
             say(f"refused at load: {row['refused']}")
@@ -165,3 +175,18 @@ def _render_power(document: dict) -> None:
     for entry in document["whole_run"]:
         say(f"unchanged candidate, discordance {entry['discordance']:g}, baseline {document['baseline_score']:.0%}: rejected by at least "
             f"one of the {entry['sets']} pass/fail sets {entry['reject_probability']:.1%} of the time")
+
+
+def _render_price(sets: list[dict]) -> None:
+    """Each rule's price per set (docs/guarantees.md, "Price"): its bound's width against normal theory at the same
+    one-sided level, and how often an unchanged candidate passes, at the noise the set shows."""
+    rows = []
+    for row in sets:
+        for entry in row["price"]:
+            ratio, rate = entry["width_ratio"], entry["unchanged_pass_rate"]
+            how = "exact" if entry["method"] == "exact" else f"{entry['reps']} draws, se {entry['unchanged_pass_rate_se']:.1%}"
+            rows.append([row["name"], str(entry["n"]), entry["noise"]["source"], entry["noise"]["label"],
+                         "-" if ratio is None else f"{ratio:.2f}x", "-" if rate is None else f"{rate:.1%} ({how})"])
+    if rows:
+        say(table("Price (width: the bound less the estimate, over normal theory's z(c) se; unchanged: an unchanged candidate's "
+                  "pass rate)", ["name", "n", "noise", "noise level", "width", "unchanged passes"], rows))
