@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from cryptography import x509
@@ -309,8 +309,8 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
     reclaim_key_folders()
     bundle = Path(record.bundle)
     signature = bundle / SIGNATURE_NAME
-    if not bundle.is_dir():
-        raise InputError("the promotion bundle is missing", file=bundle)
+    if bundle.is_symlink() or not bundle.is_dir():
+        raise InputError("the promotion bundle is missing (or is a link, not the registry's own folder)", file=bundle)
     if not signature.is_file():
         raise InputError("the promotion bundle has no signature", file=signature)
     statement = _signed_statement(signature)
@@ -342,9 +342,17 @@ def verify_bundle(record: SignatureRecord) -> BundleCheck:
 
 def check_bundle_shape(bundle: Path, signed: dict[str, str], record: SignatureRecord) -> None:
     """What can be checked without reading a file's content: every entry is a regular file of its own (no symbolic or
-    hard link), the names are the signed ones, and each file's size is the recorded one (records made before per-file
+    hard link, FIFO or device; model.sig too), the names are the signed ones, every folder holds a signed file (an empty
+    or extra folder is refused), and each file's size is the recorded one (records made before per-file
     sizes: the file count and the total bytes, signature included)."""
-    sizes = {name: own_regular_file(bundle / name, "a promotion bundle").st_size for name in _bundle_entries(bundle)}
+    own_regular_file(bundle / SIGNATURE_NAME, "a promotion bundle")
+    entries, folders = _bundle_entries(bundle)
+    sizes = {name: own_regular_file(bundle / name, "a promotion bundle").st_size for name in entries}
+    holding_signed = {parent.as_posix() for name in signed for parent in PurePosixPath(name).parents if parent.name}
+    extra_folders = sorted(set(folders) - holding_signed)
+    if extra_folders:
+        raise InputError("folder is not in the signature's manifest (added after signing; a bundle holds only what was signed)",
+                         file=bundle / extra_folders[0])
     for name in sorted(set(sizes) | set(signed)):
         if name not in sizes:
             raise InputError("file covered by the signature is missing", file=bundle / name)
@@ -359,14 +367,16 @@ def check_bundle_shape(bundle: Path, signed: dict[str, str], record: SignatureRe
                          " were signed (tampered or corrupt)", file=bundle)
 
 
-def _bundle_entries(bundle: Path) -> list[str]:
-    """Every name below the bundle but model.sig, links included (never followed), folders left out."""
-    entries = []
+def _bundle_entries(bundle: Path) -> tuple[list[str], list[str]]:
+    """Every name below the bundle but model.sig that is not a folder (links, FIFOs, sockets included; links never
+    followed), and every real folder below it (empty ones included), each as a relative posix path."""
+    entries, folders = [], []
     for folder, subfolders, files in os.walk(bundle):
         here = Path(folder)
         entries += [(here / name).relative_to(bundle).as_posix() for name in files]
-        entries += [(here / name).relative_to(bundle).as_posix() for name in subfolders if (here / name).is_symlink()]
-    return sorted(name for name in entries if name != SIGNATURE_NAME)
+        for name in subfolders:
+            (entries if (here / name).is_symlink() else folders).append((here / name).relative_to(bundle).as_posix())
+    return sorted(name for name in entries if name != SIGNATURE_NAME), folders
 
 
 def _chain(record: SignatureRecord, trust: tuple[set[str], list[str]] | None) -> list[str]:

@@ -294,3 +294,33 @@ def test_a_second_registry_in_the_same_folder_cannot_replace_the_first_one_s_bun
     assert main(["registry", "promote", MODEL, str(candidate.version), "--reason", "by hand", "--registry", str(other.path)]) == 2
     assert other.show(MODEL, candidate.version).status == "candidate"
     assert verify(workspace, f"{MODEL}@{version.version}") == 0
+
+
+def _empty_folder(bundle: Path) -> Path:
+    (bundle / "extra" / "deeper").mkdir(parents=True)
+    return bundle / "extra"
+
+
+def _folder_beside_signed_files(bundle: Path) -> Path:
+    (bundle / EVIDENCE_DIR / "empty").mkdir()
+    return bundle / EVIDENCE_DIR / "empty"
+
+
+def _symlink(bundle: Path) -> Path:
+    (bundle / "notes.txt").symlink_to(bundle / "model.safetensors")
+    return bundle / "notes.txt"
+
+
+def _fifo(bundle: Path) -> Path:
+    os.mkfifo(bundle / "pipe")
+    return bundle / "pipe"
+
+
+@pytest.mark.parametrize("add", [_empty_folder, _folder_beside_signed_files, _symlink, _fifo])
+def test_a_bundle_holding_anything_its_manifest_does_not_list_is_refused(cli, workspace, capsys, add) -> None:
+    version = promoted(cli, workspace)
+    added = add(bundle_of(workspace, version))
+    capsys.readouterr()
+    assert verify(workspace, f"{MODEL}@{version.version}") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert str(added) in line
