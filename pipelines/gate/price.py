@@ -26,9 +26,11 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from pipelines.errors import InputError
 from pipelines.evaluation.baseline import BaselineEntry, RepeatEntry
 from pipelines.evaluation.evalsets import EvalSet
 from pipelines.evaluation.metrics import MetricSpec, corpus_aggregation
+from pipelines.files.run_input import read_regular
 from pipelines.gate import stats
 from pipelines.gate.noise import rate_interval
 from pipelines.gate.policy import Policy, SetPolicy, unattainable
@@ -70,25 +72,33 @@ class SetBaseline:
     model_hash: str
 
 
-def cached_baseline(eval_set: EvalSet, cache_dir: Path) -> SetBaseline | None:
-    """The set's baseline as the cache holds it for its current content (its sha256): the newest entry with a second
-    scoring on record, else the newest entry; None when the set was never scored. Unreadable entries are skipped."""
-    firsts: list[tuple[float, BaselineEntry]] = []
+def cached_baselines(eval_sets: list[EvalSet], cache_dir: Path) -> dict[str, SetBaseline]:
+    """Each set's baseline as the cache holds it for its current content (its sha256): the newest entry with a second
+    scoring on record, else the newest entry; a set never scored is absent. The cache is read once; an entry that is not
+    a regular file within MAX_CACHE_FILE, or does not parse, is skipped (the product's run-folder reader)."""
+    wanted = {(eval_set.name, eval_set.sha256) for eval_set in eval_sets}
+    firsts: dict[str, list[tuple[float, BaselineEntry]]] = {}
     repeats: dict[str, RepeatEntry] = {}
     for path in sorted(cache_dir.glob("*.json")) if cache_dir.is_dir() else []:
-        if not path.is_file() or path.is_symlink() or path.stat().st_size > MAX_CACHE_FILE:
+        try:
+            entry = _parse_entry(read_regular(path, "baseline cache entry", MAX_CACHE_FILE))
+            mtime = path.lstat().st_mtime
+        except (InputError, OSError):
             continue
-        entry = _read_entry(path)
-        if entry is None or (entry.score.eval_set, entry.score.eval_set_sha256) != (eval_set.name, eval_set.sha256):
+        if entry is None or (entry.score.eval_set, entry.score.eval_set_sha256) not in wanted:
             continue
         if isinstance(entry, RepeatEntry):
             repeats[entry.first_key] = entry
         else:
-            firsts.append((path.stat().st_mtime, entry))
-    if not firsts:
-        return None
-    _, first = max(firsts, key=lambda found: (found[1].key in repeats, found[0]))
-    repeat = repeats.get(first.key)
+            firsts.setdefault(entry.score.eval_set, []).append((mtime, entry))
+    found = {}
+    for name, entries in firsts.items():
+        _, first = max(entries, key=lambda candidate: (candidate[1].key in repeats, candidate[0]))
+        found[name] = _set_baseline(first, repeats.get(first.key))
+    return found
+
+
+def _set_baseline(first: BaselineEntry, repeat: RepeatEntry | None) -> SetBaseline:
     values = [item.value for item in sorted(first.score.items, key=lambda item: item.doc_id)]
     again = None if repeat is None else [item.value for item in sorted(repeat.score.items, key=lambda item: item.doc_id)]
     if again is not None and len(again) != len(values):
@@ -96,11 +106,10 @@ def cached_baseline(eval_set: EvalSet, cache_dir: Path) -> SetBaseline | None:
     return SetBaseline(values=values, repeat=again, score=first.score.score, model_hash=first.model_hash)
 
 
-def _read_entry(path: Path) -> BaselineEntry | RepeatEntry | None:
-    text = path.read_text(errors="replace")
+def _parse_entry(data: bytes) -> BaselineEntry | RepeatEntry | None:
     for entry_type in (RepeatEntry, BaselineEntry):
         try:
-            return entry_type.model_validate_json(text)
+            return entry_type.model_validate_json(data)
         except ValidationError:
             continue
     return None
@@ -251,9 +260,9 @@ def price_rows(eval_sets: list[EvalSet], policy: Policy, recipe: str | RecipeIde
                cache_dir: Path, *, seconds: float = SECONDS) -> dict[str, dict[str, Any]]:
     """Per set name: which cached baseline the noise came from (null when never scored) and each noise level's price
     (none for a set refused at load: no candidate can pass it)."""
-    rows = {}
+    rows, baselines = {}, cached_baselines(eval_sets, cache_dir)
     for eval_set in eval_sets:
-        baseline = cached_baseline(eval_set, cache_dir)
+        baseline = baselines.get(eval_set.name)
         refused = unattainable(policy, recipe, eval_set) is not None
         prices = [] if refused else set_prices(eval_set, policy.for_set(recipe, eval_set.name), baseline, baseline_score, seconds=seconds)
         rows[eval_set.name] = {

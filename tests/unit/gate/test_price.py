@@ -90,14 +90,15 @@ def _score(eval_set, values: list[float]) -> SetScore:
 def test_the_cached_baseline_with_a_second_scoring_is_the_measured_noise(tmp_path: Path):
     eval_set = make_eval_set(tmp_path / "sets", "tickets", items=120)
     cache = tmp_path / "cache"
-    assert price.cached_baseline(eval_set, cache) is None
+    assert price.cached_baselines([eval_set], cache) == {}
     first = [1.0] * 100 + [0.0] * 20
     again = [0.0] * 3 + [1.0] * 97 + [0.0] * 20  # 3 items flipped between the two scorings
     store(BaselineEntry(key="a" * 64, model_hash="m" * 64, score=_score(eval_set, first), references=[]), cache)
     store(BaselineEntry(key="b" * 64, model_hash="n" * 64, score=_score(eval_set, [1.0] * 120), references=[]), cache)
     store(RepeatEntry(key="c" * 64, model_hash="m" * 64, score=_score(eval_set, again), first_key="a" * 64), cache)
     (cache / "broken.json").write_text("{not json")
-    found = price.cached_baseline(eval_set, cache)
+    (cache / "link.json").symlink_to(cache / f"{'b' * 64}.json")  # a link is never read
+    found = price.cached_baselines([eval_set], cache)["tickets"]
     assert found is not None and found.model_hash == "m" * 64 and found.repeat == again and found.score == pytest.approx(100 / 120)
     measured, upper = price.noise_levels(eval_set.metric, found, 0.8)
     assert measured.discordance == pytest.approx(3 / 120) and upper.discordance == pytest.approx(0.0712, abs=1e-3)
