@@ -4,18 +4,18 @@
         ...write into folder.path...               # library output of the block goes to folder.path/library.log
     folder.final                                   # renamed into place only when the block succeeded
 
-A block that fails keeps its logs as `<id>-error` with error.txt (best effort: a full or read-only disk never
-hides the error being raised). A repair writes its evidence in place as it goes (`staged=False`: attempts and
+A block that fails keeps its logs as `<id>-error` with error.txt, and its error line names them there
+(pipelines/runs/failed.py: best effort, so a full or read-only disk never hides the error being raised; failed runs
+pruned by age and size). A repair writes its evidence in place as it goes (`staged=False`: attempts and
 the registry's lineage events name files inside it), so its folder has its final name from the start and a
-failure leaves error.txt beside the evidence. pipelines.serve.reclaim parses the id's shape from staging folders.
+failure leaves error.txt beside the evidence. pipelines.serve.reclaim parses the id's shape from staging folders;
+a staging folder holds its run's owner lock (reclaim.hold_owner_lock) until it is renamed.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -26,10 +26,10 @@ from pipelines.console.capture import library_log
 from pipelines.console.output import progress
 from pipelines.files.atomic import storage_error
 from pipelines.files.safepath import ensure_inside, safe_component
-from pipelines.serve.reclaim import reclaim_stale
+from pipelines.runs.failed import FAILED_SUFFIX, keep_failed, write_error_txt
+from pipelines.serve.reclaim import OWNER_LOCK, hold_owner_lock, reclaim_stale
 
 LIBRARY_LOG = "library.log"  # a run's library output (llm-compressor, transformers, lm-eval in-process), unless --verbose
-ERROR_TXT = "error.txt"
 
 
 class RunFolder(NamedTuple):
@@ -63,43 +63,33 @@ def run_folder(runs_dir: Path, name: str, *, staged: bool = True) -> Iterator[Ru
     path = ensure_inside(runs_dir, runs_dir / f".{identifier}.tmp", "run id") if staged else final
     try:
         path.mkdir(parents=True)
+        lock = hold_owner_lock(path) if staged else None
     except OSError as error:
         raise storage_error(error, path) from error
     try:
         with library_log(path / LIBRARY_LOG):
             yield RunFolder(identifier, path, final)
         if staged:
+            _release_owner_lock(path, lock)
             os.replace(path, final)
     except BaseException as error:
         if staged:
-            keep_failed(path, runs_dir / f"{identifier}-error", error)
+            _release_owner_lock(path, lock)
+            keep_failed(path, runs_dir / f"{identifier}{FAILED_SUFFIX}", error)
         else:
-            _write_error(path, error)
+            write_error_txt(path, error)
         if isinstance(error, OSError):
             raise storage_error(error, path) from error
         raise
 
 
-def _write_error(folder: Path, error: BaseException) -> None:
-    try:
-        (folder / ERROR_TXT).write_text("".join(traceback.format_exception(error)))
-    except OSError as own:
-        progress(f"could not write {ERROR_TXT} ({own.strerror or own})")
-
-
-def keep_failed(staging: Path, failed: Path, error: BaseException) -> None:
-    """Keep a failed run's logs as `failed` with error.txt; every step is best effort, so that a full or
-    read-only disk never hides `error` (which the caller raises) behind a failure of its own."""
-    if not staging.exists():
+def _release_owner_lock(folder: Path, lock: int | None) -> None:
+    """The lock file goes before the folder is renamed (no run folder keeps it); removing it touches the folder, so no
+    reclaim takes it for a dead run's in the moment before the rename."""
+    if lock is None:
         return
-    _write_error(staging, error)
     try:
-        shutil.rmtree(failed, ignore_errors=True)
-        os.replace(staging, failed)
-        progress(f"run failed; logs kept in {failed}")
-        return
-    except OSError as own:
-        progress(f"could not keep the failed run as {failed.name} ({own.strerror or own}); removing its staging folder")
-    shutil.rmtree(staging, ignore_errors=True)
-    if staging.exists():
-        progress(f"could not remove {staging} either; the next run reclaims it")
+        (folder / OWNER_LOCK).unlink(missing_ok=True)
+    except OSError:
+        pass
+    os.close(lock)

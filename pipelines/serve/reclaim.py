@@ -16,8 +16,12 @@ no Python clean-up runs:
 
 Disk. `reclaim_stale` removes what dead runs left: the runner's staging folders `runs/.<run id>.tmp`
 (run id `<stamp>-<recipe>-<pid>-<hex>`) and serving's shim folders `<tmp>/quantgate-vllm-<pid>-*`, when the
-owner pid is not alive as the process that created them (dead, a zombie, not Python, or started after
-the folder: pid reuse) and the folder has not changed for a minute.
+folder has not changed for a minute and its owner is gone. A staging folder says so itself: its run holds an
+exclusive lock on its OWNER_LOCK file for its whole life (`hold_owner_lock`), which the kernel drops however the
+process ends. Without that file (a shim folder, an older run) the owner pid decides: not alive as the process that
+created it (dead, a zombie, neither Python nor a Ray worker, or started after the folder: pid reuse).
+Why the lock: a Ray worker renames itself `ray::candidate_task`; two candidates on one host each reclaimed before
+their run, and the second took the first's live staging folder (its server log, its shim) for a dead run's.
 
 This module uses only the standard library: `python -m pipelines.serve.reclaim watchdog` starts in ~0.1 s.
 """
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
+import fcntl
 import os
 import re
 import select
@@ -53,6 +59,8 @@ ORPHANED_GRACE_S = 2.0
 # absorbs wall-clock steps since boot (start times are boot time + ticks); erring here keeps a folder.
 _START_MARGIN_S = 5.0
 _STAGING = re.compile(r"\.(?P<stamp>\d{8}T\d{6}Z)-(?P<recipe>.+)-(?P<pid>\d+)-(?P<hex>[0-9a-f]+)\.tmp")
+OWNER_LOCK = ".owner.lock"  # in a staging folder: locked (flock, exclusive) while its run is alive
+RAY_WORKER_TITLE = "ray::"  # what a Ray worker sets as its process title (argv[0] and comm): `ray::candidate_task`
 _SHIM = re.compile(rf"{re.escape(SHIM_PREFIX)}(?P<pid>\d+)-[A-Za-z0-9_]+")
 
 
@@ -339,7 +347,8 @@ def reclaim_stale(runs_dir: Path, tmp_root: Path | None = None, *, stale_after_s
             continue
         if now - mtime < stale_after_s:
             continue
-        if owner_alive(pid, made if made is not None else mtime):
+        held = owner_lock_held(path)
+        if held or (held is None and owner_alive(pid, made if made is not None else mtime)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
@@ -347,8 +356,37 @@ def reclaim_stale(runs_dir: Path, tmp_root: Path | None = None, *, stale_after_s
     return removed
 
 
+def hold_owner_lock(folder: Path) -> int:
+    """Create `folder/OWNER_LOCK` and hold an exclusive lock on it; returns the descriptor (close-on-exec: no child
+    keeps it). Closing it, or this process ending in any way, releases the lock."""
+    fd = os.open(folder / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def owner_lock_held(folder: Path) -> bool | None:
+    """Whether a live process holds `folder`'s owner lock; None when the folder has no lock file (the pid decides)."""
+    try:
+        fd = os.open(folder / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # a lock file that cannot be opened (a symlink, no permission): never taken for a dead run's
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)
+    return False
+
+
 def owner_alive(pid: int, made_at: float) -> bool:
-    """Whether `pid` is a live Python (`quantize`) process that was already running at `made_at` (epoch seconds)."""
+    """Whether `pid` is a live Python (`quantize`, a Ray worker) process that was already running at `made_at` (epoch seconds)."""
     stat = _stat_fields(pid)
     if stat is None or stat[0] in ("Z", "X"):
         return False
@@ -374,7 +412,7 @@ def _is_python(pid: int) -> bool:
     except OSError:
         return False
     names = [os.path.basename(arg.decode(errors="replace")) for arg in argv[:2] if arg] + [comm]
-    return any(name.startswith("python") or name == "quantize" for name in names)
+    return any(name.startswith(("python", RAY_WORKER_TITLE)) or name == "quantize" for name in names)
 
 
 def _start_time(stat: list[str]) -> float | None:

@@ -190,3 +190,68 @@ def test_a_stopped_group_is_not_starved_it_does_not_want_a_cpu():
     finally:
         process.kill()
         process.wait()
+
+
+# A Ray worker as /proc shows it: Ray rewrites argv to its title and sets comm (prctl PR_SET_NAME) to the same, cut to 15 bytes.
+RAY_TITLED = """
+import ctypes, sys, time
+ctypes.CDLL(None).prctl(15, b"ray::candidate_task"[:15], 0, 0, 0)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def ray_worker():
+    """A live Python process titled as a Ray worker running a candidate (`ray::candidate_task`)."""
+    command = f'exec -a "ray::candidate_task" {sys.executable} -c \'{RAY_TITLED}\''
+    process = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    yield process.pid
+    process.kill()
+    process.wait()
+
+
+def test_a_ray_workers_staging_folder_stays_while_it_runs(tmp_path, ray_worker):
+    # The Ray job's lost log: two candidates on one host, and one's reclaim took the other's live staging folder for a dead
+    # run's, since its owner was not named python.
+    runs = tmp_path / "runs"
+    assert Path(f"/proc/{ray_worker}/comm").read_text().strip() == "ray::candidate_"
+    folder = staging(runs, ray_worker, age_s=OLD)
+    assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == []
+    assert folder.exists()
+
+
+def test_a_held_owner_lock_keeps_a_staging_folder_whatever_its_pid_says(tmp_path, dead_pid):
+    runs = tmp_path / "runs"
+    folder = staging(runs, dead_pid, made_ago=OLD)
+    lock = reclaim.hold_owner_lock(folder)
+    try:
+        _age(folder, OLD)
+        assert reclaim.owner_lock_held(folder) is True
+        assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == []
+    finally:
+        os.close(lock)
+    assert reclaim.owner_lock_held(folder) is False
+    assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == [folder]
+
+
+def test_a_released_owner_lock_frees_a_folder_even_when_its_pid_is_a_live_python(tmp_path):
+    runs = tmp_path / "runs"
+    folder = staging(runs, os.getpid())  # this process's pid: alive and Python, as a reused pid may be
+    os.close(reclaim.hold_owner_lock(folder))
+    _age(folder, OLD)
+    assert reclaim.reclaim_stale(runs, tmp_path / "tmp") == [folder]
+
+
+def test_a_killed_owner_releases_its_lock(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    code = ("import pathlib, time; from pipelines.serve.reclaim import hold_owner_lock; "
+            f"hold_owner_lock(pathlib.Path({str(folder)!r})); print('held', flush=True); time.sleep(300)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None and owner.stdout.readline().strip() == "held"
+    assert reclaim.owner_lock_held(folder) is True
+    owner.kill()
+    owner.wait()
+    assert reclaim.owner_lock_held(folder) is False
