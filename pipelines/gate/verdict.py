@@ -154,18 +154,15 @@ _SHOWN_ITEMS = 5
 
 def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
     """Measure one set and apply its rules. Items where the candidate's value is not finite reject the set, named, and
-    the figures are those of the other items (an InputError, exit 2, when no item is left)."""
+    the figures are those of the other items; when no item is left, the baseline's against itself (gate.json holds finite
+    figures only), and the set is rejected all the same: a model that gives no finite value fails, it is not an error."""
     broken = [item.item_id for item in comparison.items if non_finite(item.candidate)]
+    measurable = [item for item in comparison.items if not non_finite(item.candidate)]
+    broken_reasons = _broken_reasons(comparison, broken, measured=len(measurable))
     if broken:
-        kept = [item for item in comparison.items if not non_finite(item.candidate)]
-        if not kept:
-            raise InputError(
-                f"eval set {comparison.eval_set}: the candidate's {comparison.metric.name} is not finite on any of its "
-                f"{len(broken)} items (first: {broken[0]})", field=f"eval set {comparison.eval_set}",
-            )
-        comparison = comparison.model_copy(update={"items": kept})
+        comparison = comparison.model_copy(update={"items": measurable or _baseline_against_itself(comparison.items)})
     measured = _measure(comparison, rules)
-    reasons = _broken_reasons(comparison, broken) + _reasons(comparison.eval_set, measured, rules)
+    reasons = broken_reasons + (_reasons(comparison.eval_set, measured, rules) if measurable else [])
     return SetVerdict(
         **{key: value for key, value in measured.items() if not key.startswith("_")},
         rules=rules,
@@ -175,14 +172,19 @@ def judge_set(comparison: SetComparison, rules: SetPolicy) -> SetVerdict:
     )
 
 
-def _broken_reasons(comparison: SetComparison, broken: list[str]) -> list[str]:
+def _broken_reasons(comparison: SetComparison, broken: list[str], measured: int) -> list[str]:
     if not broken:
         return []
     shown = ", ".join(broken[:_SHOWN_ITEMS]) + (f", ... ({len(broken)} in all)" if len(broken) > _SHOWN_ITEMS else "")
+    figures = "the figures are the other items'" if measured else "no item is left to measure: the figures are the baseline's against itself"
     return [
         f"{comparison.eval_set}: the candidate's {comparison.metric.name} is not finite (NaN or infinite) on "
-        f"{len(broken)} of {len(broken) + len(comparison.items)} items: {shown} (the figures are the other items')"
+        f"{len(broken)} of {len(broken) + measured} items: {shown} ({figures})"
     ]
+
+
+def _baseline_against_itself(items: list[PairedItem]) -> list[PairedItem]:
+    return [item.model_copy(update={"candidate": item.baseline, "kl": None}) for item in items]
 
 
 def _nats(value: float) -> str:

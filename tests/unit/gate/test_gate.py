@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from pipelines.errors import InputError
 from pipelines.evaluation.metrics import make_spec
 from pipelines.gate.policy import DEFAULT_POLICY, Policy, RuleOverrides, SetPolicy, load_policy
-from pipelines.gate.schema import FitCheck, GateReport, load_report, save_report
+from pipelines.gate.schema import FitCheck, GateReport, GateResult, load_report, save_report
 from pipelines.gate.verdict import PairedItem, SetComparison, decide
 
 GIB = 1024**3
@@ -310,9 +310,27 @@ def test_non_finite_candidate_values_reject_the_set_naming_the_items():
     words = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[float("-inf") if i == 5 else -20.0, 10]) for i in range(200)]
     verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=words)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
     assert not verdict.passed and "not finite (NaN or infinite) on 1 of 200 items: 5" in verdict.reasons[0]
-    gone = [PairedItem(item_id=str(i), baseline=1.0, candidate=float("nan")) for i in range(60)]
-    with pytest.raises(InputError, match="not finite on any of its 60 items"):
-        decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=gone)], policy(), "w8a8")
+
+
+def test_a_candidate_with_no_finite_value_is_rejected_not_an_error():
+    # Every item NaN (a model whose logits are all NaN): a rejection naming a count and the first items, figures finite
+    # (gate.json refuses NaN) and the other sets still judged; a baseline's NaN stays an error (test_a_baseline_value...).
+    gone = [PairedItem(item_id=str(i), baseline=1.0 if i % 4 else 0.0, candidate=float("nan")) for i in range(60)]
+    fine = pass_fail_set("orders", both_right=200)
+    result = decide([SetComparison(eval_set="tickets", metric=EXACT_MATCH, items=gone), fine], policy(), "w8a8")
+    verdict = result.sets[0]
+    assert result.verdict == "rejected" and not verdict.passed and result.sets[1].passed
+    assert result.reasons == verdict.reasons == [
+        "tickets: the candidate's exact_match is not finite (NaN or infinite) on 60 of 60 items: 0, 1, 2, 3, 4, ... (60 in all) "
+        "(no item is left to measure: the figures are the baseline's against itself)"
+    ]
+    assert verdict.n == 60 and verdict.baseline_score == verdict.candidate_score == 75.0 and verdict.kl_items == 0
+    GateResult.model_validate_json(result.model_dump_json())  # finite figures only: the report can be written
+    spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
+    words = [PairedItem(item_id=f"d{i}", baseline=[-20.0, 10], candidate=[float("-inf"), 10]) for i in range(3)]
+    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=words)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
+    assert not verdict.passed and verdict.reasons[0].startswith("wiki: the candidate's word_perplexity is not finite (NaN or infinite) "
+                                                                "on 3 of 3 items: d0, d1, d2 (no item is left")
 
 
 def test_corpus_items_are_lists_or_numbers():
