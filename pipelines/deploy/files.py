@@ -34,7 +34,7 @@ from pipelines.deploy.spec import ServedSpec
 from pipelines.errors import InputError
 from pipelines.files.atomic import atomic_dir, folder_mode
 from pipelines.files.jsonio import parse_json_strict
-from pipelines.files.yamlio import read_user_bytes
+from pipelines.files.run_input import read_regular
 from pipelines.schema import FrozenModel
 from pipelines.serve.serving import VLLM_SERVER_MODULE
 from pipelines.serve.vllm_series import (
@@ -236,7 +236,8 @@ def render_files(spec: ServedSpec, settings: DeploySettings) -> dict[str, str]:
 
 def is_deploy_folder(folder: Path) -> bool:
     """Whether `folder` holds only what an earlier `quantize deploy` wrote (then it may be replaced). Its spec.json is read
-    as any input is: a link, a FIFO or a device there, or a file over MAX_SPEC_BYTES, is refused before it is opened."""
+    through the product's one reader of run-folder files: a link, a FIFO or a device there, or a file over MAX_SPEC_BYTES,
+    is refused before it is read."""
     names = {path.name for path in folder.iterdir()}
     if not names:
         return True
@@ -245,18 +246,9 @@ def is_deploy_folder(folder: Path) -> bool:
     if any(not _regular(folder / name) for name in names - {SPEC_FILE}):
         return False  # deploy writes files only: a folder or a link under one of its names is someone else's (never removed)
     spec_file = folder / SPEC_FILE
+    raw = read_regular(spec_file, SPEC_FILE, MAX_SPEC_BYTES, field="--out")
     try:
-        status = spec_file.lstat()
-    except OSError:
-        return False
-    if not stat.S_ISREG(status.st_mode):
-        raise InputError(f"{SPEC_FILE} is not a regular file (a link, a FIFO or a device): not a folder `{WRITTEN_BY}` wrote",
-                         file=spec_file, field="--out")
-    if status.st_size > MAX_SPEC_BYTES:
-        raise InputError(f"{SPEC_FILE} is {status.st_size} bytes (a deployment's is kilobytes; at most {MAX_SPEC_BYTES}): not a folder "
-                         f"`{WRITTEN_BY}` wrote", file=spec_file, field="--out")
-    try:
-        document = parse_json_strict(read_user_bytes(spec_file, what=SPEC_FILE, field="--out", max_bytes=MAX_SPEC_BYTES), spec_file)
+        document = parse_json_strict(raw, spec_file)
     except InputError:
         return False
     return isinstance(document, dict) and document.get("written_by") == WRITTEN_BY

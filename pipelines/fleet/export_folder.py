@@ -17,7 +17,7 @@ from typing import Any
 
 from pipelines.errors import InputError
 from pipelines.files.jsonio import parse_json_strict
-from pipelines.fleet.run_files import read_run_file
+from pipelines.files.run_input import read_regular
 
 MARKER = "quantgate-export.json"
 WRITTEN_BY = "quantize serve export"
@@ -52,7 +52,7 @@ def check_out(out: Path) -> None:
 
 
 def _written_files(marker: Path) -> dict[str, str]:
-    document: Any = parse_json_strict(read_run_file(marker, "export marker", MAX_EXPORT_FILE_BYTES), marker)
+    document: Any = parse_json_strict(read_regular(marker, "export marker", MAX_EXPORT_FILE_BYTES), marker)
     files = document.get("files") if isinstance(document, dict) and document.get("written_by") == WRITTEN_BY else None
     if not isinstance(files, dict) or len(files) > MAX_EXPORT_FILES or not all(isinstance(value, str) for value in files.values()):
         raise InputError(f"{MARKER} is not a marker `{WRITTEN_BY}` wrote: nothing there is replaced; choose a new folder", file=marker,
@@ -66,6 +66,6 @@ def _changed(path: Path, digest: str) -> str | None:
         return "not a regular file (a link, a folder, a FIFO)"
     if path.lstat().st_size > MAX_EXPORT_FILE_BYTES:
         return "larger than any file the export writes"
-    if hashlib.sha256(read_run_file(path, "exported file", MAX_EXPORT_FILE_BYTES)).hexdigest() != digest:
+    if hashlib.sha256(read_regular(path, "exported file", MAX_EXPORT_FILE_BYTES)).hexdigest() != digest:
         return "changed since the export wrote it"
     return None

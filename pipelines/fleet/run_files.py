@@ -1,9 +1,9 @@
 """What `serve status`, `serve stop` and `serve drill` read from a deployment's run folder is input, never trusted.
 
 Anyone who can write under artifacts/ can forge a state.json, swap a log for a FIFO or the client key for /dev/zero.
-So every read here is of a regular file named by the folder's own layout (never a path taken from the state), found
-by lstat before anything is opened (a link, FIFO or device is refused without opening it: opening a FIFO blocks),
-re-checked on the open descriptor (the same inode: nothing swapped in between) and bounded in bytes. A pid from the
+So every read is of a regular file named by the folder's own layout (never a path taken from the state), through the
+product's one reader of run-folder files (pipelines/files/run_input.py: lstat first, no link, FIFO or device opened,
+the same inode re-checked, bounded in bytes). A pid from the
 state is signalled only when it is the very process the supervisor started: its start time and command line, read
 from /proc now, equal those the supervisor recorded (no recorded start time or command line: never signalled). The
 drill's endpoint is the deployment's own loopback listener, and its key the folder's own key file.
@@ -13,71 +13,22 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import stat
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
 
 from pipelines.errors import InputError
+from pipelines.files.run_input import read_regular
 
 MAX_KEY_BYTES = 4096
 START_TIME_TOLERANCE_S = 1.0
 
 
-def _open_regular(path: Path, what: str) -> tuple[int, os.stat_result]:
-    """A read descriptor of the regular file at `path` and its status; a link, FIFO, device or folder is an InputError."""
-    try:
-        before = path.lstat()
-    except OSError as error:
-        raise InputError(f"cannot read the {what} ({error.strerror or error})", file=path) from None
-    if not stat.S_ISREG(before.st_mode):
-        raise InputError(f"the {what} is not a regular file (a link, a FIFO, a device or a folder); refused", file=path)
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise InputError(f"cannot read the {what} ({error.strerror or error})", file=path) from None
-    status = os.fstat(descriptor)
-    if (status.st_dev, status.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(status.st_mode):
-        os.close(descriptor)
-        raise InputError(f"the {what} was replaced while it was being opened; refused", file=path)
-    return descriptor, status
-
-
-def read_run_file(path: Path, what: str, max_bytes: int) -> bytes:
-    """The whole regular file at `path`, at most `max_bytes` (a larger one is an InputError, nothing past the bound read)."""
-    descriptor, status = _open_regular(path, what)
-    with os.fdopen(descriptor, "rb") as handle:
-        if status.st_size > max_bytes:
-            raise InputError(f"the {what} is {status.st_size} bytes (at most {max_bytes}); refused", file=path)
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise InputError(f"the {what} grew past {max_bytes} bytes while being read; refused", file=path)
-    return data
-
-
-def read_run_tail(path: Path, what: str, max_bytes: int) -> bytes:
-    """The last `max_bytes` of the regular file at `path` (its first line may be cut)."""
-    descriptor, status = _open_regular(path, what)
-    with os.fdopen(descriptor, "rb") as handle:
-        handle.seek(max(0, status.st_size - max_bytes))
-        return handle.read(max_bytes)
-
-
-def read_run_from(path: Path, what: str, offset: int, max_bytes: int) -> tuple[int, bytes]:
-    """At most `max_bytes` of the regular file at `path` from `offset` (from its start when it is now shorter: truncated
-    or replaced), with the offset actually read from."""
-    descriptor, status = _open_regular(path, what)
-    start = offset if status.st_size >= offset else 0
-    with os.fdopen(descriptor, "rb") as handle:
-        handle.seek(start)
-        return start, handle.read(max_bytes)
-
-
 def read_client_key(folder: Path, file_name: str) -> str:
     """The deployment's client key from the folder's own key file: one short line of URL-safe characters."""
     path = folder / file_name
-    data = read_run_file(path, "client key file", MAX_KEY_BYTES)
+    data = read_regular(path, "client key file", MAX_KEY_BYTES)
     key = data.decode("ascii", errors="replace").strip()
     if not key or any(not (char.isascii() and (char.isalnum() or char in "-_")) for char in key):
         raise InputError("the client key file does not hold a key this quantgate wrote (one line of letters, digits, '-', '_')", file=path)

@@ -25,9 +25,10 @@ from pydantic import Field, ValidationError
 
 from pipelines.errors import InputError
 from pipelines.files.atomic import write_json_atomic
+from pipelines.files.run_input import read_regular
 from pipelines.files.safepath import safe_component
 from pipelines.fleet.routes import Latency
-from pipelines.fleet.run_files import is_own_group_leader, is_recorded_process, read_run_file
+from pipelines.fleet.run_files import is_own_group_leader, is_recorded_process
 from pipelines.fleet.traffic import Traffic
 from pipelines.schema import StrictModel
 from pipelines.settings import current as current_settings
@@ -129,7 +130,7 @@ def read_state(folder: Path) -> ServeState:
     path = folder / STATE_FILE
     if folder.is_symlink():
         raise InputError("the deployment's run folder is a symbolic link; refused", file=folder)
-    data = read_run_file(path, "deployment state", MAX_STATE_BYTES)
+    data = read_regular(path, "deployment state", MAX_STATE_BYTES)
     try:
         state = ServeState.model_validate_json(data)
     except ValidationError as error:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import Field
 
+from pipelines.files.run_input import read_regular_tail
 from pipelines.fleet.nginx import ACCESS_LOG
-from pipelines.fleet.run_files import read_run_tail
 from pipelines.fleet.state import Event, RouteState, ServeState, run_dir, supervisor_alive
 from pipelines.fleet.traffic import MAX_READ, NOT_TRAFFIC, Request, RouteTraffic, parse_access_line, recent
 from pipelines.schema import StrictModel
@@ -75,7 +75,7 @@ def recent_requests(access_log: Path, sentinel_port: int, now: float) -> list[Re
     is not a regular file (a FIFO, a device, a link) is refused without being opened: InputError."""
     if not os.path.lexists(access_log):
         return []
-    tail = read_run_tail(access_log, "proxy's access log", TAIL_BYTES)
+    tail = read_regular_tail(access_log, "proxy's access log", TAIL_BYTES)
     lines = tail.decode("utf-8", errors="replace").splitlines()[1:]  # the first may be cut
     parsed = [parse_access_line(line, sentinel_port) for line in lines]
     return recent([request for request in parsed if request is not None and request.uri not in NOT_TRAFFIC], RECENT_S, now)

@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipelines.errors import InputError
-from pipelines.fleet.run_files import read_run_from
+from pipelines.files.run_input import read_regular_from
 from pipelines.schema import StrictModel
 
 MAX_LINE = 16 * 1024
@@ -137,7 +137,7 @@ class LogTail:
         """None yet, or nothing readable: no lines. A log swapped for a FIFO, a device or a link is not opened
         (pipelines/fleet/run_files.py): it would block the supervisor, or feed it another file's bytes."""
         try:
-            self.offset, data = read_run_from(self.path, "log", self.offset, MAX_READ)
+            self.offset, data = read_regular_from(self.path, "log", self.offset, MAX_READ)
         except (InputError, OSError):
             return []
         end = data.rfind(b"\n") + 1

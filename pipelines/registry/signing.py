@@ -370,7 +370,8 @@ def check_bundle_shape(bundle: Path, signed: dict[str, str], record: SignatureRe
 def _bundle_entries(bundle: Path) -> tuple[list[str], list[str]]:
     """Every name below the bundle but model.sig that is not a folder (links, FIFOs, sockets included; links never
     followed), and every real folder below it (empty ones included), each as a relative posix path."""
-    entries, folders = [], []
+    entries: list[str] = []
+    folders: list[str] = []
     for folder, subfolders, files in os.walk(bundle):
         here = Path(folder)
         entries += [(here / name).relative_to(bundle).as_posix() for name in files]

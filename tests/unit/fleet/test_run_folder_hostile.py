@@ -18,8 +18,9 @@ import pytest
 
 from pipelines.cli import main
 from pipelines.errors import InputError
+from pipelines.files.run_input import read_regular_tail
 from pipelines.fleet.drill import DrillSettings, run_drill
-from pipelines.fleet.run_files import process_identity, read_client_key, read_run_tail
+from pipelines.fleet.run_files import process_identity, read_client_key
 from pipelines.fleet.state import CLIENT_KEY_FILE, STATE_FILE, ProxyState, RouteState, ServeState, find_state, write_state
 from pipelines.fleet.status import status_report
 from pipelines.fleet.traffic import LogTail
@@ -204,7 +205,7 @@ def test_the_log_tail_reads_only_the_tail(tmp_path: Path) -> None:
         handle.seek(0, 2)
         handle.write(b"last line\n")
     before = psutil.Process().memory_info().rss
-    assert read_run_tail(log, "log", 1024).endswith(b"last line\n")
+    assert read_regular_tail(log, "log", 1024).endswith(b"last line\n")
     assert psutil.Process().memory_info().rss - before < 64 * 1024**2
 
 
