@@ -120,7 +120,7 @@ def _parse_entry(data: bytes) -> BaselineEntry | RepeatEntry | None:
 def noise_levels(spec: MetricSpec, baseline: SetBaseline | None, baseline_score: float) -> list[Noise]:
     """The measured noise when the baseline was scored twice, else the assumed grid for the set's kind."""
     if baseline is not None and baseline.repeat is not None:
-        measured = _measured(spec, baseline.values, baseline.repeat, baseline.model_hash)
+        measured = measured_noise(spec, baseline.values, baseline.repeat, baseline.model_hash)
         if spec.kind != "binary":
             return [measured]
         # a rate measured on n items is known only within its interval: the price at its upper end too
@@ -132,17 +132,17 @@ def noise_levels(spec: MetricSpec, baseline: SetBaseline | None, baseline_score:
         return [Noise("assumed, not measured", f"discordance {psi:g}", discordance=psi) for psi in ASSUMED_DISCORDANCE]
     if spec.kind == "continuous":
         values = baseline.values if baseline is not None else [baseline_score]
-        return [_moved(spec, values, share) for share in ASSUMED_MOVED]
+        return [moved_noise(spec, values, share) for share in ASSUMED_MOVED]
     if spec.unbounded_items:
         documents = baseline.values if baseline is not None else [[-SYNTHETIC_WORDS * math.log(SYNTHETIC_PERPLEXITY), SYNTHETIC_WORDS]]
         where = "" if baseline is not None else f" (synthetic documents: {SYNTHETIC_WORDS} words at perplexity {SYNTHETIC_PERPLEXITY:g})"
-        return [_log_noise(documents, s, where) for s in ASSUMED_LOG_NOISE]
+        return [log_noise(documents, s, where) for s in ASSUMED_LOG_NOISE]
     if baseline is None:
         return []  # a text metric never scored: there are no texts to resample
     return [Noise("assumed, not measured", "none (identical answers; no second scoring on record)", _resampled(baseline.values, baseline.values))]
 
 
-def _measured(spec: MetricSpec, first: list[Any], second: list[Any], model_hash: str) -> Noise:
+def measured_noise(spec: MetricSpec, first: list[Any], second: list[Any], model_hash: str) -> Noise:
     differing = sum(1 for a, b in zip(first, second, strict=True) if a != b)
     label = f"baseline {model_hash[:12]} scored twice: {differing} of {len(first)} items differ (resampled, scorings swapped at random)"
     return Noise("measured", label, _resampled(first, second), discordance=differing / len(first) if spec.kind == "binary" else None)
@@ -156,7 +156,7 @@ def _resampled(first: list[Any], second: list[Any]) -> Draw:
     return draw
 
 
-def _moved(spec: MetricSpec, values: list[Any], share: float) -> Noise:
+def moved_noise(spec: MetricSpec, values: list[Any], share: float) -> Noise:
     low, high = (0.0, 1.0) if spec.bounded_unit_interval else (float(min(values)), float(max(values)))
 
     def draw(rng: np.random.Generator, n: int) -> Pairs:
@@ -168,7 +168,7 @@ def _moved(spec: MetricSpec, values: list[Any], share: float) -> Noise:
     return Noise("assumed, not measured", f"+-1 value range on {share:.0%} of items", draw)
 
 
-def _log_noise(documents: list[Any], s: float, where: str) -> Noise:
+def log_noise(documents: list[Any], s: float, where: str) -> Noise:
     def draw(rng: np.random.Generator, n: int) -> Pairs:
         picks, noise = rng.integers(0, len(documents), n), rng.normal(0.0, s, n)
         base = [documents[i] for i in picks]

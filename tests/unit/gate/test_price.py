@@ -30,11 +30,11 @@ def test_zero_noise_passes_always_where_the_identical_floor_allows_and_never_bel
     assert price.binary_price(RULES, True, minimum, 42, quiet).pass_rate == pytest.approx(1.0)
     assert price.binary_price(RULES, True, minimum - 1, 41, quiet).pass_rate == pytest.approx(0.0)
     assert price.binary_price(RULES, True, 250, 200, quiet).width_ratio is None  # no noise: normal theory's width is 0
-    averaged = price.simulated_price("x", AVERAGED, RULES, 100, price._moved(AVERAGED, [0.8], 0.0), reps=3)
+    averaged = price.simulated_price("x", AVERAGED, RULES, 100, price.moved_noise(AVERAGED, [0.8], 0.0), reps=3)
     assert (averaged.pass_rate, averaged.reps, averaged.width_ratio) == (1.0, 3, None)
     below = identical.identical_items_needed("continuous", 0.055, 0.95) - 1
-    assert price.simulated_price("x", AVERAGED, RULES, below, price._moved(AVERAGED, [0.8], 0.0), reps=2).pass_rate == 0.0
-    corpus = price.simulated_price("x", PERPLEXITY, RULES, 210, price._log_noise(DOCUMENTS, 0.0, ""), reps=2)
+    assert price.simulated_price("x", AVERAGED, RULES, below, price.moved_noise(AVERAGED, [0.8], 0.0), reps=2).pass_rate == 0.0
+    corpus = price.simulated_price("x", PERPLEXITY, RULES, 210, price.log_noise(DOCUMENTS, 0.0, ""), reps=2)
     assert corpus.pass_rate == 1.0
 
 
@@ -52,7 +52,7 @@ def test_binary_width_is_the_calibrated_tango_bound_over_normal_theory_and_nears
 
 
 def test_averaged_width_is_the_betting_bound_over_normal_theory_on_the_same_draw():
-    noise = price._moved(AVERAGED, [0.8], 0.1)
+    noise = price.moved_noise(AVERAGED, [0.8], 0.1)
     entry = price.simulated_price("x", AVERAGED, RULES, 250, noise, reps=1, seed=7)
     base, cand = noise.draw(np.random.default_rng(7), 250)
     d = np.asarray(cand) - np.asarray(base)
@@ -73,7 +73,7 @@ def test_normal_se_of_a_corpus_mean_is_the_sd_over_root_n():
 
 def test_measured_noise_swaps_the_two_scorings_so_the_candidate_is_unchanged():
     first, second = [1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]
-    noise = price._measured(MetricSpec(name="acc"), first, second, "f" * 64)
+    noise = price.measured_noise(MetricSpec(name="acc"), first, second, "f" * 64)
     assert noise.source == "measured" and noise.discordance == 0.5 and "2 of 4 items differ" in noise.label
     base, cand = noise.draw(np.random.default_rng(0), 20_000)
     pairs = {(1.0, 1.0), (0.0, 1.0), (1.0, 0.0)}
