@@ -97,6 +97,12 @@ bench-guarantees: setup
 	$(PY) -m pipelines.benchmarks.gate_guarantees skewed --policy $(or $(POLICY),policies/default.yaml)
 	$(PY) -m pipelines.benchmarks.gate_guarantees concentrated --policy $(or $(POLICY),policies/default.yaml)
 
+## Issue 49's hostile inputs through the real command line: a markdown table of each case's exit code, wall and CPU time,
+## first stderr line, OK or BREAK (scripts/hostile_cases.py; no vLLM, no model; a few minutes). Exit 1 when any case breaks.
+.PHONY: hostile
+hostile: setup
+	$(PY) scripts/hostile_cases.py
+
 ## The load test's cost against the quality gate, and its ratios, for w8a8 and w4a16 on the demo model (not a test).
 .PHONY: bench-loadtest
 bench-loadtest: setup
