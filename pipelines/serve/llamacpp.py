@@ -68,7 +68,7 @@ class LlamaCppServer(RunningServer):
     def check_alive(self) -> None:
         if self.process.poll() is not None:
             raise ServeError(f"llama.cpp server for {self.gguf.name} died (exit code {self.process.returncode}): "
-                             f"{failure_line(self.log_path)}", file=self.log_path)
+                             f"{failure_line(self.log_path, self.process.returncode)}", file=self.log_path)
 
     def check_engine(self) -> None:
         self.check_alive()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -32,7 +31,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelines.artifact import require_model_dir, served_kv_cache_dtype
-from pipelines.bounds import MAX_CONTEXT, MiB
+from pipelines.bounds import MAX_CONTEXT
 from pipelines.console.output import progress
 from pipelines.console.progress import track
 from pipelines.errors import ServeError, from_validation_error
@@ -42,18 +41,14 @@ from pipelines.hardware.serve_env import require_serve_env, serve_process_env
 from pipelines.hardware.targets import installed_target, require_local_target
 from pipelines.recipe import VLLM_KV_CACHE_DTYPES
 from pipelines.schema import StrictModel
+from pipelines.serve.death import death_cause, log_cause
+from pipelines.serve.death import log_tail as log_tail  # imported from here by the scoring and load-test modules
 from pipelines.serve.health import LOOPBACK, healthy, key_problem
 from pipelines.serve.reclaim import StarvationWatch, Watchdog, describe_group, die_with_parent, group_members, shim_prefix, start_watchdog
 from pipelines.settings import current as current_settings
 
 MAX_LOGPROBS = 20  # --max-logprobs: the top-k the divergence stage asks for per token
-_LOG_TAIL_LINES = 8
 _STOP_GRACE_S = 10.0
-_CAUSE_SCAN_BYTES = 8 * MiB  # a log is read from its end, at most this much
-_CAUSE_DETAIL_LINES = 2
-# vLLM's log prefix: "(Worker pid=5533) ERROR 12-03 11:50:43 [multiproc_executor.py:1063] "
-_VLLM_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\) +[A-Z]+ +\S+ +\S+ +\[[^\]]*\] ?")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Fault)(: .*)?$")
 MAX_NUM_SEQS = 65_536  # --max-num-seqs: vLLM sizes per-sequence buffers by it
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_CPU_KV_CACHE_GIB = 4096
@@ -177,7 +172,8 @@ class RunningServer(BaseModel):
     def check_alive(self) -> None:
         if self.process.poll() is not None:
             raise ServeError(
-                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): {failure_line(self.log_path)}",
+                f"vLLM server for {self.model_dir} died (exit code {self.process.returncode}): "
+                f"{failure_line(self.log_path, self.process.returncode)}",
                 file=self.log_path,
             )
 
@@ -197,55 +193,9 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def log_cause(log_path: Path) -> str | None:
-    """The root cause of a vLLM failure in its log: the exception that ends the first traceback (a worker's
-    `AttributeError: ... 'cpu_gemm_wna16'`), not the wrappers the engine and API server log after it."""
-    lines = [_VLLM_PREFIX.sub("", line).rstrip() for line in _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines()]
-    in_traceback = False
-    for index, line in enumerate(lines):
-        if line.strip().startswith("Traceback (most recent call last)"):
-            in_traceback = True
-        elif in_traceback and _EXCEPTION_LINE.match(line.strip()):
-            # A message may go on over indented lines (pydantic's "1 validation error for ModelConfig" + the error itself).
-            details = []
-            for more in lines[index + 1:index + 1 + _CAUSE_DETAIL_LINES]:
-                if not more[:1].isspace() or not more.strip() or more.strip().startswith('File "'):
-                    break  # the message ended (a new traceback's frame is no part of it)
-                details.append(more.strip())
-            return " ".join(_shorten(part) for part in [line.strip(), *details])
-    return None
-
-
-def failure_line(log_path: Path) -> str:
-    """What a failed server's error line says: its root cause when the log has one, else the log's last errors;
-    with the log's path."""
-    cause = log_cause(log_path)
-    return f"{cause} (log: {log_path})" if cause else f"{log_tail(log_path)} (log: {log_path})"
-
-
-def _read_tail(path: Path, limit: int) -> str:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - limit))
-            return handle.read(limit).decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def log_tail(log_path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    """The last meaningful error lines of a server log, folded onto one line."""
-    if not log_path.exists():
-        return "(no log)"
-    text = _read_tail(log_path, _CAUSE_SCAN_BYTES).splitlines()
-    errors = [line for line in text if "Error" in line or "error" in line]
-    picked = (errors or text)[-lines:]
-    return " | ".join(_shorten(line.strip()) for line in picked) or "(empty log)"
-
-
-def _shorten(line: str, head: int = 200, tail: int = 80) -> str:
-    # Both ends: vLLM puts the cause first ("Model architectures ['X'] are not supported ...") and may
-    # follow it with a very long list, while other lines put it after a long prefix.
-    return line if len(line) <= head + tail + 5 else f"{line[:head]} ... {line[-tail:]}"
+def failure_line(log_path: Path, returncode: int | None = None) -> str:
+    """What a failed server's error line says (pipelines/serve/death.py: its cause, or how it ended and its last lines)."""
+    return death_cause(log_path, returncode)
 
 
 @lru_cache(maxsize=1)
@@ -327,7 +277,7 @@ def _wait_until_healthy(
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 raise ServeError(
-                    f"vLLM exited during start-up (exit code {server.returncode}): {failure_line(log_path)}", file=log_path
+                    f"vLLM exited during start-up (exit code {server.returncode}): {failure_line(log_path, server.returncode)}", file=log_path
                 )
             if healthy(port, client=client):
                 _confirm_ours(client, server, port, log_path, served_name=served_name, api_key=api_key)
@@ -356,7 +306,7 @@ def _confirm_ours(
         problem = problem or "our server exited"
         raise ServeError(
             f"vLLM exited during start-up (exit code {server.returncode}) while {LOOPBACK}:{port} answered /health: "
-            f"{problem}; {log_tail(log_path)}",
+            f"{problem}; {failure_line(log_path, server.returncode)}",
             file=log_path,
         )
     if problem:

@@ -210,13 +210,13 @@ def test_cache_fields_exclude_timeouts():
 
 def test_log_tail_prefers_error_lines(tmp_path):
     # More lines after the error than the tail holds: only a tail that picks error lines still shows it.
-    noise = [f"INFO shutting down, step {i}" for i in range(3 * serving._LOG_TAIL_LINES)]
+    noise = [f"INFO shutting down, step {i}" for i in range(3 * 8)]
     log = tmp_path / "log"
     log.write_text("\n".join(["INFO starting", "ValueError: bad config", *noise]) + "\n")
     assert serving.log_tail(log) == "ValueError: bad config"
     log.write_text("\n".join(noise) + "\n")  # no error line: the last lines
     assert serving.log_tail(log, 2) == f"{noise[-2]} | {noise[-1]}"
-    assert serving.log_tail(tmp_path / "missing") == "(no log)"
+    assert serving.log_tail(tmp_path / "missing") == f"(no log at {tmp_path / 'missing'})"
 
 
 def test_the_key_is_in_the_servers_environment_never_on_a_command_line_nor_in_repr(tmp_path, fake_vllm):
