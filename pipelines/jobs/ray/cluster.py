@@ -16,6 +16,7 @@ from typing import Any
 
 from pipelines.errors import InputError
 from pipelines.jobs.ray.address import ADDRESS_FIELD, check_address
+from pipelines.jobs.ray.leftovers import end_session_processes, session_processes
 from pipelines.jobs.ray.probe import ProbeWritten, check_probes, new_nonce, write_probe
 from pipelines.jobs.ray.worker import DRIVER_SET_THREADS
 from pipelines.serve.reclaim import owner_alive
@@ -56,7 +57,8 @@ def worker_environment() -> dict[str, str]:
 def connected(address: str | None) -> Iterator[Any]:
     """Ray, connected for the block; on the way out (an error, SIGTERM) the tasks still pending are cancelled
     (their workers and, through their watchdogs, their vLLM servers stopped) and the connection closed. The address is
-    checked before Ray is imported; a runtime started here keeps its session folder under the artifacts root."""
+    checked before Ray is imported; a runtime started here keeps its session folder under the artifacts root and ends
+    with the block, none of its processes left (pipelines/jobs/ray/leftovers.py)."""
     field = ADDRESS_FIELD if address is not None else "RAY_ADDRESS"
     address = address if address is not None else os.environ.get("RAY_ADDRESS") or None
     if address is not None:
@@ -64,6 +66,7 @@ def connected(address: str | None) -> Iterator[Any]:
     import ray  # heavy: imported when used, after the address is checked
 
     options: dict[str, Any] = {"runtime_env": {"env_vars": worker_environment()}, "logging_level": logging.WARNING}
+    temp_dir: Path | None = None
     with ExitStack() as cleanup:
         if address is None:  # "local": a new Ray for this job, never one another user started on this machine
             temp_dir = cleanup.enter_context(session_root())
@@ -76,7 +79,16 @@ def connected(address: str | None) -> Iterator[Any]:
         try:
             yield ray
         finally:
-            ray.shutdown()
+            _shutdown(ray, temp_dir)
+
+
+def _shutdown(ray: Any, session_root: Path | None) -> None:
+    """Disconnect; a runtime started for the job (`session_root`) is stopped with every process of it (leftovers.py)."""
+    processes = session_processes(session_root) if session_root is not None else []
+    try:
+        ray.shutdown()
+    finally:
+        end_session_processes(processes)
 
 
 @contextmanager
