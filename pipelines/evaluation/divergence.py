@@ -158,6 +158,11 @@ def coarse_kl(baseline: dict[str, float], candidate: dict[str, float], k: int = 
 
 
 def item_kl(reference: Reference, candidate: list[dict[str, float]]) -> float | None:
-    """Mean over the path's positions of the per-token coarse KL; None when no position was measured."""
-    pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate, strict=False) if b and c]
+    """Mean over the path's positions of the per-token coarse KL; None when no position was measured. A position where
+    the candidate lists a NaN or infinite log-probability is not a measurement (coarse_kl would read it as 0): skipped."""
+    pairs = [(b, c) for b, c in zip(reference.baseline_topk, candidate, strict=False) if b and c and _finite_values(c)]
     return sum(coarse_kl(b, c) for b, c in pairs) / len(pairs) if pairs else None
+
+
+def _finite_values(logprobs: dict[str, float]) -> bool:
+    return all(math.isfinite(value) for value in logprobs.values())

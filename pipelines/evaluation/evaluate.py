@@ -25,6 +25,7 @@ progress bar (pipelines.console.progress).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -496,12 +497,13 @@ SAMPLES_FILE_BYTES = 16 * 1024 * MiB
 
 def read_items(eval_set: EvalSet, samples_file: Path) -> list[ItemScore]:
     """The first filter's record of every item, in set order. A NaN or infinite value (lm-eval writes them as the bare
-    literals `NaN` / `-Infinity`) is read as that number: a candidate's is the gate's to reject naming the items, a
-    baseline's is an error (pipelines.gate.pairing)."""
+    literals `NaN` / `-Infinity`) is read as that number, and so is an item whose logged loglikelihoods are not finite (the
+    servers' shim sends NaN log-probabilities as literals: pipelines.hardware.emulation): a candidate's is the gate's to
+    reject naming the items, a baseline's is an error (pipelines.gate.pairing)."""
     if not samples_file.is_file():
         raise EvalError(f"lm-eval wrote no per-sample file for task {eval_set.task_name}", file=samples_file)
     items = [
-        _item(record, eval_set.metric.name, samples_file, number)
+        _item(record, eval_set, samples_file, number)
         for number, record in iter_jsonl(samples_file, max_line_bytes=SAMPLE_LINE_BYTES, max_file_bytes=SAMPLES_FILE_BYTES,
                                          non_finite=True)
         if record.get("filter") == eval_set.filter_name
@@ -509,12 +511,33 @@ def read_items(eval_set: EvalSet, samples_file: Path) -> list[ItemScore]:
     return sorted(items, key=lambda item: item.doc_id)
 
 
-def _item(record: dict, metric: str, samples_file: Path, number: int) -> ItemScore:
+# The output types whose responses lm-eval logs as loglikelihoods ([loglikelihood, is_greedy] pairs, or one number).
+LOGLIKELIHOOD_TYPES = frozenset({"multiple_choice", "loglikelihood", ROLLING})
+
+
+def _item(record: dict, eval_set: EvalSet, samples_file: Path, number: int) -> ItemScore:
+    metric = eval_set.metric.name
     if metric not in record:
         raise EvalError(f"the sample record has no value of {metric!r}", file=samples_file, field=f"line {number}")
+    value = record[metric]
+    if eval_set.output_type in LOGLIKELIHOOD_TYPES and _non_finite_response(record.get("filtered_resps")):
+        # lm-eval turns NaN loglikelihoods into a finite accuracy (argmax picks the first NaN): no measurement at all.
+        value = value if _non_finite_response(value) else math.nan
     try:
-        return ItemScore(doc_id=record.get("doc_id"), doc_hash=record.get("doc_hash"), value=record[metric])
+        return ItemScore(doc_id=record.get("doc_id"), doc_hash=record.get("doc_hash"), value=value)
     except ValidationError as error:
         problem = error.errors()[0]
         where = ".".join(map(str, problem["loc"]))
         raise EvalError(f"{where}: {problem['msg']} (got {problem['input']!r})", file=samples_file, field=f"line {number}") from None
+
+
+def _non_finite_response(responses: object) -> bool:
+    """Whether a loglikelihood lm-eval logged (as a number, or as its text: "nan", "-inf") is NaN or infinite."""
+    if isinstance(responses, list):
+        return any(_non_finite_response(response) for response in responses)
+    if isinstance(responses, str):
+        try:
+            responses = float(responses)
+        except ValueError:  # the is_greedy flag ("True" / "False")
+            return False
+    return isinstance(responses, float) and not math.isfinite(responses)

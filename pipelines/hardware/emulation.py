@@ -70,11 +70,29 @@ def emulated_class() -> CpuIsa | None:
     return isa
 
 
+# vLLM 0.32 answers HTTP 400 "Out of range float values are not JSON compliant" to a request whose log-probabilities hold a
+# NaN (its -9999 clamp lets NaN through; starlette encodes with allow_nan=False): lm-eval then fails the whole run. Encoded
+# as the literals NaN / Infinity instead, each item's values reach the samples file and the gate rejects the items that
+# carry them (pipelines.evaluation.evaluate.read_items).
+_NON_FINITE_JSON = """try:
+    import json as _json
+    import starlette.responses as _responses
+
+    def _render(self, content):
+        return _json.dumps(content, ensure_ascii=False, allow_nan=True, indent=None, separators=(",", ":")).encode("utf-8")
+
+    _responses.JSONResponse.render = _render
+except Exception:
+    pass
+"""
+
+
 def shim_source(emulated: CpuIsa | None) -> str:
-    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too."""
+    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too; non-finite
+    log-probabilities sent as JSON's NaN / Infinity literals, not refused (_NON_FINITE_JSON)."""
     hidden = ("_is_amx_tile_supported", *(_HIDDEN_CHECKS.get(emulated, ()) if emulated else ()))
     lines = "".join(f"    torch.cpu.{name} = lambda: False\n" for name in dict.fromkeys(hidden))
-    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n"
+    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n{_NON_FINITE_JSON}"
 
 
 def emulation_env(emulated: CpuIsa | None) -> dict[str, str]:

@@ -82,6 +82,10 @@ def test_item_kl_averages_positions_and_an_empty_path_is_not_measured():
     empty = Reference(doc_id=1, prompt_ids=[1], generated_ids=[], baseline_topk=[])
     assert item_kl(empty, []) is None
     assert item_kl(reference, [{}, {}]) is None
+    # A candidate listing NaN / -inf (a model with NaN logits): no measurement at that position, never a KL of 0.
+    broken = {token: float("nan") for token in q}
+    assert item_kl(reference, [broken, q]) == pytest.approx(coarse_kl(p, q))
+    assert item_kl(reference, [broken, {"a": float("-inf"), "b": -0.1}]) is None
 
 
 def _stand_in_server(tmp_path):

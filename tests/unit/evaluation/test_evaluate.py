@@ -179,6 +179,25 @@ def test_corpus_items_keep_lm_eval_s_gold_prediction_pairs(tmp_path: Path) -> No
     assert [item.value for item in score.items] == [[0, 1], [1, 1], [0, 1], [1, 1]]
 
 
+def test_a_nan_loglikelihood_makes_a_multiple_choice_item_non_finite(tmp_path: Path) -> None:
+    # lm-eval takes the argmax of the choices' loglikelihoods: a NaN one still yields acc 0 or 1. The logged responses
+    # ("nan", "-inf" as text) make the item NaN, for the gate to reject; a generated answer reading "nan" stays text.
+    docs = [{"reference": str(i), "label": i % 2} for i in range(3)]
+    eval_set = make_set(
+        tmp_path / "sets", "fraud", docs, output_type="multiple_choice", doc_to_choice=["no", "yes"], doc_to_target="label",
+        metric_list=[{"metric": "acc"}], generation_kwargs=None,
+    )
+    logged = [[["-1.5", "True"], ["-3.0", "False"]], [["nan", "False"], ["nan", "False"]], [["-2.0", "False"], ["-inf", "False"]]]
+    records = [sample(i, doc, {"acc": 1.0}) | {"filtered_resps": logged[i]} for i, doc in enumerate(docs)]
+    write_run(tmp_path / "out", {"fraud": {"acc,none": 1.0}}, {"fraud": records})
+    values = [item.value for item in read_set_score(eval_set, read_lm_eval_run(tmp_path / "out"), 1.0).items]
+    assert values[0] == 1.0 and all(value != value for value in values[1:])
+    generated = make_set(tmp_path / "sets", "payment", references(2))
+    answers = [sample(i, doc, {"exact_match": 0.0}) | {"filtered_resps": ["nan"]} for i, doc in enumerate(references(2))]
+    write_run(tmp_path / "gen", {"payment": {"exact_match,none": 0.0}}, {"payment": answers})
+    assert [item.value for item in read_set_score(generated, read_lm_eval_run(tmp_path / "gen"), 1.0).items] == [0.0, 0.0]
+
+
 def test_the_newest_run_and_its_own_samples_are_read(tmp_path: Path) -> None:
     eval_set = make_set(tmp_path / "sets", "payment", references(2))
     old = "2026-12-01T01-57-25"  # lm-eval's isoformat() drops the fraction when it is zero

@@ -7,6 +7,9 @@ given, so that every rule is checked the same on any host.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,16 @@ def test_amx_is_always_hidden_and_emulation_hides_the_wider_isa() -> None:
     compile(avx2, "sitecustomize.py", "exec")  # the shim is valid Python
     assert emulation_env("avx2") == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     assert emulation_env(None) == {}
+
+
+def test_the_shim_sends_non_finite_log_probabilities_as_json_literals(tmp_path: Path) -> None:
+    # vLLM 0.32 answers HTTP 400 to a response holding NaN (starlette's allow_nan=False): the shim sends the literals that
+    # lm-eval's json.loads reads back. Run in a child: the patch must not touch this process's starlette.
+    (tmp_path / "sitecustomize.py").write_text(shim_source(None))
+    check = "from starlette.responses import JSONResponse; print(JSONResponse({'lp': [float('nan'), float('-inf'), -1.5]}).body.decode())"
+    answer = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                            text=True, timeout=60, check=True)
+    assert answer.stdout.strip() == '{"lp":[NaN,-Infinity,-1.5]}'
 
 
 @pytest.mark.parametrize(("own", "asked", "ok"), [
