@@ -17,6 +17,7 @@ recorded times cannot make a real gate start past `--repair-time`.
 from __future__ import annotations
 
 import math
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,9 @@ def verify_recorded_run(run_dir: Path, recorded: dict[str, Any], artifact_dir: P
         raise InputError(f"names artifact {artifact_dir}, the registry recorded {version.artifact_path} ({where})",
                          file=gate_json, field="inputs.artifact.path")
     try:
+        if not stat.S_ISREG(manifest.lstat().st_mode):  # a FIFO would block the hash; a link points at anything
+            raise InputError("the manifest is not a regular file (a link, a FIFO, a device or a folder); refused", file=manifest,
+                             field="manifest.json")
         manifest_hash = sha256_file(manifest)
     except OSError as error:
         raise InputError(f"cannot read the manifest ({error.strerror or error})", file=manifest, field="manifest.json") from None
@@ -183,8 +187,10 @@ def _settings(report: GateReport, run_dir: Path, runs_dir: Path, registry_path: 
         if eval_set.sha256 != recorded[eval_set.name]:
             raise InputError(f"eval set {eval_set.name} changed since this run; a repair is judged by the same gate",
                              file=gate_json, field=f"inputs.eval_sets.{eval_set.name}")
-    policy_record = report.inputs.get("policy") or {}
-    policy, policy_path = load_gate_policy(Path(policy_record.get("path", "")) if policy_record.get("path") else None)
+    policy_file = _recorded_object(report.inputs.get("policy"), gate_json, "inputs.policy").get("path")
+    if policy_file is not None and not isinstance(policy_file, str):
+        raise InputError(f"must be a path (got {type(policy_file).__name__})", file=gate_json, field="inputs.policy.path")
+    policy, policy_path = load_gate_policy(Path(policy_file) if policy_file else None)
     try:
         serve = ServeSettings.model_validate(report.inputs.get("serve") or {})
     except ValidationError as error:
@@ -196,7 +202,7 @@ def _settings(report: GateReport, run_dir: Path, runs_dir: Path, registry_path: 
 def check_same_rules(report: GateReport, policy: Policy, identity: RecipeIdentity, policy_path: Path, gate_json: Path) -> None:
     """The policy file may have changed since the run (comments, other recipes, the load test); the rules that
     judged this recipe on these sets, and the deployment it had to fit, must not have."""
-    recorded = (report.inputs.get("policy") or {}).get("sha256")
+    recorded = _recorded_object(report.inputs.get("policy"), gate_json, "inputs.policy").get("sha256")
     if recorded == sha256_file(policy_path):
         return
     for verdict in report.gate.sets:
@@ -206,9 +212,10 @@ def check_same_rules(report: GateReport, policy: Policy, identity: RecipeIdentit
             raise InputError(f"the policy's {changed} for {identity.name} on {verdict.eval_set} changed since this run "
                              f"({getattr(verdict.rules, changed)} -> {getattr(now, changed)}); a repair is judged by the same gate",
                              file=policy_path, field=f"policy ({gate_json})")
-    fit, plan = policy.fit_for(identity), report.plan or {}
+    fit, plan = policy.fit_for(identity), _recorded_object(report.plan, gate_json, "plan")
     # By device memory, not name: the GPU table may name a device differently since (`L4-24GB`, `L4`).
-    then = (plan.get("gpu", {}).get("memory_bytes"), plan.get("max_model_len"), plan.get("concurrency")) if plan else None
+    gpu = _recorded_object(plan.get("gpu"), gate_json, "plan.gpu")
+    then = (gpu.get("memory_bytes"), plan.get("max_model_len"), plan.get("concurrency")) if plan else None
     now_fit = None
     if fit is not None:
 
@@ -216,3 +223,13 @@ def check_same_rules(report: GateReport, policy: Policy, identity: RecipeIdentit
     if then != now_fit:
         raise InputError(f"the policy's fit for {identity.name} changed since this run ({then} -> {now_fit}); a repair is judged by "
                          "the same gate", file=policy_path, field=f"fit ({gate_json})")
+
+
+def _recorded_object(value: object, gate_json: Path, field: str) -> dict[str, Any]:
+    """A part of gate.json read as an object (absent: empty); anything else is a gate.json this quantgate did not write."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"must be a JSON object (got {type(value).__name__}): not a gate.json this quantgate wrote", file=gate_json,
+                         field=field)
+    return value
