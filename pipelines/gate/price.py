@@ -134,12 +134,20 @@ def noise_levels(spec: MetricSpec, baseline: SetBaseline | None, baseline_score:
         values = baseline.values if baseline is not None else [baseline_score]
         return [moved_noise(spec, values, share) for share in ASSUMED_MOVED]
     if spec.unbounded_items:
-        documents = baseline.values if baseline is not None else [[-SYNTHETIC_WORDS * math.log(SYNTHETIC_PERPLEXITY), SYNTHETIC_WORDS]]
-        where = "" if baseline is not None else f" (synthetic documents: {SYNTHETIC_WORDS} words at perplexity {SYNTHETIC_PERPLEXITY:g})"
+        documents = baseline.values if baseline is not None else [_synthetic_document(spec)]
+        where = "" if baseline is not None else (
+            f" (synthetic documents: {SYNTHETIC_WORDS} words or bytes at perplexity {SYNTHETIC_PERPLEXITY:g})")
         return [log_noise(documents, s, where) for s in ASSUMED_LOG_NOISE]
     if baseline is None:
         return []  # a text metric never scored: there are no texts to resample
     return [Noise("assumed, not measured", "none (identical answers; no second scoring on record)", _resampled(baseline.values, baseline.values))]
+
+
+def _synthetic_document(spec: MetricSpec) -> float | list[float]:
+    """A never-scored perplexity set's stated document, as lm-eval logs it: a bare log-likelihood for `perplexity`,
+    [log-likelihood, words or bytes] for the weighted ones."""
+    loglikelihood = -SYNTHETIC_WORDS * math.log(SYNTHETIC_PERPLEXITY)
+    return loglikelihood if spec.aggregation == "perplexity" else [loglikelihood, float(SYNTHETIC_WORDS)]
 
 
 def measured_noise(spec: MetricSpec, first: list[Any], second: list[Any], model_hash: str) -> Noise:
@@ -215,7 +223,8 @@ def binary_price(rules: SetPolicy, higher_is_better: bool, n: int, right: int, n
 def simulated_price(name: str, spec: MetricSpec, rules: SetPolicy, n: int, noise: Noise, *, reps: int = REPS,
                     seconds: float = SECONDS, seed: int = SEED) -> Price:
     """Draws of an unchanged candidate judged by judge_set, until `reps` or `seconds` (at least one draw)."""
-    assert noise.draw is not None
+    if noise.draw is None:
+        raise ValueError(f"noise level {noise.label!r} has no draws (pass/fail sets are priced exactly: binary_price)")
     rng, started = np.random.default_rng(seed), time.monotonic()
     passed: list[bool] = []
     ratios: list[float] = []

@@ -109,7 +109,14 @@ def test_the_cached_baseline_with_a_second_scoring_is_the_measured_noise(tmp_pat
 def test_a_never_scored_set_gets_the_assumed_grid_labelled_so():
     levels = price.noise_levels(PERPLEXITY, None, 0.8)
     assert [level.source for level in levels] == ["assumed, not measured"] * 2
-    assert "synthetic documents: 20 words at perplexity 20" in levels[0].label
+    assert "synthetic documents: 20 words or bytes at perplexity 20" in levels[0].label
+    bare = MetricSpec(name="perplexity", kind="corpus", aggregation="perplexity", higher_is_better=False)
+    for spec in (PERPLEXITY, bare):  # lm-eval's shapes: [loglikelihood, words] and a bare loglikelihood; both judged
+        noise = price.noise_levels(spec, None, 0.8)[1]
+        base, cand = noise.draw(np.random.default_rng(0), 3)
+        assert isinstance(base[0], list) == (spec is PERPLEXITY) and base != cand
+        entry = price.simulated_price("x", spec, RULES, 210, noise, reps=1)
+        assert entry.reps == 1 and entry.width_ratio is not None and entry.width_ratio > 1.0
     assert [level.label for level in price.noise_levels(AVERAGED, None, 0.8)] == [
         "+-1 value range on 2% of items", "+-1 value range on 10% of items"]
     assert price.noise_levels(MetricSpec(name="bleu", kind="corpus", aggregation="bleu"), None, 0.8) == []
