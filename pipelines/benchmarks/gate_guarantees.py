@@ -3,7 +3,7 @@
     python -m pipelines.benchmarks.gate_guarantees scan [--sizes 47:1000] [--out FILE]
     python -m pipelines.benchmarks.gate_guarantees large [--sizes 20001,...,2000000]
     python -m pipelines.benchmarks.gate_guarantees skewed [--reps 1000]
-    python -m pipelines.benchmarks.gate_guarantees concentrated [--sims 200]
+    python -m pipelines.benchmarks.gate_guarantees concentrated [--reps 1000] [--families perplexity,bleu,chrf,ter]
     make bench-guarantees   (all four at their defaults; an hour on a shared 2-core machine)
 
 scan: for every n, the worst P(promote) of a pass/fail candidate whose true worsening is exactly the tolerance, through the
@@ -19,8 +19,10 @@ skewed: averaged per-item metrics (token F1, ROUGE-like, in [0, 1]) when a few i
 slightly: the one-sided miss P(bound < true worsening) of the bound the tolerance reads, at a true worsening of the
 tolerance (= P(promote) there), simulated over seeded sets drawn from a population of 400,000 items.
 
-concentrated: word perplexity under rel_margin when the whole true rise (the tolerance, 5%) sits in 2-5% of the documents:
-P(pass) through judge_set, simulated (gate_oc.corpus_promote_rate with `share`; share 1 is the spread-evenly case).
+concentrated: corpus metrics (word perplexity; BLEU, chrF, TER on real sacrebleu) whose true worsening is the tolerance and
+whose concentration share is exactly damage_share, for each severity shape (pipelines.benchmarks.concentrated_damage):
+P(pass) at the smallest size the rule admits, 250, 400 and 1,000 items, the worst per family, and the pass rate of an
+unchanged candidate (noise only) at the same sizes: the price. `--judge set` runs judge_set itself (slow for BLEU).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.benchmarks.gate_oc import corpus_promote_rate
+from pipelines.benchmarks import concentrated_damage
 from pipelines.files.atomic import write_json_atomic
-from pipelines.gate import exact, stats
+from pipelines.gate import concentrated, exact, stats
 from pipelines.gate.policy import DEFAULT_POLICY, SetPolicy, load_policy
 from pipelines.gate.verdict import table_rejects, tolerance
 
@@ -150,10 +152,32 @@ def skewed_miss(n: int, broken: float, nudged: float, nudge: str, target: float,
     return missed / reps
 
 
-# --- corpus: the whole rise in a few documents ---------------------------------------------------------------------
+# --- corpus: a worsening concentrated in damage_share of the items ------------------------------------------------
 
-# (n, share): the smallest set each damage_share admits (policy.unseen_damage: 203, 135, 80 documents), and 250.
-CONCENTRATED_GRID = [(203, 0.02), (250, 0.02), (135, 0.03), (250, 0.03), (80, 0.05), (250, 0.05)]
+CONCENTRATED_SIZES = (250, 400, 1000)
+
+
+def concentrated_table(rules: SetPolicy, families: list[str], *, reps: int, judge: str) -> list[dict]:
+    """P(pass) per family x shape x size at a true worsening of the tolerance with concentration share damage_share, and
+    an unchanged candidate's per family x size; printed as they come."""
+    relative = rules.rel_margin or rules.max_rel_drop or 0.05
+    sizes = (concentrated.items_needed(rules.damage_share, rules.confidence), *CONCENTRATED_SIZES)
+    rows: list[dict] = []
+    for family in families:
+        cells: list[tuple[str, concentrated_damage.Population]] = [
+            (shape, concentrated_damage.population(family, shape, rules.damage_share, relative, seed=1)) for shape in concentrated_damage.SHAPES]
+        cells.append(("unchanged", concentrated_damage.unchanged_population(family, relative, seed=1)))
+        for shape, found in cells:
+            rates = [concentrated_damage.pass_rate(found, n, rules, reps=reps, seed=n, judge=judge) for n in sizes]  # type: ignore[arg-type]
+            rows.append({"family": family, "shape": shape, "damaged": found.damaged, "share": found.share, "worsening": found.worsening,
+                         "reps": reps, "pass": dict(zip(sizes, rates, strict=True))})
+            print(f"  {family:10s} {shape:11s} damaged {100 * found.damaged:5.1f}%, concentration share {100 * found.share:4.2f}%, "
+                  f"worsening {found.worsening:.4f} x T: " + ", ".join(f"n {n} {100 * rate:5.1f}%" for n, rate in zip(sizes, rates, strict=True)),
+                  flush=True)
+        damaged = [row for row in rows if row["family"] == family and row["shape"] != "unchanged"]
+        worst = max((row["pass"][n], row["shape"], n) for row in damaged for n in sizes)
+        print(f"  {family}: worst false-pass {100 * worst[0]:.1f}% ({worst[1]}, n {worst[2]}; {reps} sets per cell)", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="w8a8")
     parser.add_argument("--sizes", help="scan: FIRST:LAST or a comma-separated list of n (default 47:1000); large: a list")
     parser.add_argument("--out", type=Path, help="scan, large: write every n's figures to this JSON file")
-    parser.add_argument("--reps", type=int, default=1000, help="skewed: simulated sets per cell")
-    parser.add_argument("--sims", type=int, default=200, help="concentrated: simulated sets per cell")
+    parser.add_argument("--reps", type=int, default=1000, help="skewed, concentrated: simulated sets per cell")
+    parser.add_argument("--families", default=",".join(concentrated_damage.FAMILIES), help="concentrated: metric families")
+    parser.add_argument("--judge", choices=("rule", "set"), default="rule",
+                        help="concentrated: the clipped rule alone (bounds judge_set's pass from above) or judge_set itself")
     args = parser.parse_args(argv)
     started = time.monotonic()
     policy = load_policy(args.policy)
@@ -187,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  n {n:4d}, {100 * broken:.0f}% broken, {100 * nudged:.0f}% nudged ({nudge}): {100 * miss:5.1f}% "
                   f"(coverage {100 * (1 - miss):.1f}%)")
     else:
-        rules = policy.for_set(args.recipe, "(a perplexity set)")
-        print(f"Word perplexity, true rise {rules.rel_margin:.0%} (rel_margin) in a share of documents, {args.sims} sets per cell, P(pass):")
-        for n, share in CONCENTRATED_GRID:  # the policy's damage_share set to the cell's: below it a set is refused, not judged
-            cell_rules = rules.model_copy(update={"damage_share": share})
-            rate = corpus_promote_rate(cell_rules, n, rules.rel_margin or 0.05, sims=args.sims, seed=n * 1000 + round(1000 * share), share=share)
-            print(f"  n {n:4d}, {100 * share:.0f}% of documents: {100 * rate:5.1f}%")
+        rules = policy.for_set(args.recipe, "(a corpus set)")
+        print(f"Corpus metrics, true worsening = the tolerance, concentration share = damage_share {rules.damage_share:g}, P(pass) "
+              f"({args.judge}), {args.reps} sets per cell:")
+        rows = concentrated_table(rules, args.families.split(","), reps=args.reps, judge=args.judge)
+        if args.out is not None:
+            write_json_atomic(args.out, rows)
     print(f"({time.monotonic() - started:.0f} s)")
     return 0
 

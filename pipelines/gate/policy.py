@@ -20,7 +20,6 @@ set cannot meet even with a candidate identical to its baseline.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
@@ -61,11 +60,6 @@ NoiseFloorSetting = Literal[True, False, "auto"]
 DamageShare = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 DEFAULT_CONFIDENCE = 0.95
 DEFAULT_DAMAGE_SHARE = 0.02
-# The part of the error budget (1 - confidence) left to samples that hold none of the damaged documents; the rest is for
-# samples that hold one or two, which the bootstrap under-reads. Calibrated by simulation (docs/guarantees.md): with all
-# of it, a 5% rise confined to 2% of documents passed 6.6% at the 149 documents that admitted; a half, 4.7% at 183; a
-# third, 4.0% at 203 (1,000 sets each; 3% of documents: 6.7%, 4.6%, 4.4%).
-UNSEEN_DAMAGE_BUDGET = 1 / 3
 
 
 class SetPolicy(FrozenModel):
@@ -92,9 +86,10 @@ class SetPolicy(FrozenModel):
     max_kl_action: KLAction = Field(default="warn", description="warn: max_kl only warns (it has no error rate); reject: it rejects")
     damage_share: DamageShare = Field(
         default=DEFAULT_DAMAGE_SHARE,
-        description="perplexities and bits_per_byte (one document can move them without limit): the smallest share of documents "
-                    "the tolerance's guarantee covers damage confined to; a set needs ln((1 - confidence) / 3) / ln(1 - damage_share) "
-                    "documents (203 at 0.02) to miss such damage at most a third of the error budget's times",
+        description="corpus metrics (perplexities, bits_per_byte, bleu, chrf, ter, f1...): the tolerance's guarantee holds for "
+                    "every worsening whose concentration share (the smallest fraction of items carrying more than half of it) "
+                    "is at least damage_share, whatever the severities (pipelines.gate.concentrated); a set needs 173 items at "
+                    "0.02 (115 at 0.03, 68 at 0.05; at 95%)",
     )
     noise_floor: NoiseFloorSetting = Field(
         default="auto",
@@ -280,15 +275,16 @@ def unattainable(policy: Policy, recipe: str | RecipeIdentity | None, eval_set: 
     An identical candidate's bound is what its kind's method gives n unchanged items (pipelines.gate.identical), a
     fraction of one item's reach: the points tolerance (ni_margin) of a metric in points is checked against it, and the
     relative tolerances of a corpus metric in its own unit (perplexities, bits_per_byte, bleu, chrf, ter: the reach is
-    the score itself, so the check needs no baseline). A perplexity-like set also needs the documents its damage_share
-    asks for (unseen_damage). Relative tolerances of a metric in points depend on the baseline score and are checked by
+    the score itself, so the check needs no baseline). A corpus set also needs the items its damage_share asks for
+    (unseen_damage). Relative tolerances of a metric in points depend on the baseline score and are checked by
     the gate itself (its reasons and warnings say the n needed)."""
     rules = policy.for_set(recipe, eval_set.name)
     spec, n, name = eval_set.metric, eval_set.num_items, eval_set.name
     if spec.in_points:
         if not rules.non_inferiority:
             return None
-        return _identical_refusal(policy, recipe, eval_set, rules, "ni_margin", rules.ni_margin / spec.scale)
+        return _identical_refusal(policy, recipe, eval_set, rules, "ni_margin", rules.ni_margin / spec.scale) or _damage_refusal(
+            policy, recipe, eval_set, rules)
     if not relative_rule_in_force(rules):
         field = policy.rule_source(recipe, name, "rel_margin")
         return (
@@ -302,8 +298,12 @@ def unattainable(policy: Policy, recipe: str | RecipeIdentity | None, eval_set: 
         found = None if fraction is None else _identical_refusal(policy, recipe, eval_set, rules, rule, fraction)
         if found is not None:
             return found
-    unseen = unseen_damage(spec, n, rules)
-    return None if unseen is None else (f"eval set {name}: {unseen}", policy.rule_source(recipe, name, "damage_share"))
+    return _damage_refusal(policy, recipe, eval_set, rules)
+
+
+def _damage_refusal(policy: Policy, recipe: str | RecipeIdentity | None, eval_set: SizedSet, rules: SetPolicy) -> tuple[str, str] | None:
+    unseen = unseen_damage(eval_set.metric, eval_set.num_items, rules)
+    return None if unseen is None else (f"eval set {eval_set.name}: {unseen}", policy.rule_source(recipe, eval_set.name, "damage_share"))
 
 
 def _identical_refusal(
@@ -329,32 +329,30 @@ def _identical_refusal(
 
 
 def damage_share_applies(spec: MetricSpec, rules: SetPolicy) -> bool:
-    """A corpus metric one document can move without limit (perplexities, bits_per_byte) under a relative tolerance."""
-    return spec.unbounded_items and spec.kind == "corpus" and relative_rule_in_force(rules)
+    """A corpus metric under a tolerance (relative, or ni_margin for one in points): the concentrated-damage rule reads it."""
+    return spec.kind == "corpus" and (relative_rule_in_force(rules) or (spec.in_points and rules.non_inferiority))
 
 
 def documents_for_damage_share(rules: SetPolicy) -> int:
-    """The fewest documents a perplexity-like set needs for its damage_share (unseen_damage): ln(B (1 - c)) / ln(1 - share)."""
-    allowed = UNSEEN_DAMAGE_BUDGET * (1.0 - rules.confidence)
-    return math.ceil(math.log(allowed) / math.log(1.0 - rules.damage_share) - 1e-9)
+    """The fewest items with which an identical candidate passes the concentrated-damage rule at this damage_share
+    (pipelines.gate.concentrated.items_needed): 173 at 0.02, 115 at 0.03, 68 at 0.05 (95%)."""
+    from pipelines.gate import concentrated  # numpy: only when sets are checked
+
+    return concentrated.items_needed(rules.damage_share, rules.confidence)
 
 
 def unseen_damage(spec: MetricSpec, n: int, rules: SetPolicy) -> str | None:
-    """Why a perplexity-like set is too small for its damage_share (None when it is not, or the rule does not apply): damage
-    confined to that share of documents is absent from a sample of n with probability (1 - share)^n, and no bound can see
-    what was not drawn; that may use UNSEEN_DAMAGE_BUDGET of the error budget 1 - c, so a set needs
-    ln(UNSEEN_DAMAGE_BUDGET (1 - c)) / ln(1 - share) documents."""
+    """Why a corpus set is too small for its damage_share (None when it is not, or the rule does not apply): even a
+    candidate identical to its baseline fails the concentrated-damage rule below documents_for_damage_share items."""
     if not damage_share_applies(spec, rules):
         return None
-    share = rules.damage_share
-    missed, allowed = (1.0 - share) ** n, UNSEEN_DAMAGE_BUDGET * (1.0 - rules.confidence)
-    if missed <= allowed:
-        return None
     needed = documents_for_damage_share(rules)
+    if n >= needed:
+        return None
+    share = rules.damage_share
     return (
-        f"{n} documents cannot rule out damage confined to {share:.0%} of documents (damage_share {share:g}): the sample holds "
-        f"none of them {missed:.2%} of the time (> {allowed:.2%}, a third of the {1.0 - rules.confidence:.0%} error budget); "
-        f"it needs at least {needed} documents"
+        f"{n} items cannot rule out a worsening concentrated in {share:.0%} of items (damage_share {share:g}) at "
+        f"{rules.confidence:.0%} confidence even against an identical model; it needs at least {needed} items"
     )
 
 

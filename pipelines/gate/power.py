@@ -49,7 +49,7 @@ def power_rows(eval_sets: list[EvalSet], policy: Policy, recipe: str | RecipeIde
             row["tolerance"] if spec.relative_scale and spec.kind == "corpus" else None)
         if fraction is not None:
             row["identical_items_needed"] = identical.identical_items_needed(spec.kind, min(fraction, 1.0), rules.confidence)
-        if damage_share_applies(spec, rules):  # a perplexity-like set: its damage_share asks for documents too
+        if damage_share_applies(spec, rules):  # a corpus set: its damage_share asks for items too (gate.concentrated)
             row["identical_items_needed"] = max(row["identical_items_needed"] or 0, documents_for_damage_share(rules))
         if spec.kind == "binary":
             right = round(baseline_score * n)

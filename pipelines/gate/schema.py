@@ -49,7 +49,7 @@ class StatsSettings(StrictModel):
 # Older gate.json files name what the sets got then: "tango-score" (Tango's bound at z(c)), "tango-score-scaled-floored"
 # and "bca-bootstrap-floored" (averaged metrics), "percentile-bootstrap-floored" (corpus metrics without the allowance).
 IntervalMethod = Literal[
-    "tango-score-calibrated", "betting", "percentile-bootstrap-rare-damage",
+    "tango-score-calibrated", "betting", "percentile-bootstrap-clipped-betting", "percentile-bootstrap-rare-damage",
     "tango-score", "tango-score-scaled-floored", "bca-bootstrap-floored", "percentile-bootstrap-floored",
 ]
 
@@ -121,6 +121,13 @@ class SetVerdict(StrictModel):
         default=None, description="P(this set rejects an unchanged candidate at its observed discordance), KL not counted",
     )
     noise_floor: NoiseFloor | None = Field(default=None, description="the baseline scored twice; null when the policy's noise_floor is off")
+    concentrated_bound: float | None = Field(
+        default=None, description="corpus sets: one-sided bound of the mean worsening with each item's contribution clipped, a share "
+                                  "of the tolerance (passes at most 0.5; pipelines.gate.concentrated); null where no tolerance applies",
+    )
+    concentrated_clip: float | None = Field(
+        default=None, description="the clip level of concentrated_bound, a share of the tolerance: 1 / (2 damage_share)",
+    )
 
     @property
     def worst_bound(self) -> float:

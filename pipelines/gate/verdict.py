@@ -18,8 +18,8 @@ from scipy.stats import norm
 
 from pipelines.errors import InputError
 from pipelines.evaluation.metrics import MetricSpec, corpus_aggregation, value_range
-from pipelines.gate import betting, exact, identical, noise, stats
-from pipelines.gate.policy import Policy, SetPolicy, relative_rule_in_force, unseen_damage
+from pipelines.gate import betting, concentrated, exact, identical, noise, stats
+from pipelines.gate.policy import Policy, SetPolicy, damage_share_applies, relative_rule_in_force
 from pipelines.gate.schema import FitCheck, GateResult, IntervalMethod, SetVerdict, StatsSettings
 from pipelines.planner.gpus import GiB
 from pipelines.recipe import RecipeIdentity
@@ -105,7 +105,7 @@ def _check_value(metric: MetricSpec, item: PairedItem) -> None:
 
 # The interval method each kind of metric gets (IntervalMethod also names those older gate.json files record).
 INTERVAL_METHODS: dict[str, IntervalMethod] = {
-    "binary": "tango-score-calibrated", "continuous": "betting", "corpus": "percentile-bootstrap-rare-damage",
+    "binary": "tango-score-calibrated", "continuous": "betting", "corpus": "percentile-bootstrap-clipped-betting",
 }
 
 
@@ -249,7 +249,6 @@ def _measure(comparison: SetComparison, rules: SetPolicy) -> dict[str, Any]:
         "kl_method": comparison.kl_method,
         "bound_confidence": rules.confidence,
         "_in_points": spec.in_points,
-        "_unseen_damage": unseen_damage(spec, n, rules),
     }
     base_score = result["baseline_score"]
     result["relative_worsening_bound"] = round(result["worsening_bound"] / abs(base_score), 6) if base_score != 0 else None
@@ -460,7 +459,7 @@ def _measure_corpus(comparison: SetComparison, rules: SetPolicy) -> dict[str, An
     bound_low, bound_high = stats.percentile_interval(
         diffs, estimate, n, value_range=spread, confidence=stats.two_sided_level(rules.confidence), effects=effects,
     )
-    return _NO_FLIPS | {
+    return _NO_FLIPS | _concentrated(comparison, rules, base_score) | {
         "baseline_score": base_score,
         "candidate_score": cand_score,
         "ci_low": low,
@@ -470,6 +469,21 @@ def _measure_corpus(comparison: SetComparison, rules: SetPolicy) -> dict[str, An
         "_se": float(np.std(diffs, ddof=1)) if diffs.size > 1 else 0.0,
         "_value_range": spread,
     }
+
+
+def _concentrated(comparison: SetComparison, rules: SetPolicy, base_score: float) -> dict[str, Any]:
+    """concentrated_bound and concentrated_clip (shares of the tolerance: pipelines.gate.concentrated), or nothing when no
+    tolerance applies."""
+    spec = comparison.metric
+    allowed = tolerance(spec.in_points, rules, spec.scale * base_score)
+    if not damage_share_applies(spec, rules) or allowed is None or allowed <= 0:
+        return {}
+    found = concentrated.contributions(
+        spec.aggregation, [item.baseline for item in comparison.items], [item.candidate for item in comparison.items],
+        higher_is_better=spec.higher_is_better, allowed=allowed / spec.scale, baseline_score=base_score,
+    )
+    clipped = concentrated.clipped_bound(found, rules.damage_share, rules.confidence)
+    return {"concentrated_bound": round(clipped.bound, 6), "concentrated_clip": round(clipped.clip, 6)}
 
 
 def _reasons(name: str, m: dict[str, Any], rules: SetPolicy) -> list[str]:
@@ -499,8 +513,12 @@ def _reasons(name: str, m: dict[str, Any], rules: SetPolicy) -> list[str]:
             f"{name}: flip rate {m['flip_rate']:.3f} ({m['flips_right_to_wrong']}/{m['n']} right->wrong), "
             f"{rules.confidence:.0%} lower bound {m['flip_rate_lower_bound']:.3f} > max_flip_rate {rules.max_flip_rate}"
         )
-    if m.get("_unseen_damage"):
-        reasons.append(f"{name}: {m['_unseen_damage']}")
+    if m.get("concentrated_bound") is not None and m["concentrated_bound"] > concentrated.LIMIT + _EPS:
+        reasons.append(
+            f"{name}: a worsening concentrated in {rules.damage_share:.0%} of items is not ruled out: with each item's contribution "
+            f"clipped at {m['concentrated_clip']:g}x the tolerance, the mean worsening may be {m['concentrated_bound']:.3f} of the "
+            f"tolerance ({sure}) > {concentrated.LIMIT} (damage_share {rules.damage_share:g})"
+        )
     if rules.max_kl_action == "reject" and _kl_over(m, rules):
         reasons.append(f"{name}: mean KL {_nats(m['kl_mean'])} nats/token > max_kl {rules.max_kl} (max_kl_action: reject)")
     return reasons

@@ -264,14 +264,16 @@ def test_corpus_metric_is_aggregated_by_lm_eval_on_paired_resamples():
     result = decide([SetComparison(eval_set="intents", metric=spec, items=items)], policy(max_kl=None), "w8a8")
     verdict = result.sets[0]
     assert verdict.baseline_score == 100.0 and verdict.candidate_score == pytest.approx(100 * 140 / 170, abs=1e-4)
-    assert verdict.interval_method == "percentile-bootstrap-rare-damage" and verdict.ci_high < 0
+    assert verdict.interval_method == "percentile-bootstrap-clipped-betting" and verdict.ci_high < 0
     assert result.verdict == "rejected"
 
 
 def test_perplexity_keeps_its_unit_and_direction():
     spec = make_spec("word_perplexity", "weighted_perplexity", higher_is_better=False)
     items = [PairedItem(item_id=str(i), baseline=[-20.0, 10], candidate=[-20.5, 10]) for i in range(250)]
-    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=items)], policy(max_kl=None, max_rel_drop=0.1), "w8a8").sets[0]
+    # a spread rise of 5.1% passes under 50%: at n = 250 the concentrated-damage rule passes spread damage up to about
+    # 0.16 of the tolerance (docs/guarantees.md)
+    verdict = decide([SetComparison(eval_set="wiki", metric=spec, items=items)], policy(max_kl=None, max_rel_drop=0.5), "w8a8").sets[0]
     assert verdict.unit == "word_perplexity" and not verdict.higher_is_better
     assert verdict.baseline_score == pytest.approx(7.389056, abs=1e-5) and verdict.candidate_score == pytest.approx(7.767901, abs=1e-5)
     assert verdict.worsening == pytest.approx(0.378845, abs=1e-5) and verdict.passed
@@ -471,8 +473,9 @@ def test_a_metric_in_its_own_unit_is_judged_relatively_and_refused_without_a_rel
         decide([wiki], policy(max_kl=None), "w8a8")
     assert raised.value.field == "defaults.rel_margin" and "in its own unit" in raised.value.message
     result = decide([wiki], policy(max_kl=None, rel_margin=0.05), "w8a8")
-    assert result.verdict == "rejected" and len(result.reasons) == 1
+    assert result.verdict == "rejected" and len(result.reasons) == 2
     assert result.reasons[0].startswith("wiki: the rise may be as large as") and "rel_margin 0.05" in result.reasons[0]
+    assert result.reasons[1].startswith("wiki: a worsening concentrated in 2% of items is not ruled out")
     assert result.sets[0].tolerance == pytest.approx(0.05 * result.sets[0].baseline_score, abs=1e-5)
 
 

@@ -105,9 +105,10 @@ def test_bench_gate_prints_the_oc_of_the_user_s_own_sets(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_rel_margin_on_a_simulated_word_perplexity_set():
-    # docs/gate-json.md: at n = 250 an unchanged candidate passed 150 of 150 simulated sets and a true 5% rise (the
-    # tolerance) 4.5% of 650. A coarse seeded check of the same simulation (each set is a 2,000-resample bootstrap).
+    # A coarse seeded check of the simulation (each set is a 2,000-resample bootstrap): a true 5% rise (the tolerance) rarely
+    # passes; an unchanged candidate passes most of the time at n = 250 (not always: the concentrated-damage rule's price,
+    # docs/guarantees.md).
     rules = load_policy(DEFAULT_POLICY).for_set("w8a8", "wiki")
-    assert gate_oc.corpus_promote_rate(rules, 250, 0.0, sims=15, seed=1) == 1.0
+    assert gate_oc.corpus_promote_rate(rules, 250, 0.0, sims=15, seed=1) >= 0.5
     assert gate_oc.corpus_promote_rate(rules, 250, 0.05, sims=40, seed=2) <= 0.125  # about 2 of 40 expected
     assert gate_oc.corpus_promote_rate(rules, 250, 0.08, sims=10, seed=3) == 0.0

@@ -328,9 +328,10 @@ def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
     assert "metric word_perplexity is in its own unit, not points" in raised.value.message
     assert "set rel_margin" in raised.value.message
     # A corpus metric in its own unit has a relative floor (its value range is the score itself), the zero-count bound
-    # 1 - 0.05^(1/n): 2% needs 149 items at 95%, bleu, chrf and ter included, whatever their baseline.
+    # 1 - 0.05^(1/n): 2% needs 149 items at 95%, bleu, chrf and ter included, whatever their baseline (and 173 for the
+    # default damage_share 0.02: test_a_corpus_set_needs_the_items_its_damage_share_asks_for).
     tight = load_policy(write_policy(tmp_path, eval_sets={"wiki": {"max_rel_drop": None, "rel_margin": 0.02}, "mt": {"rel_margin": 0.02}}))
-    check_attainable(tight, [sized("wiki", 203, "word_perplexity", "weighted_perplexity", False), sized("mt", 149, "bleu", "bleu")])
+    check_attainable(tight, [sized("wiki", 203, "word_perplexity", "weighted_perplexity", False), sized("mt", 173, "bleu", "bleu")])
     with pytest.raises(InputError, match="it needs at least 149 items") as raised:
         check_attainable(tight, [sized("wiki", 100, "word_perplexity", "weighted_perplexity", False)])
     assert raised.value.field == "eval_sets.wiki.rel_margin"
@@ -339,10 +340,9 @@ def test_a_metric_in_its_own_unit_needs_a_relative_tolerance(tmp_path):
     assert raised.value.field == "eval_sets.mt.rel_margin"
 
 
-def test_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path):
-    # A relative tolerance of 5% alone needs 59 documents; damage confined to 2% of documents (damage_share, the default) is absent from
-    # a sample of n with probability 0.98^n, which may use a third of the 5% error budget: from 203 documents (0.98^202 = 1.69%,
-    # 0.98^203 = 1.655%). bleu's items are bounded: no such rule.
+def test_a_corpus_set_needs_the_items_its_damage_share_asks_for(tmp_path):
+    # The concentrated-damage rule (pipelines.gate.concentrated) passes an identical candidate from 173 items at damage_share
+    # 0.02 (68 at 0.05): perplexities and bleu alike, more than a relative tolerance of 5% alone asks (59).
     from pipelines.gate.policy import check_attainable
 
     policy = load_policy(write_policy(tmp_path))  # max_rel_drop 0.05
@@ -350,12 +350,11 @@ def test_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path
     with pytest.raises(InputError) as raised:
         check_attainable(policy, [wiki])
     assert raised.value.field == "defaults.damage_share"
-    assert raised.value.message == ("eval set wiki: 100 documents cannot rule out damage confined to 2% of documents (damage_share "
-                                    "0.02): the sample holds none of them 13.26% of the time (> 1.67%, a third of the 5% error budget); "
-                                    "it needs at least 203 documents")
-    with pytest.raises(InputError, match="the sample holds none of them 1.69% of the time"):
-        check_attainable(policy, [sized("wiki", 202, "word_perplexity", "weighted_perplexity", False)])
-    check_attainable(policy, [sized("wiki", 203, "word_perplexity", "weighted_perplexity", False), sized("mt", 60, "bleu", "bleu")])
+    assert raised.value.message == ("eval set wiki: 100 items cannot rule out a worsening concentrated in 2% of items (damage_share 0.02) "
+                                    "at 95% confidence even against an identical model; it needs at least 173 items")
+    with pytest.raises(InputError, match="eval set mt: 172 items cannot rule out"):
+        check_attainable(policy, [sized("mt", 172, "bleu", "bleu")])
+    check_attainable(policy, [sized("wiki", 173, "word_perplexity", "weighted_perplexity", False), sized("mt", 173, "bleu", "bleu")])
     wider = load_policy(write_policy(tmp_path, eval_sets={"wiki": {"damage_share": 0.05}}))
     check_attainable(wider, [wiki])
 
@@ -369,15 +368,15 @@ def test_rule_source_follows_precedence(tmp_path):
     assert policy.for_set(None, "tickets").max_kl == 0.1
 
 
-def test_power_says_a_perplexity_set_needs_the_documents_its_damage_share_asks_for(tmp_path):
-    # `eval-sets power` and the refusal at load agree: 203 documents at damage_share 0.02, whichever relative rule is in force
-    # (59 from a rel_margin's floor alone, which is all a bounded corpus metric like bleu needs)
+def test_power_says_a_corpus_set_needs_the_items_its_damage_share_asks_for(tmp_path):
+    # `eval-sets power` and the refusal at load agree: 173 items at damage_share 0.02, whichever relative rule is in force,
+    # bleu included (59 from a rel_margin's floor alone)
     from pipelines.gate.power import power_rows
 
-    small, enough = (sized("wiki", n, "word_perplexity", "weighted_perplexity", False) for n in (150, 203))
+    small, enough = (sized("wiki", n, "word_perplexity", "weighted_perplexity", False) for n in (150, 173))
     for policy in (load_policy(write_policy(tmp_path)), load_policy(write_policy(tmp_path, eval_sets={"wiki": {"rel_margin": 0.05}}))):
         rows = power_rows([small, enough], policy, "w8a8", [0.1])
-        assert [row["identical_items_needed"] for row in rows] == [203, 203]
-        assert "it needs at least 203 documents" in (rows[0]["refused"] or "") and rows[1]["refused"] is None
+        assert [row["identical_items_needed"] for row in rows] == [173, 173]
+        assert "it needs at least 173 items" in (rows[0]["refused"] or "") and rows[1]["refused"] is None
     margin = load_policy(write_policy(tmp_path, eval_sets={"mt": {"rel_margin": 0.05}}))
-    assert power_rows([sized("mt", 150, "bleu", "bleu")], margin, "w8a8", [0.1])[0]["identical_items_needed"] == 59
+    assert power_rows([sized("mt", 150, "bleu", "bleu")], margin, "w8a8", [0.1])[0]["identical_items_needed"] == 173
