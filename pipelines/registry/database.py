@@ -19,6 +19,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+from pipelines.console.redact import without_credentials
+from pipelines.errors import InputError
+
 # 1: the first schema. 2: versions.manifest_hash (manifest.json's own sha256) and versions.fingerprint
 # (stat of every file at the last full verification); a schema-1 database is migrated in place when opened
 # for writing (its old rows keep NULL there: they are verified by their artifact hash, in full).
@@ -137,7 +140,10 @@ def files_anchor(value: Path | str) -> Path:
 
     from pipelines.settings import current as current_settings
 
-    database = urlsplit(url).path.strip("/") or "postgres"
+    try:
+        database = urlsplit(url).path.strip("/") or "postgres"
+    except ValueError as error:  # an unclosed IPv6 bracket: urllib's refusal, one line naming the URL without its password
+        raise InputError(f"not a PostgreSQL URL ({error})", file=without_credentials(url), field="registry") from None
     return current_settings().artifacts_dir / f"registry-{re.sub(r'[^A-Za-z0-9_.-]', '_', database)}" / "registry"
 
 

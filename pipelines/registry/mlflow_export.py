@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from pipelines.console.urls import checked_store_uri
 from pipelines.errors import InputError
 from pipelines.gate.schema import GateReport
 from pipelines.registry.evidence import EVIDENCE_DIR, GATE_JSON, REPORT_MD
@@ -130,7 +131,7 @@ class _Exporter:
             raise InputError("MLflow is not installed; install the extra: pip install 'quantgate[mlflow]'",
                              field="mlflow") from None
         self.error_type: type[Exception] = MlflowException
-        self.tracking_uri, self.registry, self._field = tracking_uri, registry, field
+        self.tracking_uri, self.registry, self._field = checked_store_uri(tracking_uri, field), registry, field
         self._client_type = MlflowClient
         self._client: Any = None
 

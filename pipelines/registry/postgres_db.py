@@ -90,7 +90,7 @@ class PostgresDatabase:
             password = conninfo_to_dict(self.url).get("password")
         except psycopg.Error:
             password = None
-        text = " ".join(str(error).split())
+        text = without_credentials(" ".join(str(error).split()))  # libpq quotes a URL it cannot parse whole
         if password:
             text = text.replace(str(password), "***")
         return InputError(f"{what} at {self.location} ({text})", field=self.field)

@@ -2,7 +2,7 @@
 as one InputError naming the URL (without credentials) and the option it came from. Used for vLLM's /metrics pages
 (`quantize watch`, the fleet's proxy) and Prometheus' HTTP API.
 
-The deadline covers connecting, the headers and the body together: httpx's timeouts are per read, so a server that sends
+The deadline covers resolving the host name, connecting, the headers and the body together: httpx's timeouts are per read, so a server that sends
 one header byte a second never trips them. A watchdog timer shuts the connection's socket down when the deadline passes
 (the socket is learned from httpcore's documented `trace` extension; each request asks `Connection: close`, so every
 request opens its own connection and the socket is always known), which ends the blocked read at once.
@@ -26,9 +26,11 @@ import httpx
 
 from pipelines.bounds import MiB
 from pipelines.console.redact import without_credentials
+from pipelines.console.urls import checked_url
 from pipelines.errors import InputError
 
 _DETAIL_CHARS = 160
+_RESOLVE_GRACE_S = 0.5  # past the deadline, for the watchdog's shut socket to end the exchange's read
 MAX_ENCODINGS = 4
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 REQUEST_HEADERS = {"Accept-Encoding": "gzip, deflate", "Connection": "close"}
@@ -37,15 +39,6 @@ REQUEST_HEADERS = {"Accept-Encoding": "gzip, deflate", "Connection": "close"}
 def short(text: str, limit: int = _DETAIL_CHARS) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-MAX_URL_CHARS = 2048  # what browsers and proxies take; a longer URL is refused, so that no error line carries 100 KB of it
-
-
-def checked_url_length(url: str, field: str) -> str:
-    if len(url) > MAX_URL_CHARS:
-        raise InputError(f"a URL of {len(url):,} characters (at most {MAX_URL_CHARS}): {short(without_credentials(url), 80)}", field=field)
-    return url
 
 
 class _Watchdog:
@@ -92,37 +85,66 @@ class _Watchdog:
 
 def get_bounded(client: httpx.Client, url: str, *, field: str, max_bytes: int, timeout_s: float, params: dict[str, str] | None = None,
                 what: str = "page") -> bytes:
-    """The decoded body of GET `url` (200 only), read within `timeout_s` in all and `max_bytes` (on the wire and decoded)."""
+    """The decoded body of GET `url` (200 only), read within `timeout_s` in all and `max_bytes` (on the wire and decoded).
+
+    The exchange runs in a daemon thread the caller waits for at most `timeout_s` (and a moment): the host name's resolution
+    (getaddrinfo, which no socket timeout reaches) is inside the same bound, and a resolver that hangs leaves that thread
+    behind, never the command."""
+    checked_url(url, field)
     shown = without_credentials(url)
 
     def failure(message: str) -> InputError:
         return InputError(message, file=shown, field=field)
 
+    outcome: list[tuple[bytes, str] | BaseException] = []
+    watchdog = _Watchdog(timeout_s)
+
+    def exchange() -> None:
+        try:
+            outcome.append(_exchange(client, url, params, watchdog, failure, max_bytes, timeout_s, what))
+        except BaseException as error:  # handed to the waiting caller, raised there
+            outcome.append(error)
+
+    worker = threading.Thread(target=exchange, name="bounded-get", daemon=True)
+    with watchdog.running():
+        worker.start()
+        worker.join(timeout_s + _RESOLVE_GRACE_S)
+    if not outcome:
+        raise failure(f"no answer within {timeout_s:g} s (the host name did not resolve in time)")
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    raw, encoding = result
+    return decoded(raw, encoding, max_bytes, failure, what)
+
+
+def _exchange(client: httpx.Client, url: str, params: dict[str, str] | None, watchdog: _Watchdog, failure, max_bytes: int,
+              timeout_s: float, what: str) -> tuple[bytes, str]:
+    """The raw body and its Content-Encoding, within the watchdog's deadline; every failure one InputError."""
     too_slow = failure(f"the {what} took longer than {timeout_s:g} s to read")
     answered = False
     try:
-        with _Watchdog(timeout_s).running() as watchdog:
-            try:
-                with client.stream("GET", url, params=params, headers=REQUEST_HEADERS, timeout=httpx.Timeout(min(timeout_s, 5.0)),
-                                   extensions={"trace": watchdog.trace}) as response:
-                    answered = True
-                    if response.status_code != 200:
-                        raise failure(f"answered HTTP {response.status_code}{_detail(response)}")
-                    raw = _read_raw(response, max_bytes, watchdog, failure, what)
-                    encoding = response.headers.get("content-encoding", "")
-            except httpx.HTTPError:
-                if watchdog.expired():
-                    raise (too_slow if answered else failure(f"no answer within {timeout_s:g} s")) from None
-                raise
+        try:
+            with client.stream("GET", url, params=params, headers=REQUEST_HEADERS, timeout=httpx.Timeout(min(timeout_s, 5.0)),
+                               extensions={"trace": watchdog.trace}) as response:
+                answered = True
+                if response.status_code != 200:
+                    raise failure(f"answered HTTP {response.status_code}{_detail(response)}")
+                raw = _read_raw(response, max_bytes, watchdog, failure, what)
+                encoding = response.headers.get("content-encoding", "")
+        except httpx.HTTPError:
             if watchdog.expired():
-                raise too_slow
+                raise (too_slow if answered else failure(f"no answer within {timeout_s:g} s")) from None
+            raise
+        if watchdog.expired():
+            raise too_slow
     except httpx.TimeoutException:
         raise failure(f"no answer within {timeout_s:g} s") from None
     except (httpx.InvalidURL, ValueError) as error:  # a host no resolver takes (IDNA: a UnicodeError), a malformed URL
         raise failure(f"not a valid URL ({type(error).__name__}: {short(str(error)) or 'no detail'})") from None
     except httpx.HTTPError as error:
         raise failure(f"unreachable ({type(error).__name__}: {short(str(error)) or 'no detail'})") from None
-    return decoded(raw, encoding, max_bytes, failure, what)
+    return raw, encoding
 
 
 def _read_raw(response: httpx.Response, max_bytes: int, watchdog: _Watchdog, failure, what: str) -> bytes:

@@ -15,7 +15,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlunsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,9 +23,10 @@ from pydantic import Field
 
 from pipelines.bounds import MiB
 from pipelines.console.redact import without_credentials
+from pipelines.console.urls import checked_url
 from pipelines.errors import InputError
 from pipelines.schema import StrictModel
-from pipelines.serve.bounded_http import checked_url_length, get_bounded
+from pipelines.serve.bounded_http import get_bounded
 from pipelines.serve.bounded_http import short as _short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -64,15 +65,7 @@ def metrics_url(url: str, field: str = "--url") -> str:
     """The metrics page of `url`. A server's base URL (http://HOST:PORT, with or without a trailing slash, or its OpenAI base
     URL ending in /v1) means its /metrics; a path ending in /metrics is read without a trailing slash; any other path is read
     as given (a page there that is not a metrics page is refused by `parse_page`, a 404 by `fetch_page`, each with one line)."""
-    checked_url_length(url, field)
-    try:
-        parts = urlsplit(url.strip())
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:  # an unclosed IPv6 bracket, a port that is no number
-        parts, port_ok = urlsplit(""), False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-        raise InputError("not an http(s) URL: give the vLLM server's base URL (http://HOST:PORT) or its metrics page "
-                         "(http://HOST:PORT/metrics)", file=without_credentials(url), field=field)
+    parts = checked_url(url.strip(), field)
     path = parts.path.rstrip("/")
     if path in BASE_PATHS:
         path = METRICS_PATH

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-from urllib.parse import urlparse
 
 import httpx
 
 from pipelines.bounds import MiB
 from pipelines.console.redact import without_credentials
+from pipelines.console.urls import checked_url
 from pipelines.deploy.promql import duration
 from pipelines.errors import InputError
-from pipelines.serve.bounded_http import checked_url_length, get_bounded, short
+from pipelines.serve.bounded_http import get_bounded, short
 from pipelines.serve.vllm_series import API_HANDLER_PREFIX, CACHE_INFO, COUNTERS, GAUGES, GROUPED_COUNTERS, HISTOGRAMS, VLLM_PREFIX
 from pipelines.watch.exposition import kv_info
 from pipelines.watch.series import Histogram, KvCacheInfo, WindowData, counter_key
@@ -36,14 +36,9 @@ FIELD = "--prometheus"
 
 def instance_of(url: str) -> str:
     """The `instance` label Prometheus gives the target at `url` (HOST:PORT, the scheme's default port when none)."""
-    checked_url_length(url, "--url")
-    try:
-        parsed = urlparse(url)
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    except ValueError:  # an unclosed IPv6 bracket, a port that is no number
-        parsed = None
-    if parsed is None or not parsed.hostname:
-        raise InputError(f"not an http(s) URL (got {without_credentials(url)!r})", field="--url")
+    parsed = checked_url(url, "--url")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    assert parsed.hostname is not None  # checked_url refuses a URL without a host
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
     return f"{host}:{port}"
 
@@ -52,9 +47,7 @@ class PrometheusWindows:
     """Windows of one target's vLLM series, read from a Prometheus server."""
 
     def __init__(self, client: httpx.Client, base_url: str, instance: str, *, timeout_s: float = QUERY_TIMEOUT_S):
-        checked_url_length(base_url, FIELD)
-        if not _hostname(base_url):
-            raise InputError(f"not an http(s) URL (got {without_credentials(base_url)!r})", field=FIELD)
+        checked_url(base_url, FIELD)
         self.client, self.base = client, base_url.rstrip("/")
         self.shown = without_credentials(self.base)
         self.selector = f'instance="{_escape(instance)}"'
@@ -157,13 +150,6 @@ class PrometheusWindows:
         if len(result) > MAX_SERIES:
             raise InputError(f"answered {short(params['query'])!r} with {len(result)} series (at most {MAX_SERIES})", file=shown, field=FIELD)
         return result
-
-
-def _hostname(url: str) -> str | None:
-    try:
-        return urlparse(url).hostname
-    except ValueError:
-        return None
 
 
 def _metric(series: dict, what: str) -> dict:
