@@ -120,3 +120,14 @@ def test_a_never_scored_set_gets_the_assumed_grid_labelled_so():
     assert [level.label for level in price.noise_levels(AVERAGED, None, 0.8)] == [
         "+-1 value range on 2% of items", "+-1 value range on 10% of items"]
     assert price.noise_levels(MetricSpec(name="bleu", kind="corpus", aggregation="bleu"), None, 0.8) == []
+
+
+def test_an_averaged_set_scored_twice_is_priced_on_its_own_differences():
+    rng = np.random.default_rng(3)
+    first = rng.random(150).round(2).tolist()
+    steady = price.measured_noise(AVERAGED, first, first, "m" * 64)
+    entry = price.simulated_price("x", AVERAGED, RULES, 150, steady, reps=3)
+    assert (entry.pass_rate, entry.width_ratio) == (1.0, None)  # the two scorings agree: no noise, always passes
+    second = [1.0 - value if i % 5 == 0 else value for i, value in enumerate(first)]  # a fifth reflected: 50% pass
+    noisy = price.simulated_price("x", AVERAGED, RULES, 150, price.measured_noise(AVERAGED, first, second, "m" * 64), reps=20)
+    assert noisy.reps == 20 and noisy.width_ratio is not None and noisy.width_ratio > 1.3 and 0.2 < noisy.pass_rate < 0.8
