@@ -11,6 +11,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from pipelines.console.redact import without_credentials
 from pipelines.errors import InputError
 
 ADDRESS_FIELD = "--ray-address"
@@ -32,13 +33,13 @@ def check_address(address: str, field: str = ADDRESS_FIELD) -> None:
         raise InputError(f"not a Ray address (auto, HOST:PORT or ray://HOST:PORT): {shown}: {why}", field=field)
     if address == "auto":
         return
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    try:
+    try:  # urlsplit itself refuses an unclosed IPv6 bracket; .port a port that is no number or out of range
+        parts = urlsplit(address if "://" in address else f"tcp://{address}")
         host, port = parts.hostname, parts.port
     except ValueError:
-        host, port = None, None
+        parts, host, port = urlsplit(""), None, None
     if parts.scheme not in ("tcp", "ray") or not host or port is None or parts.path or parts.query or parts.fragment:
-        raise InputError(f"not a Ray address (auto, HOST:PORT or ray://HOST:PORT): {address!r}", field=field)
+        raise InputError(f"not a Ray address (auto, HOST:PORT or ray://HOST:PORT): {without_credentials(address)!r}", field=field)
     if parts.scheme == "ray" and importlib.util.find_spec("grpc") is None:
         raise InputError(f"{address}: a ray:// address needs the Ray client (ray[client], which brings grpcio), not installed in this "
                          "environment; give the cluster's GCS address HOST:PORT instead (docs/scale-out.md)", field=field)
