@@ -36,6 +36,11 @@ INTERVAL_NOTES = {
         "the betting confidence bound for a bounded mean (Waudby-Smith and Ramdas), valid at every n for any distribution of "
         "the per-item changes"
     ),
+    "percentile-bootstrap-clipped-betting": (
+        "paired percentile bootstrap of the difference of corpus-level scores (the rare-damage allowance and zero-count floor "
+        "below), and the concentrated-damage rule: the betting bound of the mean worsening with each item's contribution "
+        "clipped at tolerance / (2 damage_share) must stay within half the tolerance (pipelines.gate.concentrated)"
+    ),
     "percentile-bootstrap-rare-damage": (
         "paired percentile bootstrap of the difference of corpus-level scores, each end moved out by -ln(1 - c) times the "
         "largest pull of one item and kept at least range x (1 - (1 - c)^(1/n)) from the estimate"
@@ -52,7 +57,8 @@ INTERVAL_NOTES = {
 SAMPLING_MODELS = {
     "binary": "pass/fail: exact under the multinomial model, items drawn independently, for every split into losses and gains",
     "continuous": "averaged per item: for any distribution of the per-item changes, items drawn independently",
-    "corpus": "corpus metric: a bootstrap, simulated not exact; for perplexities, damage reaching at least damage_share of documents",
+    "corpus": "corpus metric: items drawn independently, for any severities of a worsening whose concentration share (the fewest "
+              "items carrying more than half of it) is at least damage_share (a clipped betting bound; simulated per shape)",
 }
 RULE_COLUMNS = ["Eval set", *SetPolicy.model_fields]
 NOISE_COLUMNS = [

@@ -11,7 +11,8 @@ Which interval a set gets (docs/gate-json.md, "Intervals"):
   distribution of the changes (skewed, heavy-tailed, a few items broken outright).
 - corpus-level metrics (f1, bleu, perplexity...): a paired percentile bootstrap of the difference of the two
   aggregates over resampled items, each end moved out by a rare-damage allowance (-ln(1 - c) times the largest pull
-  of one item, found by leaving each out) and kept at least the zero-count floor from the estimate.
+  of one item, found by leaving each out) and kept at least the zero-count floor from the estimate; beside it the
+  concentrated-damage rule (pipelines.gate.concentrated) bounds a worsening whatever its severities.
 
 Confidence: a two-sided interval at level L has each bound a one-sided bound at (1 + L) / 2; the gate's
 rules read one-sided bounds at the policy's `confidence` (0.95: the two-sided 90% interval's bounds).
