@@ -51,9 +51,10 @@ lint: setup
 	.venv/bin/ruff check pipelines tests
 	.venv/bin/mypy pipelines
 
-## Two pytest-xdist workers: the end-to-end tests as two work units (the family jobs; the rest, which share one quantize
-## run); the unit tests then go to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler). The log ends
-## with the 15 slowest tests and each worker's time per work unit (tests/conftest.py, _WorkerClock).
+## Two pytest-xdist workers: the end-to-end tests as two work units (the files with models of their own; those that share
+## one quantize run), the end-to-end files that share nothing and the unit tests one unit each for whichever worker is free
+## (tests/conftest.py, work_unit; docs/testing.md). The log ends with the 15 slowest tests and each worker's time per
+## work unit (tests/conftest.py, _WorkerClock).
 test: lint setup-backends setup-mlflow
 	$(PY) -m pytest tests -n 2 --dist loadscope --durations=15
 
