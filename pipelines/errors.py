@@ -11,14 +11,19 @@ EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
 
 # An error line is read by a person: a hostile value (a 100 KB URL, file name or JSON field) must not flood the terminal.
 MAX_MESSAGE_CHARS = 500
-MAX_WHERE_CHARS = 300  # the file (a path, a URL) and the field each
+MAX_WHERE_CHARS = 200  # the file (a path, a URL) and the field each
 MAX_LINE_CHARS = MAX_MESSAGE_CHARS + 2 * MAX_WHERE_CHARS + 40
+_KEPT_TAIL = 160  # what a cut line keeps of its end: "(log: /path/to/the/server.log)"
 
 
 def bounded(text: str, limit: int) -> str:
-    """`text` on one line (whitespace runs folded), cut to `limit` characters with "..." when longer."""
+    """`text` on one line (whitespace runs folded), cut to `limit` characters when longer: its head and its last
+    characters kept around " ... " (a cause comes first, the log an error names comes last)."""
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    tail = min(_KEPT_TAIL, limit // 3)
+    return f"{text[: limit - tail - 5]} ... {text[-tail:]}"
 
 
 class QuantGateError(Exception):

@@ -13,7 +13,14 @@ def test_an_error_naming_a_100_kb_value_is_one_line_cut_with_an_ellipsis() -> No
     error = InputError(f"bad value {huge!r}", file="/tmp/" + huge, field=huge)
     line = error.one_line()
     assert "\n" not in line and len(line) <= MAX_LINE_CHARS
-    assert error.message.startswith("bad value 'xxx") and error.message.endswith("...") and len(error.message) == MAX_MESSAGE_CHARS
+    assert error.message.startswith("bad value 'xxx") and " ... " in error.message and len(error.message) == MAX_MESSAGE_CHARS
+
+
+def test_a_cut_message_keeps_its_cause_and_the_log_it_names() -> None:
+    message = f"exited 1; last lines: CUDA out of memory | {'noise ' * 200}| done (log: /artifacts/runs/r/serve.log)"
+    shown = InputError(message).one_line()
+    assert shown.startswith("exited 1; last lines: CUDA out of memory") and shown.endswith("(log: /artifacts/runs/r/serve.log)")
+    assert len(shown) == MAX_MESSAGE_CHARS
 
 
 @pytest.mark.parametrize("argv", [
