@@ -4,7 +4,7 @@ nothing written through the link); the table row of each, and the judge's verdic
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,25 +13,23 @@ import pytest
 
 from pipelines.paths import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "scripts" / "hostile_cases.py"
+SCRIPTS = REPO_ROOT / "scripts"
 
 
 @pytest.fixture(scope="module")
 def hostile():
-    spec = importlib.util.spec_from_file_location("hostile_cases", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    sys.path.insert(0, str(SCRIPTS))  # the script's own modules (hostile_world, hostile_inputs) beside it
+    try:
+        yield importlib.import_module("hostile_cases")
+    finally:
+        sys.path.remove(str(SCRIPTS))
 
 
 @pytest.mark.slow
 def test_two_cases_run_through_the_real_command_line_are_ok(hostile):
     rows = []
     with hostile.workspace(seed=False) as ws:
-        for builder in (hostile.stop_unrecorded_start, hostile.watch_linked_out):
+        for builder in (hostile.hostile_inputs.stop_unrecorded_start, hostile.hostile_inputs.watch_linked_out):
             with ExitStack() as stack:
                 rows.append(hostile.run(ws, builder(ws, stack)))
     for row in rows:
