@@ -18,11 +18,12 @@ SCRIPTS = REPO_ROOT / "scripts"
 
 @pytest.fixture(scope="module")
 def hostile():
-    sys.path.insert(0, str(SCRIPTS))  # the script's own modules (hostile_world, hostile_inputs) beside it
+    before = list(sys.path)  # the script puts its own folder and the test folders first: not for the tests after this one
+    sys.path.insert(0, str(SCRIPTS))
     try:
         yield importlib.import_module("hostile_cases")
     finally:
-        sys.path.remove(str(SCRIPTS))
+        sys.path[:] = before
 
 
 @pytest.mark.slow
