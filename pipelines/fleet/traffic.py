@@ -63,12 +63,12 @@ class Hop(StrictModel):
 
 
 class Request(StrictModel):
-    at: float = Field(description="epoch seconds when nginx finished the request")
+    at: float = Field(ge=0, description="epoch seconds when nginx finished the request")
     uri: str
     status: int
     route: str = Field(description="the label of the last route tried")
     hops: list[Hop]
-    time_s: float
+    time_s: float = Field(ge=0)  # a negative or non-finite duration is no request nginx logged: the line is not ours
 
     @property
     def started(self) -> float:
