@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import hostile_inputs  # noqa: F401 (the cases register themselves in BUILDERS)
 from hostile_world import BUILDERS, QUANTIZE, Builder, Case, Outcome, Workspace, workspace
@@ -77,7 +77,10 @@ def run(ws: Workspace, case: Case) -> Row:
         reader.join(timeout=5)
     outcome = Outcome(code=code, seconds=seconds, cpu_s=usage.ru_utime + usage.ru_stime,
                       stdout=streams.get("stdout", b"").decode(errors="replace"), stderr=streams.get("stderr", b"").decode(errors="replace"))
-    return Row(case=case, outcome=outcome, problems=judge(case, outcome))
+    problems = judge(case, outcome)
+    # the table names the temporary folder $WS (its name changes every run)
+    shown = (case.shown or " ".join(case.argv)).replace(str(ws.root), "$WS")
+    return Row(case=replace(case, shown=shown), outcome=replace(outcome, stderr=outcome.stderr.replace(str(ws.root), "$WS")), problems=problems)
 
 
 def judge(case: Case, outcome: Outcome) -> list[str]:

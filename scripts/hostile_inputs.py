@@ -321,6 +321,18 @@ case(peer_case("watch --prometheus: Content-Encoding: gzip, gzip bomb", gzip_bom
 
 
 @case
+def prometheus_1e999(ws: Workspace, stack: ExitStack) -> Case:
+    from test_watch_hostile import _prometheus_answering
+
+    now = time.time()
+    url = metrics_peer(stack, _prometheus_answering([{"metric": {}, "values": [[now - 30, "1e999"], [now - 1, "-1e999"]]}]))
+    return Case("watch --prometheus: every series' values 1e999 and -1e999",
+                ["watch", "--url", "http://127.0.0.1:8000/metrics", "--prometheus", url.removesuffix("/metrics"), "--window", "1m",
+                 "--version", f"{MODEL}@production", "--rollback-after", "1", "--registry", str(ws.registry), "--timeout", "5s",
+                 "--out", str(fresh(ws, "watch") / "w")], check=lambda outcome: alias_kept(ws))
+
+
+@case
 def watch_password(ws: Workspace, stack: ExitStack) -> Case:
     url = metrics_peer(stack, busy_page()).replace("http://", "http://admin:hunter2@")
     out = fresh(ws, "watch-cred")
