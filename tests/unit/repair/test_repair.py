@@ -385,8 +385,16 @@ def fake_report(verdict: str, recipe: str) -> GateReport:
     return GateReport(inputs={"recipe": recipe}, gate=decide([comparison], load_policy(), recipe))
 
 
+@pytest.fixture(scope="session")
+def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The parents' cache folder, shared by the repairs of this file as one artifacts root shares it between runs: the
+    sensitivity pass of the same model, recipe and paths (the same key) is measured once per worker, not once per test
+    (it was most of each repair here; test_the_sensitivity_pass_is_cached starts from an empty cache of its own)."""
+    return tmp_path_factory.mktemp("repair-cache") / "baseline"
+
+
 @pytest.fixture
-def parent(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ParentRun:
+def parent(tmp_path: Path, tiny_llama_dir: Path, shared_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ParentRun:
     """The aggressive recipe rejected on the tiny random Llama (a fake run folder), its registry version, and
     reference paths made of random prompts (no baseline cache, no lm-eval)."""
     import random
@@ -413,7 +421,7 @@ def parent(tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
         weight_bytes=WeightBytes(before=2, after=1, ratio=0.5), wall_time_s=3.0, peak_memory=PeakMemory(bytes=1), stages={},
     )
     settings = GateSettings(eval_sets=[eval_set], policy=load_policy(), policy_path=Path("policies/default.yaml"), registry_path=registry_path,
-                            runs_dir=tmp_path / "runs", cache_dir=tmp_path / "cache" / "baseline", loadtest=False)
+                            runs_dir=tmp_path / "runs", cache_dir=shared_cache_dir, loadtest=False)
     return ParentRun(run_id=run_dir.name, run_dir=run_dir, report=fake_report("rejected", "aggressive"), model_dir=tiny_llama_dir,
                      artifact_dir=artifact, manifest=manifest, recipe=loaded, calibration=None, settings=settings)
 
@@ -519,6 +527,7 @@ def test_a_gate_that_cannot_decide_is_an_error_unless_a_pass_is_in_hand(parent: 
 
 @pytest.mark.slow
 def test_the_sensitivity_pass_is_cached(parent: ParentRun, tmp_path: Path):
+    parent = parent.model_copy(update={"settings": parent.settings.model_copy(update={"cache_dir": tmp_path / "cache" / "baseline"})})
     fake = FakeGate(tmp_path, parent.settings.registry_path, parent.model_dir, passing_rule(1))
     # round-to-nearest rungs only: nothing reads calibration data
     rtn = ladder_file(tmp_path, "      - weights: {bits: 4, granularity: group, group_size: 32}\n      - 16-bit\n")
