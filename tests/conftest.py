@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return work_unit(nodeid)
 
     return SuiteScheduling(config, log)
+
+
+_TORCH_DEFAULT_THREADS: list[int] = []  # torch's own count in this worker, read before the first change
+
+
+def _torch_threads_for(item: pytest.Item) -> None:
+    """Under pytest-xdist (two workers on two cores) a unit test computes with torch on one thread. Torch's default, a
+    thread per core in each worker, oversubscribes the cores beside the other worker's vLLM server and its threads spin
+    on each other: four repair tests, run side by side at load 12-15 (7 December), took 179 CPU-seconds (601 s) with
+    two threads and 43 (407 s) with one. The end-to-end tests keep torch's default: their in-process quantizations must
+    give the bits the `quantize` commands they start give (GPTQ and SmoothQuant sum in a thread-count-dependent order,
+    pipelines/artifact.py). Only this process: vLLM and the commands the tests start keep their own settings."""
+    torch = sys.modules.get("torch")  # imported by a test or fixture, never here: most of the unit tier runs without it
+    if torch is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if not _TORCH_DEFAULT_THREADS:
+        _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
+    wanted = 1 if item.nodeid.startswith("tests/unit/") else _TORCH_DEFAULT_THREADS[0]
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _torch_threads_for(item)
+
+
+def pytest_runtest_call(item: pytest.Item) -> None:
+    _torch_threads_for(item)  # again: the test's fixtures may have imported torch
 
 
 class _WorkerClock:
