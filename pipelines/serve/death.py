@@ -31,8 +31,13 @@ KNOWN_CAUSES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("port in use", re.compile(r"address already in use|\[Errno 98\]", re.IGNORECASE)),
     ("out of memory", re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|std::bad_alloc|"
                                  r"\[Errno 12\]", re.IGNORECASE)),
+    # a process of the server's group was killed (SIGKILL: the OOM killer's way): the API server then exits 0 (measured)
+    ("a server process was killed", re.compile(r"Worker proc \S+ died unexpectedly", re.IGNORECASE)),
     ("too little free host memory", re.compile(r"Available memory on node .* is less than desired", re.IGNORECASE)),
 )
+
+
+KILLED = dict(KNOWN_CAUSES)["a server process was killed"]
 
 
 def console_tail(log_path: Path) -> str | None:
@@ -64,6 +69,9 @@ def death_cause(log_path: Path, returncode: int | None) -> str:
     if not lines:
         return f"no output; {ended(returncode)} (log: {log_path})"
     cause = _traceback_cause(lines) or _known_cause_line(lines)
+    killed = next((shorten(line) for line in lines if KILLED.search(line)), None)
+    if killed is not None and cause is not None and killed not in cause:
+        cause = f"{killed} Then: {cause}"
     if cause is not None:
         return f"{_labelled(cause)} (log: {log_path})"
     return f"{ended(returncode)}; last lines: {' | '.join(shorten(line) for line in lines[-TAIL_LINES:])} (log: {log_path})"

@@ -75,3 +75,25 @@ def test_a_server_killed_with_no_output_is_reported_so(tmp_path: Path, monkeypat
     with pytest.raises(ServeError, match=r"exit code -9\): no output; killed by signal 9 \(SIGKILL\) \(log: "), \
             serving.vllm_server(model, log_path=tmp_path / "server.log"):
         pass
+
+
+# vLLM 0.32 on CPU, its worker SIGKILLed (as the OOM killer does): the API server then exited 0 (measured, 7 December 2026).
+ENGINE = "(EngineCore pid=7147) ERROR 12-07 20:25:34 [core.py:1512] "
+WORKER_KILLED = "\n".join([
+    "(EngineCore pid=7147) ERROR 12-07 20:25:34 [multiproc_executor.py:315] "
+    "Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.",
+    ENGINE + "EngineCore encountered a fatal error.",
+    ENGINE + "Traceback (most recent call last):",
+    ENGINE + '  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1702, in _handle_client_request',
+    ENGINE + '    raise RuntimeError("Executor failed.")',
+    ENGINE + "RuntimeError: Executor failed.",
+    "(APIServer pid=6718) INFO 12-07 20:25:35 [launcher.py:110] Shutting down FastAPI HTTP server.",
+]) + "\n"
+
+
+def test_a_killed_worker_is_named_before_the_engines_wrapper(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(WORKER_KILLED)
+    line = death.death_cause(log, 0)
+    assert line.startswith("a server process was killed: Worker proc VllmWorker-0 died unexpectedly")
+    assert "Then: RuntimeError: Executor failed." in line
