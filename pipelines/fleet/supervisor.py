@@ -201,7 +201,8 @@ class RouteServer:
         stack = ExitStack()
         try:
             self.server = stack.enter_context(vllm_server(self.route.model_dir, log_path=self.log, settings=self._settings(),
-                                                          served_name=self.served_name, while_waiting=while_waiting))
+                                                          served_name=self.served_name, while_waiting=while_waiting,
+                                                          non_finite_literals=False))  # production clients expect standard JSON
         except BaseException:
             stack.close()
             raise

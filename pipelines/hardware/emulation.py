@@ -87,12 +87,14 @@ except Exception:
 """
 
 
-def shim_source(emulated: CpuIsa | None) -> str:
-    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too; non-finite
-    log-probabilities sent as JSON's NaN / Infinity literals, not refused (_NON_FINITE_JSON)."""
+def shim_source(emulated: CpuIsa | None, *, non_finite_literals: bool = True) -> str:
+    """The server's sitecustomize: AMX always reported unavailable; with emulation, the wider ISA checks too; for a server
+    the gate scores, non-finite log-probabilities sent as JSON's NaN / Infinity literals, not refused (_NON_FINITE_JSON).
+    A production server (the fleet's) keeps vLLM's own answer: its clients expect standard JSON."""
     hidden = ("_is_amx_tile_supported", *(_HIDDEN_CHECKS.get(emulated, ()) if emulated else ()))
     lines = "".join(f"    torch.cpu.{name} = lambda: False\n" for name in dict.fromkeys(hidden))
-    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n{_NON_FINITE_JSON}"
+    literals = _NON_FINITE_JSON if non_finite_literals else ""
+    return f"try:\n    import torch.cpu\n{lines}except Exception:\n    pass\n{literals}"
 
 
 def emulation_env(emulated: CpuIsa | None) -> dict[str, str]:

@@ -48,10 +48,11 @@ def require_serve_env() -> Path:
     return python
 
 
-def serve_process_env(shim_dir: Path, emulated: CpuIsa | None) -> dict[str, str]:
+def serve_process_env(shim_dir: Path, emulated: CpuIsa | None, *, non_finite_literals: bool = True) -> dict[str, str]:
     """The environment of every process of the serve environment (servers, the probe, vllm bench): the shim
-    (sitecustomize) alone on PYTHONPATH, temporary files under shim_dir/tmp, no telemetry, the emulation caps."""
-    (shim_dir / "sitecustomize.py").write_text(shim_source(emulated))
+    (sitecustomize) alone on PYTHONPATH, temporary files under shim_dir/tmp, no telemetry, the emulation caps;
+    non_finite_literals: see emulation.shim_source."""
+    (shim_dir / "sitecustomize.py").write_text(shim_source(emulated, non_finite_literals=non_finite_literals))
     scratch = shim_dir / "tmp"
     scratch.mkdir(exist_ok=True)
     env = dict(os.environ)

@@ -249,13 +249,13 @@ def new_api_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def _environment(settings: ServeSettings, shim_dir: Path, api_key: str) -> dict[str, str]:
+def _environment(settings: ServeSettings, shim_dir: Path, api_key: str, *, non_finite_literals: bool) -> dict[str, str]:
     """The server's environment: the serve environment's (pipelines/hardware/serve_env.py serve_process_env: the shim,
     temporary files under shim_dir/tmp, inside the run folder and removed with it, the emulated host class's ISA
     caps) plus the key and the KV space. vLLM's ZeroMQ sockets stay in the system's temporary folder
     (VLLM_RPC_BASE_PATH), whose short path keeps them under the 107-byte limit of a socket's name."""
     rpc_base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    env = serve_process_env(shim_dir, emulated_class())
+    env = serve_process_env(shim_dir, emulated_class(), non_finite_literals=non_finite_literals)
     env.update(
         VLLM_RPC_BASE_PATH=rpc_base,
         VLLM_API_KEY=api_key,  # vLLM reads it like --api-key (vllm/envs.py), without showing it in `ps`
@@ -400,9 +400,12 @@ def vllm_server(
     served_name: str = "model",
     port: int | None = None,
     while_waiting: Callable[[], None] | None = None,
+    non_finite_literals: bool = True,
 ) -> Iterator[RunningServer]:
     """Serve `model_dir` for the duration of the block; the server is stopped however the block ends,
     including when this process is killed (parent-death signal + watchdog, pipelines/serve/reclaim.py).
+    `non_finite_literals`: a server the gate scores answers a NaN log-probability with JSON's NaN literal so the item is
+    judged (pipelines/hardware/emulation.shim_source); a production server (False) keeps vLLM's standard-JSON answer.
     `while_waiting` is called about twice a second while the server starts: a caller with other duties (the fleet's
     supervisor keeps its proxy alive) goes on with them instead of being blocked for the whole start-up; an exception it
     raises ends the start (the server's group is stopped) and leaves the block."""
@@ -424,7 +427,7 @@ def vllm_server(
     # in the name lets reclaim_stale remove it once this process is gone without clean-up.
     shim = tempfile.TemporaryDirectory(prefix=shim_prefix(), dir=log_path.parent)
     try:
-        env = _environment(settings, Path(shim.name), api_key)
+        env = _environment(settings, Path(shim.name), api_key, non_finite_literals=non_finite_literals)
         process, watchdog, port = _start_healthy(model_dir, served_name, port, settings, env, log_path, fixed_port=fixed_port,
                                                   while_waiting=while_waiting)
         try:

@@ -78,6 +78,15 @@ def test_the_shim_sends_non_finite_log_probabilities_as_json_literals(tmp_path: 
     assert answer.stdout.strip() == '{"lp":[NaN,-Infinity,-1.5]}'
 
 
+def test_a_production_server_s_shim_keeps_standard_json(tmp_path: Path) -> None:
+    # The fleet's servers answer clients that expect standard JSON: starlette's own refusal of NaN is kept there.
+    (tmp_path / "sitecustomize.py").write_text(shim_source(None, non_finite_literals=False))
+    check = "from starlette.responses import JSONResponse; JSONResponse({'lp': [float('nan')]})"
+    answer = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                            text=True, timeout=60)
+    assert answer.returncode != 0 and "Out of range float values are not JSON compliant" in answer.stderr
+
+
 @pytest.mark.parametrize(("own", "asked", "ok"), [
     ("avx512bf16", "cpu:avx2", True), ("avx512bf16", "cpu:avx512", True), ("avx2", "cpu:avx2", True),
     ("avx2", "cpu:avx512", False), ("arm", "cpu:avx2", False),
