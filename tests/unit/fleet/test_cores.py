@@ -48,7 +48,7 @@ def test_this_process_may_run_on_its_allowed_cores() -> None:
 
 
 def test_the_binding_reaches_the_server_and_only_when_set(tmp_path) -> None:
-    pinned = serving._environment(serving.ServeSettings(cpu_cores="0-1,3"), tmp_path, "key")
+    pinned = serving._environment(serving.ServeSettings(cpu_cores="0-1,3"), tmp_path, "key", non_finite_literals=True)
     assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0-1,3"
     assert "cpu_cores" in serving.ServeSettings(cpu_cores="2").cache_fields()
     assert "cpu_cores" not in serving.ServeSettings().cache_fields()  # every cached baseline keeps its key
