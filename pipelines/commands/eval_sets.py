@@ -186,7 +186,7 @@ def _render_price(sets: list[dict]) -> None:
             ratio, rate = entry["width_ratio"], entry["unchanged_pass_rate"]
             how = "exact" if entry["method"] == "exact" else f"{entry['reps']} draws, se {entry['unchanged_pass_rate_se']:.1%}"
             rows.append([row["name"], str(entry["n"]), entry["noise"]["source"], entry["noise"]["label"],
-                         "-" if ratio is None else f"{ratio:.2f}x", "-" if rate is None else f"{rate:.1%} ({how})"])
+                         "-" if ratio is None else f"{ratio:.2f}x", entry["method"] if rate is None else f"{rate:.1%} ({how})"])
     if rows:
         say(table("Price (width: the bound less the estimate, over normal theory's z(c) se; unchanged: an unchanged candidate's "
                   "pass rate)", ["name", "n", "noise", "noise level", "width", "unchanged passes"], rows))
