@@ -31,8 +31,11 @@ v_i = clip(d_i, -C, C) - (tau / 2) w_i, the candidate passes only if the betting
 one-sided at the policy's confidence, over v's range [-C - tau/2 max w, C - tau/2 min w]) of E[v] is at most 0: at a
 true worsening of tau with concentration share >= p, E[v] >= 0 by the lemma, so it passes at most 1 - c of the time,
 whatever the severities of the damaged items (equal, exponential, lognormal, Pareto) and the lengths. Ratio-free: the
-worsening's denominator E[w] enters E[v] linearly and needs no bound of its own; the clip level is the one plug-in (a
-larger clip only raises the clipped mean). The price: spread damage is read at half its size against a range of about
+worsening's denominator E[w] enters E[v] linearly and needs no bound of its own; the clip level is the one plug-in:
+the lemma holds for any clip >= tau E[w] / (2 p), and the set's mean weight stands for E[w], so where the set's mean
+falls below it the clip is slightly short of the lemma's (not "a larger clip raises the clipped mean": with items that
+improve it need not). The simulations (lognormal lengths) include that plug-in. The rule alone is stated at a
+worsening of exactly tau; above it the bootstrap bound, which it is paired with, is what grows with the worsening. The price: spread damage is read at half its size against a range of about
 tau / p, so a set needs about twice the items a bound of the plain mean would (docs/guarantees.md gives the figures).
 
 Minimum size: an identical candidate (every d_i = 0, w_i = 1) passes from betting.identical_items_needed(p) items: 173
