@@ -72,8 +72,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_
 
 @contextmanager
 def stand_in_server(model_dir: Path, *, log_path: Path, settings=None, served_name: str = "model", port=None, while_waiting=None,
-                    start_up_s: float = 0.0) -> Iterator[RunningServer]:
+                    non_finite_literals: bool = True, start_up_s: float = 0.0) -> Iterator[RunningServer]:
     """Like vllm_server; `start_up_s` makes its start-up last that long, with `while_waiting` called as vllm_server calls it."""
+    assert not non_finite_literals, "a production route must keep vLLM's standard-JSON answer to a NaN"
     deadline = time.monotonic() + start_up_s
     while time.monotonic() < deadline:
         if while_waiting is not None:
