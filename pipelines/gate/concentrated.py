@@ -35,7 +35,8 @@ worsening's denominator E[w] enters E[v] linearly and needs no bound of its own;
 the lemma holds for any clip >= tau E[w] / (2 p), and the set's mean weight stands for E[w], so where the set's mean
 falls below it the clip is slightly short of the lemma's (not "a larger clip raises the clipped mean": with items that
 improve it need not). The simulations (lognormal lengths) include that plug-in. The rule alone is stated at a
-worsening of exactly tau; above it the bootstrap bound, which it is paired with, is what grows with the worsening. The price: spread damage is read at half its size against a range of about
+worsening of exactly tau; above it the bootstrap bound, which it is paired with, is what grows with the worsening.
+The price: spread damage is read at half its size against a range of about
 tau / p, so a set needs about twice the items a bound of the plain mean would (docs/guarantees.md gives the figures).
 
 Minimum size: an identical candidate (every d_i = 0, w_i = 1) passes from betting.identical_items_needed(p) items: 173
