@@ -90,13 +90,15 @@ bench-gate: setup
 
 ## The gate's stated guarantees checked (docs/guarantees.md): every n from 47 to 1,000 under both sampling models (exact;
 ## the fixed baseline wrong on 1-4 items included), sampled sizes 20,001 to 2,000,000,
-## averaged metrics on a skewed grid, concentrated perplexity damage (simulated). About an hour on 2 shared cores.
+## averaged metrics on a skewed grid, concentrated damage (simulated: perplexity 1,000 sets per cell; BLEU, chrF and TER
+## 100, each of their sets a sacrebleu statistic per item). About an hour and a half on 2 shared cores.
 .PHONY: bench-guarantees
 bench-guarantees: setup
 	$(PY) -m pipelines.benchmarks.gate_guarantees scan --sizes 47:1000 --policy $(or $(POLICY),policies/default.yaml)
 	$(PY) -m pipelines.benchmarks.gate_guarantees large --policy $(or $(POLICY),policies/default.yaml)
 	$(PY) -m pipelines.benchmarks.gate_guarantees skewed --policy $(or $(POLICY),policies/default.yaml)
-	$(PY) -m pipelines.benchmarks.gate_guarantees concentrated --policy $(or $(POLICY),policies/default.yaml)
+	$(PY) -m pipelines.benchmarks.gate_guarantees concentrated --families perplexity --policy $(or $(POLICY),policies/default.yaml)
+	$(PY) -m pipelines.benchmarks.gate_guarantees concentrated --families bleu,chrf,ter --reps 100 --policy $(or $(POLICY),policies/default.yaml)
 
 ## Issue 49's hostile inputs through the real command line: a markdown table of each case's exit code, wall and CPU time,
 ## first stderr line, OK or BREAK (scripts/hostile_cases.py; no vLLM, no model; a few minutes). Exit 1 when any case breaks.
