@@ -36,6 +36,7 @@ EVAL_SET = "ticket_routing"  # multiple choice: loglikelihood requests only, the
 ITEMS = 60
 CALIBRATION_SAMPLES = 16
 OTHER_FAMILIES = tuple(family for family in FAMILIES if family not in ("llama", "mistral"))
+STARVED = "no answer within the probe's"  # pipelines/canary/client.py: a server that answered nothing in its time
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens")
 _GROUPS_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")  # logged only when there is more than one group
 
@@ -70,8 +71,15 @@ def family_runs(workspace: Workspace, tmp_path_factory: pytest.TempPathFactory) 
 
     def job(lane: int, family: str) -> CommandRun:
         pinned = {"VLLM_CPU_OMP_THREADS_BIND": str(lane_cores[lane])} if len(cores) > 1 else {}
-        return workspace.run([str(QUANTIZE), "--recipe", str(recipe), "--model", str(models[family]), "--eval-sets", EVAL_SET, "--no-loadtest",
-                              "--no-registry", "--policy", str(policy), "--json"], env={"QUANTGATE_EVAL_SETS": str(sets), **pinned})
+        argv = [str(QUANTIZE), "--recipe", str(recipe), "--model", str(models[family]), "--eval-sets", EVAL_SET, "--no-loadtest",
+                "--no-registry", "--policy", str(policy), "--json"]
+        run = workspace.run(argv, env={"QUANTGATE_EVAL_SETS": str(sets), **pinned})
+        if run.code == 2 and STARVED in run.error_line:
+            # The lane's server is pinned to one core beside the other worker's quantizations: a clean-clone CI run
+            # (7 December) saw gemma2's canary server answer nothing for 120 s there (its engine waited 60 s on its
+            # worker) after the same model's candidate server had answered 443 requests. Once more, then it counts.
+            run = workspace.run(argv, env={"QUANTGATE_EVAL_SETS": str(sets), **pinned})
+        return run
 
     def lane(index: int) -> dict[str, CommandRun]:
         return {family: job(index, family) for family in OTHER_FAMILIES[index::lanes]}
