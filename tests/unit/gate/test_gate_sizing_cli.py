@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from fakes import make_eval_set, make_model
+from fakes import make_model
 
 from pipelines import cli
 from pipelines.commands import gate as gate_command
@@ -18,16 +17,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-@pytest.fixture
-def sets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "eval_sets"
-    make_eval_set(root, "tickets", items=120)
-    make_eval_set(root, "tiny", items=30)
-    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(root))
-    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
-    return root
 
 
 def test_power_gives_each_set_s_minimum_certifiable_tolerance_and_items_needed(capsys, sets_root):

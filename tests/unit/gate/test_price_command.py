@@ -7,22 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from fakes import make_eval_set
 
 from pipelines import cli
 from pipelines.evaluation.baseline import BaselineEntry, RepeatEntry, store
 from pipelines.evaluation.evaluate import ItemScore, SetScore
 from pipelines.settings import current
-
-
-@pytest.fixture
-def sets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "eval_sets"
-    make_eval_set(root, "tickets", items=120)
-    make_eval_set(root, "tiny", items=30)
-    monkeypatch.setenv("QUANTGATE_EVAL_SETS", str(root))
-    monkeypatch.setenv("QUANTGATE_ARTIFACTS", str(tmp_path / "artifacts"))
-    return root
 
 
 def power(capsys, root: Path, *extra: str) -> tuple[int, str, str]:
