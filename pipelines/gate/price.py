@@ -35,7 +35,7 @@ from pipelines.gate import stats
 from pipelines.gate.noise import rate_interval
 from pipelines.gate.policy import Policy, SetPolicy, unattainable
 from pipelines.gate.verdict import PairedItem, SetComparison, binary_critical_value, judge_set
-from pipelines.gate.verdict import _binary_unchanged_reject_probability as unchanged_reject_probability
+from pipelines.gate.verdict import binary_unchanged_reject_probability as unchanged_reject_probability
 from pipelines.recipe import RecipeIdentity
 
 REPS = 200

@@ -298,7 +298,7 @@ def _sizing(spec: MetricSpec, m: dict[str, Any], rules: SetPolicy) -> dict[str, 
                 stats.items_needed(allowed / scale, psi, confidence=rules.confidence),
                 identical.identical_items_needed("binary", allowed / scale, rules.confidence) or 1,
             )
-        rejected = _binary_unchanged_reject_probability(rules, spec.higher_is_better, n, m["_baseline_right"], psi)
+        rejected = binary_unchanged_reject_probability(rules, spec.higher_is_better, n, m["_baseline_right"], psi)
     else:
         se, value_range = m["_se"], m["_value_range"]
 
@@ -338,7 +338,7 @@ def _normal_unchanged_reject_probability(spec: MetricSpec, rules: SetPolicy, m: 
     return float(norm.sf(limit / se))
 
 
-def _binary_unchanged_reject_probability(rules: SetPolicy, higher_is_better: bool, n: int, right: int, discordance: float) -> float:
+def binary_unchanged_reject_probability(rules: SetPolicy, higher_is_better: bool, n: int, right: int, discordance: float) -> float:
     """Exact over the binomial 2x2 tables (stats.table_probability) of an unchanged candidate at this discordance,
     judged by this module's own rules (KL not counted). Bad flips are right->wrong when higher is better."""
     p_lose, p_gain = stats.unchanged_flip_probabilities(discordance, right, n)
